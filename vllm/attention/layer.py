@@ -1,0 +1,227 @@
+"""The sparse-MLA attention layer: cache writes, top-k selection, and attention.
+
+The model computes projections; this layer owns everything that touches the KV cache:
+  1. write the step's new latent rows (c_kv | roped k_pe) and indexer keys into the paged caches;
+  2. pick each query's positions: the indexer's top-k on "full" layers, the previous full layer's
+     choice on "shared" layers, every causal position when the context is no longer than
+     `index_topk`;
+  3. attend. Prefill requests read their whole context as one flat tensor (the temporary full copy
+     that PCP×DCP gathers) and use either the dense MHA form (context ≤ index_topk, unless
+     `sparse_mla_force_mqa`) or the absorbed MQA form over the selected rows; decode tokens use the
+     absorbed form over the paged cache.
+
+Where data lives across ranks is the business of ``meta.cp`` (None: one rank holds everything);
+see `vllm/distributed/cp_attention.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm.attention.kv_cache import (
+    quantize_indexer_fp8_ref,
+    read_indexer_cache_ref,
+    read_mla_cache_ref,
+)
+from vllm.attention.metadata import MLAMetadata
+from vllm.attention.ops import dispatch
+from vllm.attention.ops.indexer import indexer_logits_ref, topk_ref
+from vllm.attention.ops.sparse_mla import sparse_mla_attend_ref
+
+
+@dataclass
+class IndexerInputs:
+    q: torch.Tensor  # [T, Hi, D] roped (rope dims first) and Hadamard-rotated
+    w: torch.Tensor  # [T, Hi] fp32 head weights, × Hi^-0.5 · D^-0.5
+    k: torch.Tensor  # [T, D] roped and rotated key
+
+
+class LocalContext:
+    """Single-rank data access: every token's KV is in this rank's cache."""
+
+    def gather_new_rows(self, x: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+        return x
+
+    def prefill_context(
+        self, attn: SparseMLAAttention, meta: MLAMetadata, r: int, need_index: bool
+    ):
+        """Full context of request row r: (mla rows [S, mla_dim] fp32, indexer (keys, scales) or None)."""
+        s = meta.seq_lens_cpu[r]
+        pos = torch.arange(s, device=meta.positions.device)
+        slots = meta.slots_for(torch.full_like(pos, r), pos)
+        rows = read_mla_cache_ref(attn.kv_cache, slots, meta.layout)
+        idx = read_indexer_cache_ref(attn.indexer_cache, slots, meta.layout) if need_index else None
+        return rows, idx
+
+    def decode_topk(self, attn, meta, iq, tok, reqs):
+        out = torch.full((tok.shape[0], meta.index_topk), -1, dtype=torch.int32, device=tok.device)
+        for r in reqs:
+            sel = (meta.token_req[tok] == r).nonzero().squeeze(1)
+            _, (k, ks) = self.prefill_context(attn, meta, r, True)
+            logits = indexer_logits_ref(iq[0][sel], iq[1][sel], iq[2][sel], k, ks)
+            out[sel] = topk_ref(logits, meta.positions[tok[sel]] + 1, meta.index_topk)
+        return out
+
+    def decode_attend(self, attn, meta, q_abs, tok, topk_pos):
+        slots = meta.slots_for(meta.token_req[tok].unsqueeze(1).expand_as(topk_pos), topk_pos)
+        out, _ = dispatch.sparse_mla(q_abs, attn.kv_cache, slots, meta.layout, attn.scale)
+        return out
+
+
+LOCAL = LocalContext()
+
+
+class SparseMLAAttention(nn.Module):
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        qk_nope: int,
+        v_dim: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        scale: float,
+        has_indexer: bool,
+        force_mqa: bool = False,
+    ):
+        super().__init__()
+        self.layer_idx, self.num_heads = layer_idx, num_heads
+        self.qk_nope, self.v_dim, self.kv_lora_rank, self.rope_dim = (
+            qk_nope,
+            v_dim,
+            kv_lora_rank,
+            rope_dim,
+        )
+        self.scale, self.has_indexer, self.force_mqa = scale, has_indexer, force_mqa
+        self.w_uk: torch.Tensor | None = None  # [H, qk_nope, R]
+        self.w_uv: torch.Tensor | None = None  # [H, v_dim, R]
+        self.kv_cache: torch.Tensor | None = None  # bound by the runner
+        self.indexer_cache: torch.Tensor | None = None
+
+    def set_kv_b(self, kv_b: torch.Tensor) -> None:
+        """kv_b_proj weight [H·(qk_nope + v), R] -> absorbed W_UK, W_UV (fp32)."""
+        w = kv_b.float().view(self.num_heads, self.qk_nope + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.qk_nope].contiguous()
+        self.w_uv = w[:, self.qk_nope :].contiguous()
+
+    # ------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        idx: IndexerInputs | None,
+        prev_topk: torch.Tensor | None,
+        meta: MLAMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_nope [T, H, nope], q_pe [T, H, rope] (roped), kv_c [T, R] (normed), k_pe [T, rope]
+        (roped). Returns attention output [T, H, v_dim] in q's dtype and the top-k positions
+        [T, index_topk] (−1 padded; rows of dense/short tokens are −1) for shared layers."""
+        cp = meta.cp or LOCAL
+        self._write(cp, kv_c, k_pe, idx, meta)
+        iq = None
+        if idx is not None:
+            if meta.layout.is_fp8:
+                qv, qs = quantize_indexer_fp8_ref(idx.q)
+                iq = (qv.float(), qs, idx.w.float())
+            else:
+                iq = (
+                    idx.q.float(),
+                    torch.ones(idx.q.shape[:2], device=idx.q.device),
+                    idx.w.float(),
+                )
+        q_abs = torch.cat(
+            [torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk), q_pe.float()], -1
+        )
+        out = torch.zeros(q_nope.shape[0], self.num_heads, self.v_dim, device=q_nope.device)
+        topk = prev_topk
+        if topk is None:
+            topk = torch.full(
+                (q_nope.shape[0], meta.index_topk), -1, dtype=torch.int32, device=q_nope.device
+            )
+        self._prefill(cp, meta, q_nope, q_pe, q_abs, iq, topk, out)
+        self._decode(cp, meta, q_abs, iq, topk, out)
+        return out.to(q_nope.dtype), topk
+
+    def _write(self, cp, kv_c, k_pe, idx, meta):
+        kv_c = cp.gather_new_rows(kv_c, meta)
+        k_pe = cp.gather_new_rows(k_pe, meta)
+        dispatch.write_mla_cache(self.kv_cache, kv_c, k_pe, meta.slot_mapping, meta.layout)
+        if idx is not None:
+            dispatch.write_indexer_cache(
+                self.indexer_cache, cp.gather_new_rows(idx.k, meta), meta.slot_mapping, meta.layout
+            )
+
+    def _needs_scoring(self, meta: MLAMetadata, pos: torch.Tensor) -> torch.Tensor:
+        return pos + 1 > meta.index_topk
+
+    def _all_positions(self, meta: MLAMetadata, pos: torch.Tensor) -> torch.Tensor:
+        ar = torch.arange(meta.index_topk, device=pos.device)
+        return torch.where(ar.unsqueeze(0) <= pos.unsqueeze(1), ar, -1).to(torch.int32)
+
+    def _prefill(self, cp, meta, q_nope, q_pe, q_abs, iq, topk, out):
+        for r in range(meta.num_reqs):
+            if not meta.is_prefill_cpu[r]:
+                continue
+            lo, hi = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
+            dense = meta.use_dense_cpu[r] and not self.force_mqa
+            need_index = iq is not None and not dense
+            # collective under PCP×DCP: every rank calls it for every prefill request
+            rows, ikeys = cp.prefill_context(self, meta, r, need_index)
+            if hi == lo:
+                continue
+            pos = meta.positions[lo:hi]
+            if dense:
+                out[lo:hi] = self._dense_attend(q_nope[lo:hi], q_pe[lo:hi], rows, pos)
+                continue
+            if iq is not None:
+                sel = self._all_positions(meta, pos)
+                score = self._needs_scoring(meta, pos)
+                if bool(score.any()):
+                    logits = indexer_logits_ref(iq[0][lo:hi], iq[1][lo:hi], iq[2][lo:hi], *ikeys)
+                    sel = torch.where(
+                        score.unsqueeze(1), topk_ref(logits, pos + 1, meta.index_topk), sel
+                    )
+                topk[lo:hi] = sel
+            o, _ = sparse_mla_attend_ref(
+                q_abs[lo:hi],
+                rows[topk[lo:hi].long().clamp_min(0)],
+                topk[lo:hi] >= 0,
+                self.scale,
+                self.kv_lora_rank,
+            )
+            out[lo:hi] = torch.einsum("thr,hvr->thv", o, self.w_uv)
+
+    def _decode(self, cp, meta, q_abs, iq, topk, out):
+        dec = [r for r in range(meta.num_reqs) if not meta.is_prefill_cpu[r]]
+        if not dec:
+            return
+        q = meta.query_start_loc_cpu
+        tok = torch.cat([torch.arange(q[r], q[r + 1]) for r in dec]).to(q_abs.device)
+        # under DCP the gathered queries of other ranks are scored too: always call (collective)
+        if iq is not None:
+            pos = meta.positions[tok]
+            sel = self._all_positions(meta, pos)
+            scored = cp.decode_topk(self, meta, iq, tok, dec)
+            sel = torch.where(self._needs_scoring(meta, pos).unsqueeze(1), scored, sel)
+            topk[tok] = sel
+        o = cp.decode_attend(self, meta, q_abs[tok], tok, topk[tok])
+        out[tok] = torch.einsum("thr,hvr->thv", o, self.w_uv)
+
+    def _dense_attend(self, q_nope, q_pe, rows, pos):
+        """MHA form over the full context rows [S, R + rope]: expand K/V per head with W_UK/W_UV."""
+        c, kpe = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
+        k_nope = torch.einsum("sr,hnr->hsn", c, self.w_uk)  # [H, S, nope]
+        v = torch.einsum("sr,hvr->hsv", c, self.w_uv)  # [H, S, v]
+        scores = torch.einsum("thn,hsn->ths", q_nope.float(), k_nope)
+        scores = scores + torch.einsum("thp,sp->ths", q_pe.float(), kpe)
+        s = torch.arange(rows.shape[0], device=rows.device)
+        scores = scores.mul(self.scale).masked_fill(
+            (s.unsqueeze(0) > pos.unsqueeze(1)).unsqueeze(1), float("-inf")
+        )
+        p = torch.softmax(scores, dim=-1)
+        return torch.einsum("ths,hsv->thv", p, v)

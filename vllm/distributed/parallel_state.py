@@ -1,0 +1,112 @@
+"""Process groups: TP, DP, PP, PCP, DCP and EP, laid out as upstream lays them out.
+
+Global rank layout is [DP, PP, PCP, TP] with TP varying fastest. DCP adds no ranks: it reuses
+PCP and TP ranks (a DCP group is a set of consecutive ranks inside one DP×PP slice). EP spans
+DP×PCP×TP (every rank of a PP stage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class GroupCoordinator:
+    """A process group seen from one of its ranks. Collectives on a group of one are identities."""
+
+    def __init__(self, name: str, ranks: list[int], global_rank: int, group=None):
+        self.name = name
+        self.ranks = list(ranks)
+        self.world_size = len(ranks)
+        self.rank_in_group = ranks.index(global_rank)
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"{self.name}(rank {self.rank_in_group} of {self.ranks})"
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank_in_group == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's equally-shaped tensor along ``dim`` (rank order)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty((self.world_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out.movedim(0, dim).flatten(dim, dim + 1) if dim != 0 else out.flatten(0, 1)
+
+    def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """[...] on each rank -> [world, ...]."""
+        if self.world_size == 1:
+            return x.unsqueeze(0)
+        x = x.contiguous()
+        out = torch.empty((self.world_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks of x [world·n, ...] and keep this rank's [n, ...] slice."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty(
+            (x.shape[0] // self.world_size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device
+        )
+        dist.reduce_scatter_tensor(out, x, group=self.group)
+        return out
+
+    def all_to_all(
+        self,
+        x: torch.Tensor,
+        out_splits: list[int] | None = None,
+        in_splits: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Send in_splits[j] rows of x to rank j; receive out_splits[j] rows from rank j."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        rows = x.shape[0] if out_splits is None else sum(out_splits)
+        out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        dist.broadcast(x, src=self.ranks[src], group=self.group)
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def single_rank_group(name: str) -> GroupCoordinator:
+    return GroupCoordinator(name, [0], 0, None)
+
+
+@dataclass
+class ParallelContext:
+    """What the model and attention layers need to know about parallelism."""
+
+    tp: GroupCoordinator
+    pcp: GroupCoordinator
+    dcp: GroupCoordinator
+    ep: GroupCoordinator | None = None  # set when --enable-expert-parallel
+    dp: GroupCoordinator | None = None
+
+    @classmethod
+    def single(cls) -> ParallelContext:
+        g = single_rank_group
+        return cls(tp=g("tp"), pcp=g("pcp"), dcp=g("dcp"), ep=None, dp=g("dp"))

@@ -1,0 +1,262 @@
+"""Load an HF `glm_moe_dsa` safetensors checkpoint (single file or sharded) into our model.
+
+Tensors stream one at a time from the files into parameters that already live on the target
+device, each cut to this rank's TP/EP shard on the way; the model is never held twice. FP8
+block-quantised weights (e4m3 + `weight_scale_inv`) are dequantised at load on CPU and kept in FP8
+on CUDA (linear layers; experts are dequantised). Every problem names the tensor: missing,
+unexpected, wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from vllm.model_executor.layers.linear import (
+    FP8_DTYPE,
+    Linear,
+    dequant_block_fp8_ref,
+    shard_cols,
+    shard_rows,
+)
+from vllm.model_executor.models.glm_moe_dsa import Experts, GlmMoeDsaForCausalLM
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_files(path: str) -> dict[str, str]:
+    """tensor name -> file path."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {n: os.path.join(path, fn) for n, fn in weight_map.items()}
+        for fp in set(files.values()):
+            if not os.path.isfile(fp):
+                raise CheckpointError(
+                    f"shard {os.path.basename(fp)} listed in model.safetensors.index.json is missing"
+                )
+        return files
+    if os.path.isfile(single):
+        with safe_open(single, "pt") as f:
+            return {n: single for n in f.keys()}
+    raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
+
+
+def iter_checkpoint(files: dict[str, str]) -> Iterator[tuple[str, str]]:
+    by_file: dict[str, list[str]] = {}
+    for n, fp in files.items():
+        by_file.setdefault(fp, []).append(n)
+    for fp in sorted(by_file):
+        for n in sorted(by_file[fp]):
+            yield n, fp
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class _Loader:
+    def __init__(self, model: GlmMoeDsaForCausalLM, files: dict[str, str], device: torch.device):
+        self.model, self.files, self.device = model, files, device
+        self.arch = model.arch
+        self.params = dict(model.named_parameters())
+        self.modules = dict(model.named_modules())
+        self.loaded: set[str] = set()
+        self.expert_parts: dict[str, set] = {}
+        self._handles: dict[str, object] = {}
+
+    # -- reading -------------------------------------------------------------------------------
+    def _open(self, fp: str):
+        if fp not in self._handles:
+            self._handles.clear()  # one file open at a time
+            self._handles[fp] = safe_open(fp, "pt", device="cpu")
+        return self._handles[fp]
+
+    def _get(self, name: str) -> torch.Tensor:
+        fp = self.files[name]
+        with safe_open(fp, "pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+    def _read(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = self._get(name)
+        if t.dtype == FP8_DTYPE:
+            sname = name[: -len("weight")] + "weight_scale_inv"
+            if sname not in self.files:
+                raise CheckpointError(f"FP8 tensor {name} has no {sname}")
+            return t, self._get(sname)
+        return t, None
+
+    # -- name mapping ------------------------------------------------------------------------------
+    def map_name(self, name: str) -> str | None:
+        """Checkpoint name -> our parameter name; None for tensors we knowingly skip."""
+        a, L = self.arch, self.arch.num_hidden_layers
+        m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+        if m and int(m.group(1)) >= L:
+            j, rest = int(m.group(1)) - L, m.group(2)
+            if j >= a.num_nextn_predict_layers:
+                return "!unexpected"
+            if j >= self.model.num_mtp:
+                return None  # MTP weights present but not requested
+            if rest in ("embed_tokens.weight", "shared_head.head.weight"):
+                return None  # copies of the main embedding / lm_head, which MTP shares
+            if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head"):
+                return f"model.mtp.{j}.{rest}"
+            return f"model.mtp.{j}.block.{rest}"
+        return name
+
+    # -- loading -------------------------------------------------------------------------------
+    def load(self, progress: bool = False) -> None:
+        names = [n for n in self.files if not n.endswith("weight_scale_inv")]
+        it = sorted(names, key=lambda n: (self.files[n], n))
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(it, desc="Loading safetensors", unit="tensor", leave=False)
+        for name in it:
+            target = self.map_name(name)
+            if target is None:
+                continue
+            if target == "!unexpected":
+                raise CheckpointError(
+                    f"unexpected tensor {name} in checkpoint (no such layer in config.json)"
+                )
+            m = _EXPERT.match(target)
+            if m:
+                self._load_expert(name, m)
+            else:
+                self._load_param(name, target)
+        self._check_complete()
+
+    def _load_param(self, name: str, target: str) -> None:
+        if target not in self.params:
+            if target.endswith(".weight_scale_inv"):
+                return
+            raise CheckpointError(
+                f"unexpected tensor {name} in checkpoint (the model has no parameter {target})"
+            )
+        mod_name, _, pname = target.rpartition(".")
+        module = self.modules[mod_name]
+        t, scale = self._read(name)
+        param = self.params[target]
+        if isinstance(module, Linear) and pname == "weight":
+            full_shape = self._full_shape(module)
+            if tuple(t.shape) != full_shape:
+                raise CheckpointError(
+                    f"tensor {name} has shape {tuple(t.shape)}, expected {full_shape}"
+                )
+            if scale is not None and self.device.type == "cuda" and module.tp_size == 1:
+                module.set_fp8(t.to(self.device), scale.to(self.device), self.arch.fp8_block_size)
+                self.params[target] = module.weight
+            else:
+                if scale is not None:
+                    t = dequant_block_fp8_ref(t, scale, self.arch.fp8_block_size, torch.float32)
+                param.data.copy_(module.shard_full(t).to(param.dtype))
+        else:
+            if scale is not None:
+                t = dequant_block_fp8_ref(t, scale, self.arch.fp8_block_size, torch.float32)
+            if tuple(t.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(param.shape)}"
+                )
+            param.data.copy_(t.to(param.dtype))
+        self.loaded.add(target)
+
+    def _full_shape(self, module: Linear) -> tuple[int, int]:
+        o, i = module.out_features, module.in_features
+        if module.shard == "col":
+            o *= module.tp_size
+        elif module.shard == "row":
+            i *= module.tp_size
+        return (o, i)
+
+    def _load_expert(self, name: str, m: re.Match) -> None:
+        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        experts = self.modules.get(prefix)
+        if not isinstance(experts, Experts):
+            raise CheckpointError(
+                f"unexpected tensor {name} in checkpoint (layer has no routed experts)"
+            )
+        if not 0 <= e < self.arch.n_routed_experts:
+            raise CheckpointError(
+                f"unexpected tensor {name} in checkpoint (expert {e} >= n_routed_experts)"
+            )
+        local = e - experts.expert_start
+        if not 0 <= local < experts.num_local:
+            return  # another EP rank's expert
+        t, scale = self._read(name)
+        if scale is not None:
+            t = dequant_block_fp8_ref(t, scale, self.arch.fp8_block_size, torch.float32)
+        a = self.arch
+        inter_full, h = a.moe_intermediate_size, a.hidden_size
+        expect = (h, inter_full) if kind == "down_proj" else (inter_full, h)
+        if tuple(t.shape) != expect:
+            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected {expect}")
+        if kind == "down_proj":
+            experts.w2_weight.data[local].copy_(shard_cols(t, experts.tp_rank, experts.tp_size))
+        else:
+            t = shard_rows(t, experts.tp_rank, experts.tp_size)
+            lo = 0 if kind == "gate_proj" else experts.inter
+            experts.w13_weight.data[local, lo : lo + experts.inter].copy_(t)
+        self.expert_parts.setdefault(prefix, set()).add((local, kind))
+
+    def _check_complete(self) -> None:
+        for n in self.params:
+            mod_name, _, pname = n.rpartition(".")
+            module = self.modules[mod_name]
+            if isinstance(module, Experts):
+                got = self.expert_parts.get(mod_name, set())
+                for local in range(module.num_local):
+                    for kind in ("gate_proj", "up_proj", "down_proj"):
+                        if (local, kind) not in got and pname == "w13_weight":
+                            e = module.expert_start + local
+                            raise CheckpointError(
+                                f"missing tensor {self._ckpt_name(mod_name)}.{e}.{kind}.weight in checkpoint"
+                            )
+                continue
+            if pname == "weight_scale_inv":
+                continue
+            if n not in self.loaded:
+                raise CheckpointError(f"missing tensor {self._ckpt_name(n)} in checkpoint")
+
+    def _ckpt_name(self, ours: str) -> str:
+        m = re.match(r"model\.mtp\.(\d+)\.(block\.)?(.*)$", ours)
+        if m:
+            return f"model.layers.{self.arch.num_hidden_layers + int(m.group(1))}.{m.group(3)}"
+        return ours
+
+
+def load_model(
+    path: str,
+    model: GlmMoeDsaForCausalLM,
+    device: torch.device | str = "cpu",
+    progress: bool = False,
+) -> GlmMoeDsaForCausalLM:
+    _Loader(model, checkpoint_files(path), torch.device(device)).load(progress)
+    model.process_weights_after_loading()
+    return model
+
+
+def build_model(
+    path: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    pc=None,
+    force_mqa: bool = False,
+    load_mtp: bool = True,
+    progress: bool = False,
+):
+    from vllm.config.arch import ModelArch
+
+    arch = ModelArch.from_pretrained(path)
+    with torch.device(device):
+        model = GlmMoeDsaForCausalLM(arch, pc, dtype, force_mqa=force_mqa, load_mtp=load_mtp)
+    return load_model(path, model, device, progress)

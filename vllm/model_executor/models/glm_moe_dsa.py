@@ -1,0 +1,403 @@
+"""GLM-5.3 (`GlmMoeDsaForCausalLM`, HF `model_type: glm_moe_dsa`): MLA with q/kv LoRA, the DSA
+lightning indexer with IndexShare, sigmoid-routed MoE with a shared expert, and the MTP layer.
+
+Math only. Parameter names follow the HF checkpoint, except that routed experts are stacked
+(`mlp.experts.w13_weight` [E, 2I, H], `mlp.experts.w2_weight` [E, H, I]); the loader maps the
+per-expert checkpoint tensors onto them. Tensor parallelism shards heads (MLA and indexer) and
+MLP intermediates through the `tp` group; expert parallelism goes through `distributed/ep.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm.attention.layer import IndexerInputs, SparseMLAAttention
+from vllm.attention.metadata import MLAMetadata
+from vllm.attention.ops.hadamard import hadamard_ref
+from vllm.config.arch import ModelArch
+from vllm.distributed.parallel_state import ParallelContext
+from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
+from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.moe import experts_ref, route_ref
+from vllm.model_executor.layers.rotary import apply_rope, rope_cos_sin
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer projections: q from the q LoRA latent, one key per token."""
+
+    def __init__(self, arch: ModelArch, pc: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        tp = pc.tp
+        self.n_heads, self.head_dim, self.rope_dim = (
+            arch.index_n_heads,
+            arch.index_head_dim,
+            arch.qk_rope_head_dim,
+        )
+        self.interleave, self.tp = arch.indexer_rope_interleave, tp
+        kw = dict(tp_rank=tp.rank_in_group, tp_size=tp.world_size)
+        self.wq_b = Linear(
+            arch.q_lora_rank,
+            self.n_heads * self.head_dim,
+            shard="col",
+            shard_unit=self.head_dim,
+            dtype=dtype,
+            **kw,
+        )
+        self.wk = Linear(arch.hidden_size, self.head_dim, dtype=dtype)
+        self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
+        # fp32, as HF keeps it: the per-head weights decide the selection
+        self.weights_proj = Linear(
+            arch.hidden_size, self.n_heads, shard="col", dtype=torch.float32, **kw
+        )
+        self.w_scale = self.n_heads**-0.5 * self.head_dim**-0.5
+
+    def forward(self, x, c_q, cos, sin) -> IndexerInputs:
+        t = x.shape[0]
+        q = self.wq_b(c_q).view(t, -1, self.head_dim)  # [T, Hi_local, D], rope dims first
+        q = torch.cat(
+            [
+                apply_rope(q[..., : self.rope_dim], cos, sin, self.interleave),
+                q[..., self.rope_dim :],
+            ],
+            dim=-1,
+        )
+        k = self.k_norm(self.wk(x))  # [T, D]
+        k = torch.cat(
+            [apply_rope(k[:, : self.rope_dim], cos, sin, self.interleave), k[:, self.rope_dim :]],
+            dim=-1,
+        )
+        w = self.weights_proj(x.float()) * self.w_scale  # [T, Hi_local]
+        q = hadamard_ref(q)
+        # every TP rank scores with all indexer heads (the indexer's work is not split by TP)
+        q = self.tp.all_gather(q, dim=1)
+        w = self.tp.all_gather(w, dim=1)
+        return IndexerInputs(q=q, w=w, k=hadamard_ref(k))
+
+
+class MLAAttention(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        layer_idx: int,
+        has_indexer: bool,
+        pc: ParallelContext,
+        dtype: torch.dtype,
+        force_mqa: bool,
+    ):
+        super().__init__()
+        tp = pc.tp
+        if arch.num_attention_heads % tp.world_size:
+            raise ValueError(
+                f"{arch.num_attention_heads} attention heads do not split across "
+                f"--tensor-parallel-size {tp.world_size}"
+            )
+        self.tp = tp
+        self.num_heads = arch.num_attention_heads // tp.world_size
+        self.nope, self.rope, self.v = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
+        self.kv_lora_rank, self.interleave, self.theta = (
+            arch.kv_lora_rank,
+            arch.rope_interleave,
+            arch.rope_theta,
+        )
+        kw = dict(tp_rank=tp.rank_in_group, tp_size=tp.world_size, dtype=dtype)
+        self.q_a_proj = Linear(arch.hidden_size, arch.q_lora_rank, dtype=dtype)
+        self.q_a_layernorm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps, dtype)
+        self.q_b_proj = Linear(
+            arch.q_lora_rank,
+            arch.num_attention_heads * arch.qk_head_dim,
+            shard="col",
+            shard_unit=arch.qk_head_dim,
+            **kw,
+        )
+        self.kv_a_proj_with_mqa = Linear(
+            arch.hidden_size, arch.kv_lora_rank + self.rope, dtype=dtype
+        )
+        self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, arch.rms_norm_eps, dtype)
+        self.kv_b_proj = Linear(
+            arch.kv_lora_rank,
+            arch.num_attention_heads * (self.nope + self.v),
+            shard="col",
+            shard_unit=self.nope + self.v,
+            **kw,
+        )
+        self.o_proj = Linear(
+            arch.num_attention_heads * self.v,
+            arch.hidden_size,
+            shard="row",
+            shard_unit=self.v,
+            **kw,
+        )
+        self.indexer = Indexer(arch, pc, dtype) if has_indexer else None
+        self.attn = SparseMLAAttention(
+            layer_idx,
+            self.num_heads,
+            self.nope,
+            self.v,
+            arch.kv_lora_rank,
+            self.rope,
+            arch.softmax_scale,
+            has_indexer,
+            force_mqa,
+        )
+
+    def process_weights_after_loading(self) -> None:
+        self.attn.set_kv_b(self.kv_b_proj.dense_weight(torch.float32))
+
+    def forward(self, x, positions, meta: MLAMetadata, prev_topk):
+        t = x.shape[0]
+        cos, sin = rope_cos_sin(positions, self.rope, self.theta)
+        c_q = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(c_q).view(t, self.num_heads, self.nope + self.rope)
+        q_nope, q_pe = (
+            q[..., : self.nope],
+            apply_rope(q[..., self.nope :], cos, sin, self.interleave),
+        )
+        kv = self.kv_a_proj_with_mqa(x)
+        kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
+        k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, self.interleave)
+        idx = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None
+        out, topk = self.attn(q_nope, q_pe, kv_c, k_pe, idx, prev_topk, meta)
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, -1))), topk
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP, TP-sharded along the intermediate dimension (reduce done by the caller)."""
+
+    def __init__(
+        self, hidden: int, inter: int, pc: ParallelContext, dtype: torch.dtype, shard: bool = True
+    ):
+        super().__init__()
+        kw = (
+            dict(tp_rank=pc.tp.rank_in_group, tp_size=pc.tp.world_size, dtype=dtype)
+            if shard
+            else dict(dtype=dtype)
+        )
+        self.gate_proj = Linear(hidden, inter, shard="col" if shard else None, **kw)
+        self.up_proj = Linear(hidden, inter, shard="col" if shard else None, **kw)
+        self.down_proj = Linear(inter, hidden, shard="row" if shard else None, **kw)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(arch.n_routed_experts, arch.hidden_size), requires_grad=False
+        )
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(arch.n_routed_experts), requires_grad=False
+        )
+        self.arch = arch
+
+    def forward(self, x):
+        a = self.arch
+        logits = nn.functional.linear(x.float(), self.weight.float())
+        return route_ref(
+            logits,
+            self.e_score_correction_bias,
+            a.num_experts_per_tok,
+            a.n_group,
+            a.topk_group,
+            a.norm_topk_prob,
+            a.routed_scaling_factor,
+        )
+
+
+class Experts(nn.Module):
+    """Routed experts held by this rank: all of them (TP-sharded intermediates) or, under EP, the
+    contiguous range [expert_start, expert_start + num_local) at full width."""
+
+    def __init__(self, arch: ModelArch, pc: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        e, inter, h = arch.n_routed_experts, arch.moe_intermediate_size, arch.hidden_size
+        self.ep = pc.ep
+        if self.ep is not None:
+            if e % self.ep.world_size:
+                raise ValueError(
+                    f"{e} routed experts do not split across {self.ep.world_size} EP ranks"
+                )
+            self.num_local = e // self.ep.world_size
+            self.expert_start = self.ep.rank_in_group * self.num_local
+            self.tp_size, self.tp_rank = 1, 0
+        else:
+            self.num_local, self.expert_start = e, 0
+            self.tp_size, self.tp_rank = pc.tp.world_size, pc.tp.rank_in_group
+            if inter % self.tp_size:
+                raise ValueError(
+                    f"moe_intermediate_size {inter} does not split across TP {self.tp_size}"
+                )
+            inter //= self.tp_size
+        self.inter = inter
+        self.w13_weight = nn.Parameter(
+            torch.empty(self.num_local, 2 * inter, h, dtype=dtype), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(self.num_local, h, inter, dtype=dtype), requires_grad=False
+        )
+        self.w13_scale_inv: nn.Parameter | None = None
+        self.w2_scale_inv: nn.Parameter | None = None
+
+    def forward(self, x, weights, ids):
+        if self.ep is not None:
+            from vllm.distributed.ep import ep_moe
+
+            return ep_moe(self.ep, x, weights, ids, self._local)
+        return self._local(x, weights, ids)
+
+    def _local(self, x, weights, ids):
+        return experts_ref(x, self.w13_weight, self.w2_weight, ids, weights, self.expert_start)
+
+
+class MoE(nn.Module):
+    """Routed + shared experts. Returns the full (TP-reduced) output: without EP the routed experts
+    are TP-sharded like the shared one and one reduce covers both; under EP the routed output is
+    already complete and only the shared expert is reduced."""
+
+    def __init__(self, arch: ModelArch, pc: ParallelContext, dtype: torch.dtype):
+        super().__init__()
+        self.tp = pc.tp
+        self.gate = Router(arch)
+        self.experts = Experts(arch, pc, dtype)
+        self.shared_experts = (
+            MLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts, pc, dtype)
+            if arch.n_shared_experts
+            else None
+        )
+
+    def forward(self, x):
+        weights, ids = self.gate(x)
+        routed = self.experts(x, weights, ids)
+        shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        if self.experts.ep is not None:
+            return routed + self.tp.all_reduce(shared)
+        return self.tp.all_reduce(routed + shared)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        layer_idx: int,
+        has_indexer: bool,
+        pc: ParallelContext,
+        dtype: torch.dtype,
+        force_mqa: bool,
+    ):
+        super().__init__()
+        self.tp = pc.tp
+        self.is_moe = arch.is_moe_layer(layer_idx)
+        self.self_attn = MLAAttention(arch, layer_idx, has_indexer, pc, dtype, force_mqa)
+        self.mlp = (
+            MoE(arch, pc, dtype)
+            if self.is_moe
+            else MLP(arch.hidden_size, arch.intermediate_size, pc, dtype)
+        )
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+    def forward(self, x, positions, meta, prev_topk):
+        h, topk = self.self_attn(self.input_layernorm(x), positions, meta, prev_topk)
+        x = x + h
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.is_moe else self.tp.all_reduce(h)), topk
+
+
+class MTPLayer(nn.Module):
+    """The multi-token-prediction layer (index = num_hidden_layers in the checkpoint)."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        layer_idx: int,
+        pc: ParallelContext,
+        dtype: torch.dtype,
+        force_mqa: bool,
+    ):
+        super().__init__()
+        h = arch.hidden_size
+        self.enorm = RMSNorm(h, arch.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(h, arch.rms_norm_eps, dtype)
+        self.eh_proj = Linear(2 * h, h, dtype=dtype)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
+        self.block = DecoderLayer(arch, layer_idx, True, pc, dtype, force_mqa)
+
+    def forward(self, embeds, prev_hidden, positions, meta):
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
+        x, _ = self.block(x, positions, meta, None)
+        return self.shared_head.norm(x)
+
+
+class GlmMoeDsaModel(nn.Module):
+    def __init__(
+        self,
+        arch: ModelArch,
+        pc: ParallelContext,
+        dtype: torch.dtype,
+        force_mqa: bool,
+        num_mtp: int,
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, i, arch.indexer_types[i] == "full", pc, dtype, force_mqa)
+            for i in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mtp = nn.ModuleList(
+            MTPLayer(arch, arch.num_hidden_layers + j, pc, dtype, force_mqa) for j in range(num_mtp)
+        )
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        topk = None
+        for layer in self.layers:
+            x, topk = layer(
+                x, positions, meta, topk if not layer.self_attn.attn.has_indexer else None
+            )
+        return self.norm(x)
+
+
+class GlmMoeDsaForCausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], meta) -> final normed hidden states [T, hidden];
+    compute_logits(hidden) -> [N, vocab] fp32; mtp_forward drafts the next token's hidden state."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        pc: ParallelContext | None = None,
+        dtype: torch.dtype = torch.float32,
+        force_mqa: bool = False,
+        load_mtp: bool = True,
+    ):
+        super().__init__()
+        pc = pc or ParallelContext.single()
+        self.arch, self.pc, self.dtype = arch, pc, dtype
+        self.num_mtp = arch.num_nextn_predict_layers if load_mtp else 0
+        self.model = GlmMoeDsaModel(arch, pc, dtype, force_mqa, self.num_mtp)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, dtype=dtype)
+
+    def attention_layers(self) -> list[SparseMLAAttention]:
+        """Every attention layer in cache order: main layers, then MTP layers."""
+        main = [layer.self_attn.attn for layer in self.model.layers]
+        return main + [m.block.self_attn.attn for m in self.model.mtp]
+
+    def process_weights_after_loading(self) -> None:
+        for m in self.modules():
+            if isinstance(m, MLAAttention):
+                m.process_weights_after_loading()
+
+    def forward(self, input_ids, positions, meta: MLAMetadata):
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, input_ids, prev_hidden, positions, meta: MLAMetadata, step: int = 0):
+        """One MTP draft step: embeds of the next tokens + the previous hidden states."""
+        mtp = self.model.mtp[step % len(self.model.mtp)]
+        return mtp(self.model.embed_tokens(input_ids), prev_hidden, positions, meta)

@@ -1,0 +1,15 @@
+"""The built-in tiny checkpoint: the GLM-5.3 architecture at toy size, written as a real HF folder
+(config.json, safetensors, tokenizer.json, tokenizer_config.json with a chat template).
+
+    vllm tiny-checkpoint DIR [--fp8]     # write it
+    vllm serve                           # serves it (written once under $VLLM_CACHE_ROOT)
+"""
+
+from vllm.model_executor.tiny.checkpoint import (  # noqa: F401
+    TINY_CONFIG,
+    default_tiny_path,
+    ensure_tiny_checkpoint,
+    tiny_state_dict,
+    write_checkpoint,
+    write_tiny_checkpoint,
+)
