@@ -57,17 +57,24 @@ class LocalContext:
         return rows, idx
 
     def decode_topk(self, attn, meta, iq, tok, reqs):
-        out = torch.full((tok.shape[0], meta.index_topk), -1, dtype=torch.int32, device=tok.device)
-        for r in reqs:
-            sel = (meta.token_req[tok] == r).nonzero().squeeze(1)
-            _, (k, ks) = self.prefill_context(attn, meta, r, True)
-            logits = indexer_logits_ref(iq[0][sel], iq[1][sel], iq[2][sel], k, ks)
-            out[sel] = topk_ref(logits, meta.positions[tok[sel]] + 1, meta.index_topk)
-        return out
+        """Top-k positions for decode tokens ``tok`` (rows of this rank's tokens)."""
+        ctx = meta.seq_lens[meta.token_req[tok]]
+        logits = dispatch.indexer_logits_paged(
+            iq[0][tok],
+            iq[1][tok],
+            iq[2][tok],
+            attn.indexer_cache,
+            meta.layout,
+            meta.block_table,
+            meta.token_req[tok],
+            ctx,
+            max(meta.seq_lens_cpu[r] for r in reqs),
+        )
+        return dispatch.indexer_topk(logits, ctx, meta.index_topk)
 
     def decode_attend(self, attn, meta, q_abs, tok, topk_pos):
         slots = meta.slots_for(meta.token_req[tok].unsqueeze(1).expand_as(topk_pos), topk_pos)
-        out, _ = dispatch.sparse_mla(q_abs, attn.kv_cache, slots, meta.layout, attn.scale)
+        out, _ = dispatch.sparse_mla_decode(q_abs, attn.kv_cache, slots, meta.layout, attn.scale)
         return out
 
 

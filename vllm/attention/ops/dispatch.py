@@ -1,7 +1,9 @@
 """The one place that picks a fast kernel or the plain-torch reference for each attention op.
 
 CUDA tensors use the Triton kernels in `vllm/kernels/` when they import; everything else (CPU, or
-VLLM_USE_REF_KERNELS=1) uses the references, which define the semantics."""
+VLLM_USE_REF_KERNELS=1) uses the references, which define the semantics. Signatures here are the
+contract both sides honour.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +11,89 @@ import os
 
 import torch
 
-from vllm.attention.kv_cache import KVCacheLayout, write_indexer_cache_ref, write_mla_cache_ref
-from vllm.attention.ops.sparse_mla import sparse_mla_ref
+from vllm.attention.kv_cache import (
+    KVCacheLayout,
+    read_indexer_cache_ref,
+    write_indexer_cache_ref,
+    write_mla_cache_ref,
+)
+from vllm.attention.ops import indexer as idx_ops
+from vllm.attention.ops.sparse_mla import (
+    merge_attn_states_ref,
+    sparse_mla_attend_ref,
+    sparse_mla_ref,
+)
+
+_CHUNK = 64
 
 
-def _fast(t: torch.Tensor) -> bool:
+def use_fast(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("VLLM_USE_REF_KERNELS", "0") != "1"
 
 
 def write_mla_cache(cache, kv_c, k_pe, slot_mapping, layout: KVCacheLayout) -> None:
+    """kv_c [N, R], k_pe [N, rope] -> paged MLA cache rows at slot_mapping (−1 = skip)."""
     write_mla_cache_ref(cache, kv_c, k_pe, slot_mapping, layout)
 
 
 def write_indexer_cache(cache, k, slot_mapping, layout: KVCacheLayout) -> None:
+    """k [N, D] -> indexer cache (FP8 pages or model dtype) at slot_mapping (−1 = skip)."""
     write_indexer_cache_ref(cache, k, slot_mapping, layout)
 
 
-def sparse_mla(q, cache, slots, layout: KVCacheLayout, scale: float):
+def sparse_mla_decode(q, cache, slots, layout: KVCacheLayout, scale: float):
+    """q [T, H, R+rope]; slots [T, K] global cache slots (−1 none) -> out [T, H, R] fp32, lse [T, H]."""
     return sparse_mla_ref(q, cache, slots, layout, scale)
+
+
+def sparse_mla_prefill(q, kv, indices, scale: float, d_v: int):
+    """MQA prefill over a flat context: q [T, H, D]; kv [S, D] (one request's full context, any
+    float dtype); indices [T, K] rows of kv (−1 none) -> out [T, H, d_v] fp32, lse [T, H]."""
+    t, h, _ = q.shape
+    out = torch.zeros(t, h, d_v, device=q.device)
+    lse = torch.full((t, h), float("-inf"), device=q.device)
+    for s in range(0, t, _CHUNK):
+        idx = indices[s : s + _CHUNK].long()
+        rows = kv[idx.clamp_min(0)].float()
+        out[s : s + _CHUNK], lse[s : s + _CHUNK] = sparse_mla_attend_ref(
+            q[s : s + _CHUNK], rows, idx >= 0, scale, d_v
+        )
+    return out, lse
+
+
+def indexer_logits(q, q_scale, w, k, k_scale):
+    """Prefill scoring against one context: q [T, H, D], q_scale/w [T, H], k [S, D], k_scale [S]
+    -> logits [T, S] fp32 (no mask; callers pass the causal limit to :func:`indexer_topk`)."""
+    return idx_ops.indexer_logits_ref(q, q_scale, w, k, k_scale)
+
+
+def indexer_logits_paged(
+    q, q_scale, w, cache, layout: KVCacheLayout, block_table, token_req, ctx_lens, max_ctx: int
+):
+    """Decode scoring against paged keys in *local* position space: key j of request r lives at
+    slot block_table[r, j // block_size]·block_size + j % block_size. q [T, H, D]; token_req [T];
+    ctx_lens [T] -> logits [T, max_ctx] fp32, −inf at j >= ctx_lens[t]."""
+    t = q.shape[0]
+    out = torch.full((t, max_ctx), float("-inf"), device=q.device)
+    bs = layout.block_size
+    j = torch.arange(max_ctx, device=q.device)
+    for s in range(0, t, _CHUNK):
+        tr = token_req[s : s + _CHUNK].long()
+        slots = block_table[tr][:, (j // bs)].long() * bs + j % bs  # [t, max_ctx]
+        valid = j.unsqueeze(0) < ctx_lens[s : s + _CHUNK].unsqueeze(1)
+        k, ks = read_indexer_cache_ref(cache, torch.where(valid, slots, -1), layout)
+        dots = torch.einsum("thd,tsd->tsh", q[s : s + _CHUNK].float(), k).relu_()
+        coef = (w[s : s + _CHUNK].float() * q_scale[s : s + _CHUNK].float()).unsqueeze(1)
+        logit = (dots * coef).sum(-1) * ks
+        out[s : s + _CHUNK] = logit.masked_fill(~valid, float("-inf"))
+    return out
+
+
+def indexer_topk(logits, limit, topk: int):
+    """logits [T, S], limit [T] -> int32 [T, topk] (score desc, position asc; −1 padded)."""
+    return idx_ops.topk_ref(logits, limit, topk)
+
+
+def merge_attn_states(outs, lses):
+    """outs [N, T, H, d_v], lses [N, T, H] -> LSE-weighted merge (out [T, H, d_v], lse [T, H])."""
+    return merge_attn_states_ref(outs, lses)

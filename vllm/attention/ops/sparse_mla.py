@@ -50,7 +50,9 @@ def sparse_mla_ref(
     for s in range(0, t, _CHUNK):
         idx = indices[s : s + _CHUNK]
         kv = read_mla_cache_ref(cache, idx, layout)
-        o, lse_c = sparse_mla_attend_ref(q[s : s + _CHUNK], kv, idx >= 0, sm_scale, layout.kv_lora_rank)
+        o, lse_c = sparse_mla_attend_ref(
+            q[s : s + _CHUNK], kv, idx >= 0, sm_scale, layout.kv_lora_rank
+        )
         out[s : s + _CHUNK], lse[s : s + _CHUNK] = o, lse_c
     return out, lse
 
