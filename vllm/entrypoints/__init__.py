@@ -1,0 +1,1 @@
+"""Entry points: the `vllm` command line and the servers it starts."""
