@@ -16,12 +16,13 @@ import torch.distributed as dist
 class GroupCoordinator:
     """A process group seen from one of its ranks. Collectives on a group of one are identities."""
 
-    def __init__(self, name: str, ranks: list[int], global_rank: int, group=None):
+    def __init__(self, name: str, ranks: list[int], global_rank: int, group=None, cpu_group=None):
         self.name = name
         self.ranks = list(ranks)
         self.world_size = len(ranks)
         self.rank_in_group = ranks.index(global_rank)
-        self.group = group
+        self.group = group  # device collectives (NCCL on CUDA, gloo on CPU)
+        self.cpu_group = cpu_group if cpu_group is not None else group  # host-side control
 
     def __repr__(self) -> str:
         return f"{self.name}(rank {self.rank_in_group} of {self.ranks})"
@@ -105,8 +106,45 @@ class ParallelContext:
     dcp: GroupCoordinator
     ep: GroupCoordinator | None = None  # set when --enable-expert-parallel
     dp: GroupCoordinator | None = None
+    replica: GroupCoordinator | None = None  # every rank of this engine replica (PCP × TP)
+    world: GroupCoordinator | None = None  # every rank of every replica
 
     @classmethod
     def single(cls) -> ParallelContext:
         g = single_rank_group
-        return cls(tp=g("tp"), pcp=g("pcp"), dcp=g("dcp"), ep=None, dp=g("dp"))
+        return cls(
+            tp=g("tp"),
+            pcp=g("pcp"),
+            dcp=g("dcp"),
+            ep=None,
+            dp=g("dp"),
+            replica=g("replica"),
+            world=g("world"),
+        )
+
+    def min_over_world(self, n: int) -> int:
+        """Smallest value of n over every rank (KV blocks: every rank must hold the same count)."""
+        if self.world is None or self.world.world_size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.world.cpu_group)
+        return int(t.item())
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(
+    config, global_rank: int, init_method: str, device: torch.device
+) -> ParallelContext:
+    """Join the job's process group and build this rank's groups."""
+    pc = config.parallel_config
+    world = pc.world_size_across_dp
+    if world == 1:
+        return ParallelContext.single()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, world_size=world, rank=global_rank)
+    from vllm.distributed.groups import build_groups
+
+    return build_groups(pc, global_rank, device)

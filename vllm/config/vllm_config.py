@@ -1,0 +1,309 @@
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from vllm.config.arch import ModelArch
+
+BLOCK_SIZE = 64  # tokens per physical KV block (the cache layouts assume it)
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "half": torch.float16,
+    "float": torch.float32,
+}
+
+
+def parse_json_flag(value, flag: str) -> dict:
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object: {e}") from e
+    if not isinstance(out, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(out).__name__}")
+    return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    served_model_name: str
+    arch: ModelArch
+    dtype: torch.dtype
+    max_model_len: int
+    skip_tokenizer_init: bool = False
+    seed: int = 0
+    max_logprobs: int = 20
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = BLOCK_SIZE
+    cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    dcp_comm_backend: str = "ag_rs"
+    cp_kv_cache_interleave_size: int = 1
+    enable_expert_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine replica: PP × PCP × TP (DCP reuses them)."""
+        return (
+            self.pipeline_parallel_size
+            * self.prefill_context_parallel_size
+            * self.tensor_parallel_size
+        )
+
+    @property
+    def world_size_across_dp(self) -> int:
+        return self.world_size * self.data_parallel_size
+
+    def validate(self) -> None:
+        tp, pp, dp = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
+        pcp, dcp = self.prefill_context_parallel_size, self.decode_context_parallel_size
+        for name, v in (
+            ("--tensor-parallel-size", tp),
+            ("--pipeline-parallel-size", pp),
+            ("--data-parallel-size", dp),
+            ("--prefill-context-parallel-size", pcp),
+            ("--decode-context-parallel-size", dcp),
+            ("--cp-kv-cache-interleave-size", self.cp_kv_cache_interleave_size),
+        ):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if pp != 1:
+            raise ValueError(
+                "--pipeline-parallel-size > 1 is not supported yet (PP keeps its place in the rank layout)"
+            )
+        if self.dcp_comm_backend not in ("ag_rs", "a2a"):
+            raise ValueError(
+                f"--dcp-comm-backend must be ag_rs or a2a, got {self.dcp_comm_backend!r}"
+            )
+        if pcp > 1:
+            if dcp not in (1, pcp, tp * pcp):
+                raise ValueError(
+                    f"--decode-context-parallel-size {dcp} with --prefill-context-parallel-size {pcp} "
+                    f"and --tensor-parallel-size {tp}: DCP must be 1, PCP ({pcp}) or TP×PCP ({tp * pcp})"
+                )
+        elif tp % dcp:
+            raise ValueError(
+                f"--decode-context-parallel-size {dcp} must divide --tensor-parallel-size {tp} "
+                "(DCP reuses TP ranks; with --prefill-context-parallel-size > 1 it may also span PCP ranks)"
+            )
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    host_pool_gib: float = 0.0
+    hot_buffer_rows: int | None = None  # default 2×topk per request ((n_spec+2)×topk with MTP)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    sparse_mla_force_mqa: bool = False
+    hisparse: HiSparseConfig | None = None
+
+    @classmethod
+    def from_json(cls, value) -> AttentionConfig:
+        raw = parse_json_flag(value, "--attention-config")
+        known = {"sparse_mla_force_mqa", "hisparse_config"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(
+                f"--attention-config: unknown keys {sorted(unknown)} (known: {sorted(known)})"
+            )
+        hs = raw.get("hisparse_config")
+        hisparse = None
+        if hs is not None:
+            if not isinstance(hs, dict):
+                raise ValueError("--attention-config hisparse_config must be an object")
+            bad = set(hs) - {"host_pool_gib", "hot_buffer_rows"}
+            if bad:
+                raise ValueError(f"--attention-config hisparse_config: unknown keys {sorted(bad)}")
+            hisparse = HiSparseConfig(**hs)
+        return cls(
+            sparse_mla_force_mqa=bool(raw.get("sparse_mla_force_mqa", False)), hisparse=hisparse
+        )
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "mtp"
+    num_speculative_tokens: int = 0
+
+    @classmethod
+    def from_json(cls, value) -> SpeculativeConfig | None:
+        raw = parse_json_flag(value, "--speculative-config")
+        if not raw:
+            return None
+        bad = set(raw) - {"method", "num_speculative_tokens", "synthetic_acceptance_length"}
+        if bad:
+            raise ValueError(f"--speculative-config: unknown keys {sorted(bad)}")
+        return cls(
+            method=raw.get("method", "mtp"),
+            num_speculative_tokens=int(raw.get("num_speculative_tokens", 1)),
+        )
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    extra: dict = field(default_factory=dict, hash=False)
+
+    @classmethod
+    def from_json(cls, value) -> KVTransferConfig | None:
+        raw = parse_json_flag(value, "--kv-transfer-config")
+        if not raw:
+            return None
+        return cls(kv_connector=raw.get("kv_connector"), kv_role=raw.get("kv_role"), extra=raw)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    kv_offloading_size_gib: float | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"  # "cpu" | "cuda"
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    parallel_config: ParallelConfig
+    scheduler_config: SchedulerConfig
+    attention_config: AttentionConfig
+    device_config: DeviceConfig
+    speculative_config: SpeculativeConfig | None = None
+    kv_transfer_config: KVTransferConfig | None = None
+    offload_config: OffloadConfig = field(default_factory=OffloadConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """Tokens per scheduler block: a DCP "virtual block" holds 64 tokens on each DCP rank."""
+        return self.cache_config.block_size * self.parallel_config.decode_context_parallel_size
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+    def validate(self) -> None:
+        pc, sc, cc = self.parallel_config, self.scheduler_config, self.cache_config
+        from vllm.attention.kv_cache import normalize_cache_dtype
+
+        pc.validate()
+        normalize_cache_dtype(cc.cache_dtype)
+        if cc.block_size != BLOCK_SIZE:
+            raise ValueError(
+                f"--block-size must be {BLOCK_SIZE} for sparse MLA, got {cc.block_size}"
+            )
+        if not 0 < cc.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"--gpu-memory-utilization must be in (0, 1], got {cc.gpu_memory_utilization}"
+            )
+        if sc.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {sc.max_num_seqs}")
+        if sc.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"--max-num-batched-tokens must be >= 1, got {sc.max_num_batched_tokens}"
+            )
+        if (
+            not sc.enable_chunked_prefill
+            and sc.max_num_batched_tokens < self.model_config.max_model_len
+        ):
+            raise ValueError(
+                f"--max-num-batched-tokens ({sc.max_num_batched_tokens}) must be >= --max-model-len "
+                f"({self.model_config.max_model_len}) when chunked prefill is disabled"
+            )
+        if self.model_config.max_model_len < 1:
+            raise ValueError("--max-model-len must be >= 1")
+        if self.model_config.max_model_len > self.model_config.arch.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {self.model_config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.model_config.arch.max_position_embeddings}"
+            )
+        self._refuse_unlanded()
+
+    def _refuse_unlanded(self) -> None:
+        """Flags whose features have not landed yet fail here, saying so; none is ignored."""
+        not_yet = []
+        pc = self.parallel_config
+        if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
+            not_yet.append(
+                "--prefill-context-parallel-size/--decode-context-parallel-size > 1 (PCP/DCP)"
+            )
+        if pc.tensor_parallel_size > 1:
+            not_yet.append("--tensor-parallel-size > 1")
+        if pc.data_parallel_size > 1:
+            not_yet.append("--data-parallel-size > 1")
+        if pc.enable_expert_parallel:
+            not_yet.append("--enable-expert-parallel")
+        if self.attention_config.hisparse is not None:
+            not_yet.append("--attention-config hisparse_config (Hybrid HiSparse)")
+        if self.speculative_config is not None:
+            not_yet.append("--speculative-config (MTP speculative decoding)")
+        if self.kv_transfer_config is not None:
+            not_yet.append("--kv-transfer-config (P/D disaggregation over NIXL)")
+        if self.offload_config.kv_offloading_size_gib:
+            not_yet.append("--kv-offloading-size (CPU KV offload)")
+        if not_yet:
+            raise NotImplementedError("not implemented yet in this engine: " + "; ".join(not_yet))
+
+    def with_(self, **kw) -> VllmConfig:
+        return replace(self, **kw)
+
+
+def resolve_dtype(name: str, arch: ModelArch, device: str) -> torch.dtype:
+    """`auto` = the checkpoint dtype on CUDA, float32 on CPU (exact, and fast without AMX)."""
+    if name == "auto":
+        if device == "cpu":
+            return torch.float32
+        return _DTYPES.get(arch.torch_dtype, torch.bfloat16)
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {name!r}")
+    return _DTYPES[name]
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("0", "", "false", "False")

@@ -1,0 +1,87 @@
+"""Per-request block lists on top of the block pool.
+
+Blocks here are scheduler blocks of `block_size` tokens; under DCP N a scheduler block is a
+"virtual" block of 64·N tokens whose id addresses one physical 64-token block on every DCP rank,
+so prefix caching hashes at that granularity.
+"""
+
+from __future__ import annotations
+
+from vllm.core.block_pool import BlockPool, hash_block
+from vllm.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[int]] = {}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def _hashes(self, req: Request, num_full: int) -> list[bytes]:
+        bs, toks = self.block_size, None
+        while len(req.block_hashes) < num_full:
+            toks = toks or req.all_token_ids
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(hash_block(parent, toks[i * bs : (i + 1) * bs]))
+        return req.block_hashes[:num_full]
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix (whole blocks), leaving at least one token to compute."""
+        if not self.pool.enable_caching or not req.use_prefix_cache:
+            return [], 0
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in self._hashes(req, max_blocks):
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        self.pool.stats_queries += req.num_tokens
+        self.pool.stats_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed: list[int] | None = None
+    ) -> list[int] | None:
+        """Blocks for `num_new_tokens` more tokens (after the computed prefix). Returns the newly
+        allocated block ids, or None (nothing changed) if the pool is short."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        computed = computed or []
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        need = cdiv(total, self.block_size) - len(blocks) - len(computed)
+        self.pool.touch(computed)
+        new = self.pool.allocate(max(need, 0))
+        if new is None:
+            self.pool.release(computed)
+            return None
+        self.req_blocks[req.request_id] = blocks + computed + new
+        return new
+
+    def cache_full_blocks(self, req: Request, num_computed: int) -> None:
+        """Publish the request's blocks that are now completely computed."""
+        if not self.pool.enable_caching or not req.use_prefix_cache:
+            return
+        n = min(num_computed, req.num_tokens) // self.block_size
+        blocks = self.req_blocks.get(req.request_id, [])
+        for b, h in zip(blocks[:n], self._hashes(req, n), strict=False):
+            self.pool.cache_block(b, h)
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, None)
+        if blocks:
+            self.pool.release(blocks)
+
+    def blocks_of(self, req: Request) -> list[int]:
+        return self.req_blocks.get(req.request_id, [])

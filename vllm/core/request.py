@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import enum
+import time
+
+from vllm.engine.messages import EngineCoreRequest
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
+
+
+class Request:
+    """One request as the scheduler tracks it."""
+
+    def __init__(self, req: EngineCoreRequest):
+        self.request_id = req.request_id
+        self.prompt_token_ids: list[int] = list(req.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.sampling = req.sampling
+        self.eos_token_ids = set(req.eos_token_ids)
+        self.max_tokens = req.sampling.max_tokens
+        self.arrival_time = req.arrival_time or time.time()
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[bytes] = []
+        # the worker knows this many tokens of the request (sent explicitly); later tokens it
+        # sampled itself
+        self.worker_known_tokens = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def use_prefix_cache(self) -> bool:
+        return self.sampling.prompt_logprobs is None

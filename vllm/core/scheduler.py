@@ -1,0 +1,250 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Each step gives running requests their next tokens first (decodes, unfinished prompt chunks),
+then admits waiting requests while the token budget (`--max-num-batched-tokens`), the seat cap
+(`--max-num-seqs`) and the block pool allow. When blocks run out for a running request the most
+recently admitted one is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from vllm.config import VllmConfig
+from vllm.core.kv_cache_manager import KVCacheManager
+from vllm.core.request import Request, RequestStatus
+from vllm.engine.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+class Scheduler:
+    def __init__(self, config: VllmConfig, num_blocks: int):
+        self.config = config
+        sc = config.scheduler_config
+        self.max_num_batched_tokens = sc.max_num_batched_tokens
+        self.max_num_seqs = sc.max_num_seqs
+        self.chunked_prefill = sc.enable_chunked_prefill
+        self.max_model_len = config.model_config.max_model_len
+        self.block_size = config.scheduler_block_size
+        self.kv = KVCacheManager(
+            num_blocks, self.block_size, config.cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_ids: list[str] = []  # to tell the workers
+        self.step = 0
+        self._stats = SchedulerStats()
+
+    # ---- admission ------------------------------------------------------------------------
+    @property
+    def max_request_tokens(self) -> int:
+        """Longest request (prompt + output) the engine can hold: the smaller of --max-model-len
+        and the KV capacity."""
+        return min(self.max_model_len, self.kv.capacity_tokens)
+
+    def add_request(self, ecr: EngineCoreRequest) -> EngineCoreOutput | None:
+        """Queue a request; returns an immediate error output if it can never run."""
+        req = Request(ecr)
+        need = req.num_prompt_tokens + (req.max_tokens or 0)
+        if req.num_prompt_tokens == 0:
+            return EngineCoreOutput(req.request_id, finish_reason="error", error="prompt is empty")
+        if need > self.max_request_tokens:
+            return EngineCoreOutput(
+                req.request_id,
+                finish_reason="error",
+                error=(
+                    f"request needs {need} tokens of context (prompt {req.num_prompt_tokens} + "
+                    f"max_tokens {req.max_tokens}), more than this engine holds per request "
+                    f"({self.max_request_tokens}: max_model_len {self.max_model_len}, KV capacity "
+                    f"{self.kv.capacity_tokens})"
+                ),
+            )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step += 1
+        budget = self.max_num_batched_tokens
+        num_sched: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+                i += 1
+                continue
+            new_blocks = self.kv.allocate_slots(req, n)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+                new_blocks = self.kv.allocate_slots(req, n)
+            if new_blocks is None:
+                break
+            num_sched[req.request_id] = n
+            cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+            budget -= n
+            i += 1
+
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
+        ):
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if n > budget:
+                if not self.chunked_prefill:
+                    break
+                n = budget
+            new_blocks = self.kv.allocate_slots(req, n, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            req.worker_known_tokens = req.num_tokens
+            new_reqs.append(
+                NewRequestData(
+                    req.request_id,
+                    req.all_token_ids,
+                    req.num_prompt_tokens,
+                    self.kv.blocks_of(req),
+                    num_hit,
+                    req.sampling,
+                )
+            )
+            num_sched[req.request_id] = n
+            budget -= n
+
+        for req in self.running:
+            if req.request_id in num_sched:
+                req.num_computed_tokens += num_sched[req.request_id]
+        out = SchedulerOutput(
+            step=self.step,
+            new_reqs=new_reqs,
+            cached_reqs=cached,
+            num_scheduled_tokens=num_sched,
+            total_num_scheduled_tokens=sum(num_sched.values()),
+            finished_req_ids=self.finished_ids,
+        )
+        self._stats.num_preemptions += len(preempted)
+        self.finished_ids = []
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.block_hashes = req.block_hashes[: req.num_tokens // self.block_size]
+        self.waiting.appendleft(req)
+        self.finished_ids.append(req.request_id)  # the workers drop their state for it
+
+    # ---- results ------------------------------------------------------------------------------
+    def update_from_output(
+        self, so: SchedulerOutput, ro: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        sampled = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
+        for rid in so.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            toks = sampled.get(rid, [])
+            new_ids: list[int] = []
+            for t in toks:
+                req.output_token_ids.append(t)
+                new_ids.append(t)
+                if self._check_stop(req, t):
+                    break
+            plp = ro.prompt_logprobs.get(rid)
+            if not new_ids and plp is None and not req.is_finished:
+                continue
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    new_token_ids=new_ids,
+                    new_logprobs=ro.logprobs.get(rid)[: len(new_ids)]
+                    if rid in ro.logprobs
+                    else None,
+                    prompt_logprobs=plp,
+                    finish_reason=req.status.finish_reason if req.is_finished else None,
+                    stop_reason=req.stop_reason,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> bool:
+        s = req.sampling
+        n_out = len(req.output_token_ids)
+        if n_out >= s.min_tokens:
+            if token in req.eos_token_ids and not s.ignore_eos:
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                return True
+            if token in s.stop_token_ids:
+                req.stop_reason = token
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                return True
+        if (
+            req.max_tokens is not None and n_out >= req.max_tokens
+        ) or req.num_tokens >= self.max_request_tokens:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+            return True
+        return False
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+            self.finished_ids.append(req.request_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def stats(self) -> SchedulerStats:
+        s = self._stats
+        pool = self.kv.pool
+        s.num_running, s.num_waiting, s.kv_cache_usage = (
+            len(self.running),
+            len(self.waiting),
+            self.kv.usage(),
+        )
+        s.prefix_cache_queries, s.prefix_cache_hits = pool.stats_queries, pool.stats_hits
+        pool.stats_queries = pool.stats_hits = 0
+        self._stats = SchedulerStats()
+        return s
+
+    def now(self) -> float:
+        return time.time()

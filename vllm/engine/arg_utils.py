@@ -1,0 +1,273 @@
+"""Engine arguments: one dataclass whose fields are upstream vLLM's flag names.
+
+`vllm serve` and `LLM(**kwargs)` both go through `EngineArgs.create_engine_config()`, which
+validates everything once and names the offending flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from vllm.config import (
+    AttentionConfig,
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    OffloadConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.config.arch import ModelArch
+from vllm.config.vllm_config import DeviceConfig, resolve_dtype
+
+DEFAULT_MODEL = "tiny-glm-5.3"
+# CPU has no device memory to measure: KV capacity defaults to this unless --kv-cache-memory-bytes.
+CPU_DEFAULT_KV_BYTES = 512 * 2**20
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_logprobs: int = 20
+    device: str = "auto"
+    # parallelism
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    dcp_comm_backend: str = "ag_rs"
+    cp_kv_cache_interleave_size: int = 1
+    enable_expert_parallel: bool = False
+    # cache
+    block_size: int = 64
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None
+    # scheduler
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    # features
+    attention_config: str | dict | None = None
+    speculative_config: str | dict | None = None
+    kv_transfer_config: str | dict | None = None
+    kv_offloading_size: float | None = None
+    enforce_eager: bool = True
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        return cls(model=model, **kwargs)
+
+    def resolve_model_path(self) -> str:
+        if self.model in (None, "", DEFAULT_MODEL):
+            from vllm.model_executor.tiny import ensure_tiny_checkpoint
+
+            return ensure_tiny_checkpoint()
+        if self.model == DEFAULT_MODEL + "-fp8":
+            from vllm.model_executor.tiny import ensure_tiny_checkpoint
+
+            return ensure_tiny_checkpoint(fp8=True)
+        path = os.path.expanduser(self.model)
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"model {self.model!r}: no such folder (this engine loads local HF checkpoint folders)"
+            )
+        return path
+
+    def create_engine_config(self) -> VllmConfig:
+        path = self.resolve_model_path()
+        arch = ModelArch.from_pretrained(path)
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+        dtype = resolve_dtype(self.dtype, arch, device)
+        max_len = self.max_model_len or min(arch.max_position_embeddings, 1 << 20)
+        name = self.served_model_name or (
+            DEFAULT_MODEL if self.model in (None, "", DEFAULT_MODEL) else self.model
+        )
+        tok = self.tokenizer or path
+        model_cfg = ModelConfig(
+            model=path,
+            tokenizer=tok,
+            served_model_name=name,
+            arch=arch,
+            dtype=dtype,
+            max_model_len=max_len,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            seed=self.seed,
+            max_logprobs=self.max_logprobs,
+        )
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and device == "cpu":
+            kv_bytes = CPU_DEFAULT_KV_BYTES
+        cache = CacheConfig(
+            block_size=self.block_size,
+            cache_dtype=self.kv_cache_dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            prefill_context_parallel_size=self.prefill_context_parallel_size,
+            decode_context_parallel_size=self.decode_context_parallel_size,
+            dcp_comm_backend=self.dcp_comm_backend,
+            cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+        )
+        mnbt = self.max_num_batched_tokens or (2048 if self.enable_chunked_prefill else max_len)
+        sched = SchedulerConfig(
+            max_num_batched_tokens=mnbt,
+            max_num_seqs=self.max_num_seqs,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+        )
+        if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
+            raise ValueError("--kv-offloading-size must be >= 0 (GiB)")
+        return VllmConfig(
+            model_config=model_cfg,
+            cache_config=cache,
+            parallel_config=parallel,
+            scheduler_config=sched,
+            attention_config=AttentionConfig.from_json(self.attention_config),
+            device_config=DeviceConfig(device=device),
+            speculative_config=SpeculativeConfig.from_json(self.speculative_config),
+            kv_transfer_config=KVTransferConfig.from_json(self.kv_transfer_config),
+            offload_config=OffloadConfig(kv_offloading_size_gib=self.kv_offloading_size),
+        )
+
+
+def _bool_flag(p, name: str, default: bool, help: str) -> None:
+    p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = EngineArgs()
+    g = p.add_argument_group("model")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    g.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="serve without a tokenizer: token-id prompts only",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name in the API (default: the model argument)",
+    )
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        help="auto (checkpoint dtype on CUDA, float32 on CPU), bfloat16, float32",
+    )
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output, in tokens"
+    )
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    g.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=True,
+        help="no CUDA graphs (the default for now)",
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument(
+        "--prefill-context-parallel-size",
+        "-pcp",
+        type=int,
+        default=1,
+        help="split each prompt's queries across N ranks by token (load-balanced V pattern)",
+    )
+    g.add_argument(
+        "--decode-context-parallel-size",
+        "-dcp",
+        type=int,
+        default=1,
+        help="split the KV cache across N ranks by token, round-robin (reuses PCP/TP ranks)",
+    )
+    g.add_argument("--dcp-comm-backend", default=d.dcp_comm_backend, choices=["ag_rs", "a2a"])
+    g.add_argument(
+        "--cp-kv-cache-interleave-size", type=int, default=1, help="tokens per DCP round-robin unit"
+    )
+    g.add_argument(
+        "--enable-expert-parallel",
+        "-ep",
+        action="store_true",
+        help="split MoE experts across ranks",
+    )
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="must be 64")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=["auto", "fp8_ds_mla", "fp8", "fp8_e4m3"],
+    )
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help=f"KV cache bytes per rank (CPU default: {CPU_DEFAULT_KV_BYTES >> 20} MiB)",
+    )
+    _bool_flag(p, "--enable-prefix-caching", True, "reuse cached KV of shared prompt prefixes")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument(
+        "--kv-offloading-size", type=float, default=None, help="host-memory KV tier, GiB"
+    )
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    _bool_flag(p, "--enable-chunked-prefill", True, "split long prompts across steps")
+    g = p.add_argument_group("features (JSON)")
+    g.add_argument(
+        "--attention-config",
+        default=None,
+        help='e.g. \'{"sparse_mla_force_mqa": true, "hisparse_config": {"host_pool_gib": 48}}\'',
+    )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='e.g. \'{"method":"mtp","num_speculative_tokens":3}\'',
+    )
+    g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='e.g. \'{"kv_connector":"NixlConnector","kv_role":"kv_both"}\'',
+    )
+    return p
+
+
+__all__ = ["EngineArgs", "add_engine_args", "DEFAULT_MODEL", "dataclasses"]

@@ -1,0 +1,142 @@
+"""The engine-core process: scheduler + executor in a busy loop, talking to the front end over ZMQ.
+
+Input messages (msgpack): ("add", EngineCoreRequest) | ("abort", [ids]) | ("utility", [call_id,
+name, args]) | ("shutdown",). Output: EngineCoreOutputs. If a worker dies the core reports a
+`fatal` message (every in-flight request fails with it) and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from vllm.config import VllmConfig
+from vllm.core.scheduler import Scheduler
+from vllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, encoder
+from vllm.utils import die_with_parent, init_logging, logger
+
+IDLE_POLL_MS = 100
+
+
+class EngineCore:
+    """Scheduler + executor, without the process loop (usable in-process for tests)."""
+
+    def __init__(self, config: VllmConfig, dp_rank: int = 0, dist_init: str = ""):
+        from vllm.executor.multiproc_executor import MultiprocExecutor
+
+        self.config = config
+        self.dp_rank = dp_rank
+        self.executor = MultiprocExecutor(config, dp_rank, dist_init)
+        self.scheduler = Scheduler(config, self.executor.num_blocks)
+
+    def step(self) -> EngineCoreOutputs | None:
+        if not self.scheduler.has_work():
+            return None
+        so = self.scheduler.schedule()
+        ro = self.executor.execute(so)
+        outs = self.scheduler.update_from_output(so, ro)
+        return EngineCoreOutputs(
+            engine_index=self.dp_rank, outputs=outs, stats=self.scheduler.stats()
+        )
+
+    def info(self) -> dict:
+        s = self.scheduler
+        return {
+            "num_blocks": self.executor.num_blocks,
+            "block_size": s.block_size,
+            "capacity_tokens": s.kv.capacity_tokens,
+            "max_request_tokens": s.max_request_tokens,
+        }
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def engine_core_main(
+    config: VllmConfig, dp_rank: int, in_addr: str, out_addr: str, dist_init: str
+) -> None:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
+    init_logging()
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(out_addr)
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(in_addr)
+    enc = encoder()
+    core = None
+    code = 0
+    try:
+        core = EngineCore(config, dp_rank, dist_init)
+        out.send(enc.encode(EngineCoreOutputs(engine_index=dp_rank, ready=core.info())))
+        _loop(core, inp, out, enc, stop)
+    except Exception as e:
+        code = 1
+        logger.error("engine core %d failed: %s", dp_rank, traceback.format_exc())
+        out.send(
+            enc.encode(EngineCoreOutputs(engine_index=dp_rank, fatal=f"{type(e).__name__}: {e}"))
+        )
+    finally:
+        if core is not None:
+            core.shutdown()
+        out.close(linger=2000)
+        inp.close(linger=0)
+        ctx.term()
+    sys.exit(code)
+
+
+def _loop(core: EngineCore, inp, out, enc, stop) -> None:
+    dec = msgspec.msgpack.Decoder()
+    req_dec = msgspec.msgpack.Decoder(EngineCoreRequest)
+    sched = core.scheduler
+    while not stop["flag"]:
+        timeout = 0 if sched.has_work() else IDLE_POLL_MS
+        while inp.poll(timeout):
+            timeout = 0
+            raw = inp.recv()
+            kind, _, body = raw.partition(b"|")
+            if kind == b"add":
+                err = sched.add_request(req_dec.decode(body))
+                if err is not None:
+                    out.send(
+                        enc.encode(EngineCoreOutputs(engine_index=core.dp_rank, outputs=[err]))
+                    )
+            elif kind == b"abort":
+                sched.abort(dec.decode(body))
+            elif kind == b"utility":
+                call_id, name, args = dec.decode(body)
+                out.send(
+                    enc.encode(
+                        EngineCoreOutputs(
+                            engine_index=core.dp_rank, utility=_utility(core, call_id, name, args)
+                        )
+                    )
+                )
+            elif kind == b"shutdown":
+                return
+        res = core.step()
+        if res is not None:
+            out.send(enc.encode(res))
+
+
+def _utility(core: EngineCore, call_id: int, name: str, args: list) -> list:
+    try:
+        if name == "reset_prefix_cache":
+            return [call_id, core.scheduler.kv.pool.reset_prefix_cache(), None]
+        if name == "info":
+            return [call_id, core.info(), None]
+        if name == "ping":
+            return [call_id, time.time(), None]
+        if name == "pid":
+            return [call_id, os.getpid(), None]
+        return [call_id, None, f"unknown utility {name!r}"]
+    except Exception as e:  # noqa: BLE001
+        return [call_id, None, str(e)]

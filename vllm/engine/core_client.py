@@ -1,0 +1,175 @@
+"""The front end's handle on the engine-core process(es): start them, send requests, read outputs,
+notice death.
+
+With --data-parallel-size N there are N engine cores (each with its own workers); requests go to
+the least loaded one and outputs from all arrive on one socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import time
+
+import msgspec
+import zmq
+
+from vllm.config import VllmConfig
+from vllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, decoder, encoder
+from vllm.utils import EngineDeadError, free_port, ipc_addr, ipc_dir, logger
+
+STARTUP_TIMEOUT_S = 1800.0
+
+
+class EngineCoreClient:
+    def __init__(self, config: VllmConfig):
+        from vllm.engine.core import engine_core_main
+
+        self.config = config
+        self.ctx = zmq.Context()
+        d = ipc_dir()
+        self.out_addr = ipc_addr(d, "outputs")
+        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs.bind(self.out_addr)
+        self.enc = encoder()
+        self.dec = decoder(EngineCoreOutputs)
+        dist_init = f"tcp://127.0.0.1:{free_port()}"
+        spawn = mp.get_context("spawn")
+        self.procs, self.inputs = [], []
+        dp = config.parallel_config.data_parallel_size
+        for i in range(dp):
+            addr = ipc_addr(d, f"input-{i}")
+            s = self.ctx.socket(zmq.PUSH)
+            s.bind(addr)
+            p = spawn.Process(
+                target=engine_core_main,
+                name=f"EngineCore_DP{i}",
+                args=(config, i, addr, self.out_addr, dist_init),
+                daemon=False,
+            )
+            p.start()
+            self.procs.append(p)
+            self.inputs.append(s)
+        self.load = [0] * dp
+        self.owner: dict[str, int] = {}
+        self.dead: str | None = None
+        self.pending: list[EngineCoreOutputs] = []
+        self.info = self._wait_ready()
+        self._call_ids = itertools.count()
+
+    def _wait_ready(self) -> dict:
+        infos: dict[int, dict] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(infos) < len(self.procs):
+            if self.outputs.poll(100):
+                m = self.dec.decode(self.outputs.recv())
+                if m.fatal:
+                    self._kill()
+                    raise RuntimeError(f"engine failed to start: {m.fatal}")
+                if m.ready is not None:
+                    infos[m.engine_index] = m.ready
+                continue
+            for p in self.procs:
+                if p.exitcode is not None:
+                    self._kill()
+                    raise RuntimeError(
+                        f"engine process {p.name} exited with code {p.exitcode} during start-up"
+                    )
+            if time.monotonic() > deadline:
+                self._kill()
+                raise RuntimeError("engine start-up timed out")
+        return {
+            "max_request_tokens": min(i["max_request_tokens"] for i in infos.values()),
+            "capacity_tokens": min(i["capacity_tokens"] for i in infos.values()),
+            "num_blocks": min(i["num_blocks"] for i in infos.values()),
+            "engines": infos,
+        }
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._raise_if_dead()
+        i = min(range(len(self.load)), key=self.load.__getitem__)
+        self.owner[req.request_id] = i
+        self.load[i] += 1
+        self.inputs[i].send(b"add|" + self.enc.encode(req))
+
+    def abort(self, request_ids: list[str]) -> None:
+        by_engine: dict[int, list[str]] = {}
+        for rid in request_ids:
+            i = self.owner.get(rid)
+            if i is not None:
+                by_engine.setdefault(i, []).append(rid)
+        for i, ids in by_engine.items():
+            self.inputs[i].send(b"abort|" + msgspec.msgpack.encode(ids))
+
+    def finished(self, request_id: str) -> None:
+        i = self.owner.pop(request_id, None)
+        if i is not None:
+            self.load[i] -= 1
+
+    def call_utility(self, name: str, *args, timeout: float = 60.0):
+        """Run a utility on engine 0 and wait for its answer (other outputs are kept)."""
+        cid = next(self._call_ids)
+        self.inputs[0].send(b"utility|" + msgspec.msgpack.encode([cid, name, list(args)]))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.get_output(0.1)
+            if m is None:
+                continue
+            if m.utility is not None and m.utility[0] == cid:
+                if m.utility[2]:
+                    raise RuntimeError(m.utility[2])
+                return m.utility[1]
+            self.pending.append(m)
+        raise TimeoutError(f"utility {name} timed out")
+
+    # ---- outputs -----------------------------------------------------------------------------
+    def get_output(self, timeout_s: float) -> EngineCoreOutputs | None:
+        """Next output batch, or None after timeout. Raises EngineDeadError if an engine died."""
+        if self.pending:
+            return self.pending.pop(0)
+        self._raise_if_dead()
+        if self.outputs.poll(int(timeout_s * 1000)):
+            m = self.dec.decode(self.outputs.recv())
+            if m.fatal:
+                self.dead = m.fatal
+                raise EngineDeadError(m.fatal)
+            return m
+        self.check_alive()
+        return None
+
+    def check_alive(self) -> None:
+        for p in self.procs:
+            if p.exitcode is not None and self.dead is None:
+                self.dead = f"engine process {p.name} exited with code {p.exitcode}"
+        self._raise_if_dead()
+
+    def _raise_if_dead(self) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        for s in self.inputs:
+            try:
+                s.send(b"shutdown|", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+        for s in self.inputs:
+            s.close(linger=0)
+        self.outputs.close(linger=0)
+        self.ctx.term()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                logger.warning("terminating %s", p.name)
+                p.terminate()
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(2)

@@ -1,0 +1,117 @@
+"""Turn a user prompt + SamplingParams into engine-core requests, validating everything the
+engine would otherwise choke on (context length, KV capacity, vocabulary, parameters)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from vllm.config import VllmConfig
+from vllm.engine.messages import EngineCoreRequest, SamplingOptions
+from vllm.sampling_params import SamplingParams
+from vllm.tokenizer import Tokenizer
+
+
+@dataclass
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, config: VllmConfig, tokenizer: Tokenizer | None, max_request_tokens: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = config.model_config.vocab_size
+        self.max_model_len = config.model_config.max_model_len
+        self.max_request_tokens = max_request_tokens
+        self.max_logprobs = config.model_config.max_logprobs
+        self.eos_ids = list(config.model_config.arch.eos_token_id)
+
+    def tokenize(self, prompt) -> ProcessedPrompt:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return self.check_ids(
+                    ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]))
+                )
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "text prompts need a tokenizer; this server runs with --skip-tokenizer-init"
+                )
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+        if isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return self.check_ids(ProcessedPrompt(None, list(prompt)))
+        raise ValueError(
+            "prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}"
+        )
+
+    def check_ids(self, p: ProcessedPrompt) -> ProcessedPrompt:
+        for t in p.prompt_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"Token id {t} is out of vocabulary (vocab size {self.vocab_size})"
+                )
+        return p
+
+    def make_requests(
+        self, request_id: str, p: ProcessedPrompt, params: SamplingParams
+    ) -> list[tuple[str, SamplingParams, EngineCoreRequest]]:
+        n_prompt = len(p.prompt_token_ids)
+        if n_prompt == 0:
+            raise ValueError("The prompt is empty; it must contain at least one token")
+        limit = self.max_request_tokens
+        if n_prompt >= limit:
+            raise ValueError(
+                self._too_long(n_prompt, 1 if params.max_tokens is None else params.max_tokens)
+            )
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=limit - n_prompt)
+        if n_prompt + params.max_tokens > limit:
+            raise ValueError(self._too_long(n_prompt, params.max_tokens))
+        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(
+                    f"Requested {name} of {k}, which is greater than max allowed: {self.max_logprobs}"
+                )
+        for t in params.stop_token_ids or []:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids: token id {t} is out of vocabulary")
+        out = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{i}_{request_id}"
+            seed = (params.seed + i) if params.seed is not None else random.getrandbits(63)
+            opts = SamplingOptions(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p,
+                seed=seed,
+                max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens,
+                stop_token_ids=list(params.stop_token_ids or []),
+                ignore_eos=params.ignore_eos,
+                logprobs=params.logprobs,
+                prompt_logprobs=params.prompt_logprobs,
+            )
+            out.append(
+                (rid, params, EngineCoreRequest(rid, p.prompt_token_ids, opts, self.eos_ids))
+            )
+        return out
+
+    def _too_long(self, n_prompt: int, max_tokens: int) -> str:
+        cap = self.max_request_tokens
+        why = (
+            f"This model's maximum context length is {self.max_model_len} tokens"
+            if cap == self.max_model_len
+            else f"The KV cache holds at most {cap} tokens per request at this configuration "
+            f"(max context length {self.max_model_len}; a larger --decode-context-parallel-size "
+            "or KV budget admits longer requests)"
+        )
+        return (
+            f"{why}. However, you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
+            f"prompt, {max_tokens} in the completion). Please reduce the length of the prompt or completion."
+        )

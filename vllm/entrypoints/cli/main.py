@@ -1,0 +1,98 @@
+"""`vllm` — the command line.
+
+vllm serve [MODEL] [flags]        OpenAI-compatible server (MODEL defaults to the built-in tiny GLM-5.3)
+vllm tiny-checkpoint DIR [--fp8]  write the built-in tiny checkpoint as an HF folder
+vllm plan [MODEL] [flags]         capacity / cost model of a deployment
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _serve_parser(sub) -> None:
+    from vllm.engine.arg_utils import DEFAULT_MODEL, add_engine_args
+    from vllm.entrypoints.openai.api_server import add_server_args
+
+    p = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        description="Serve a GLM-5.3-family checkpoint over the OpenAI API.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"HF checkpoint folder (default: {DEFAULT_MODEL}, the built-in tiny checkpoint)",
+    )
+    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
+    add_engine_args(p)
+    add_server_args(p)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    from vllm.entrypoints.openai.api_server import run_server
+
+    if args.model_flag:
+        args.model = args.model_flag
+    return run_server(args)
+
+
+def _tiny_parser(sub) -> None:
+    p = sub.add_parser(
+        "tiny-checkpoint", help="write the built-in tiny GLM-5.3-architecture checkpoint"
+    )
+    p.add_argument("output", help="folder to write (config.json, safetensors, tokenizer)")
+    p.add_argument(
+        "--fp8", action="store_true", help="store linear weights as FP8 e4m3 with 128x128 scales"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_tiny)
+
+
+def _tiny(args) -> int:
+    from vllm.model_executor.tiny import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(args.output, fp8=args.fp8, seed=args.seed)
+    print(f"wrote tiny GLM-5.3 checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm", description="vLLM-shaped engine for sparse-MLA GLM-5.3 models"
+    )
+    parser.add_argument("--version", action="store_true")
+    sub = parser.add_subparsers(dest="command")
+    _serve_parser(sub)
+    _tiny_parser(sub)
+    from vllm.entrypoints.cli import plan
+
+    plan.add_parser(sub)
+    try:
+        from vllm.entrypoints.cli import bench
+    except ImportError:
+        bench = None
+    if bench is not None:
+        bench.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from vllm import __version__
+
+        print(__version__)
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

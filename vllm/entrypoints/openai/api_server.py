@@ -1,0 +1,261 @@
+"""`vllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) in the API-server process.
+
+The engine core and the workers run in their own processes (see `engine/core_client.py`). If the
+engine dies, open requests fail, /health turns 503 and the server exits non-zero with the cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.async_llm import AsyncLLM
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from vllm.entrypoints.openai.serving import OpenAIServing, new_request_id
+from vllm.metrics import Metrics
+from vllm.utils import EngineDeadError, init_logging, logger
+
+
+class ServerState:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.engine: AsyncLLM | None = None
+        self.serving: OpenAIServing | None = None
+        self.metrics: Metrics | None = None
+        self.server: uvicorn.Server | None = None
+        self.dead: str | None = None
+        self.exit_code = 0
+
+
+def _err(message: str, code: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
+    return JSONResponse(error_body(message, err_type, code), status_code=code)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    args = state.args
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        if state.engine is not None:
+            state.engine.shutdown()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        key = args.api_key or os.environ.get("VLLM_API_KEY")
+        if key and request.url.path.startswith("/v1"):
+            if request.headers.get("Authorization") != f"Bearer {key}":
+                return _err("Unauthorized: missing or wrong API key", 401, "AuthenticationError")
+        return await call_next(request)
+
+    async def parse(request: Request, model):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"malformed JSON body: {e}") from e
+        if not isinstance(body, dict):
+            raise ValueError("the request body must be a JSON object")
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(x) for x in first.get("loc", ()))
+            raise ValueError(f"invalid request: {loc}: {first.get('msg')}") from e
+
+    def request_id(request: Request) -> str:
+        return request.headers.get("X-Request-Id") or new_request_id()
+
+    async def run(request: Request, model, handler):
+        if state.dead:
+            return _err(f"engine is dead: {state.dead}", 503, "ServiceUnavailableError")
+        try:
+            req = await parse(request, model)
+            bad = state.serving.check_model(req.model)
+            if bad is not None:
+                return JSONResponse(bad, status_code=404)
+            rid = request_id(request)
+            result = await handler(req, rid, req.stream)
+        except EngineDeadError as e:
+            return _err(f"engine is dead: {e}", 503, "ServiceUnavailableError")
+        except (ValueError, TypeError) as e:
+            return _err(str(e))
+        headers = {"X-Request-Id": rid}
+        if req.stream:
+            return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+        return JSONResponse(result, headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run(request, CompletionRequest, state.serving.completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await run(request, ChatCompletionRequest, state.serving.chat)
+
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request):
+        try:
+            req = await parse(request, CompletionRequest)
+            prompts = state.serving.completion_prompts(req)
+        except ValueError as e:
+            return _err(str(e))
+        ids = [p.prompt_token_ids for p in prompts]
+        return JSONResponse({"token_ids": ids[0] if len(ids) == 1 else ids})
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request):
+        try:
+            req = await parse(request, ChatCompletionRequest)
+            p = state.serving.chat_prompt(req)
+        except ValueError as e:
+            return _err(str(e))
+        return JSONResponse({"token_ids": p.prompt_token_ids, "prompt": p.prompt})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        try:
+            body = await request.json()
+            if "messages" in body:
+                p = state.serving.chat_prompt(ChatCompletionRequest.model_validate(body))
+            else:
+                p = state.engine.tokenize(body.get("prompt", ""))
+        except (ValueError, ValidationError, json.JSONDecodeError) as e:
+            return _err(str(e))
+        mrl = state.engine.inputs.max_request_tokens
+        return JSONResponse(
+            {"tokens": p.prompt_token_ids, "count": len(p.prompt_token_ids), "max_model_len": mrl}
+        )
+
+    @app.get("/v1/models")
+    async def models():
+        mc = state.engine.config.model_config
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": state.serving.model_name,
+                        "object": "model",
+                        "created": int(time.time()),
+                        "owned_by": "vllm",
+                        "root": mc.model,
+                        "parent": None,
+                        "max_model_len": state.engine.inputs.max_request_tokens,
+                    }
+                ],
+            }
+        )
+
+    @app.get("/health")
+    async def health():
+        if state.dead or state.engine is None or state.engine.dead:
+            return Response(
+                status_code=503, content=f"engine is dead: {state.dead or state.engine.dead}"
+            )
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        from vllm import __version__
+
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(
+            state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        ok = await state.engine.utility("reset_prefix_cache")
+        return JSONResponse({"reset": bool(ok)})
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> int:
+    init_logging(args.uvicorn_log_level if args.uvicorn_log_level != "info" else None)
+    engine_args = EngineArgs.from_cli_args(args)
+    try:
+        config = engine_args.create_engine_config()
+    except (ValueError, NotImplementedError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    state = ServerState(args)
+    state.metrics = Metrics(config.model_config.served_model_name)
+
+    def on_dead(why: str) -> None:
+        state.dead, state.exit_code = why, 1
+        if state.server is not None:
+            state.server.should_exit = True
+
+    logger.info("starting engine for %s", config.model_config.model)
+    try:
+        state.engine = AsyncLLM(config, state.metrics, on_dead)
+    except Exception as e:  # noqa: BLE001
+        print(f"error: engine failed to start: {e}", file=sys.stderr)
+        return 1
+    if args.chat_template and state.engine.tokenizer is not None:
+        t = args.chat_template
+        state.engine.tokenizer.chat_template = open(t).read() if os.path.isfile(t) else t
+    state.serving = OpenAIServing(
+        state.engine, config.model_config.served_model_name, args.enable_prompt_tokens_details
+    )
+    app = build_app(state)
+    uv = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_keep_alive=5,
+        lifespan="on",
+    )
+    state.server = uvicorn.Server(uv)
+    logger.info(
+        "serving %s on http://%s:%d", config.model_config.served_model_name, args.host, args.port
+    )
+    try:
+        asyncio.run(state.server.serve())
+    finally:
+        if state.engine is not None:
+            state.engine.shutdown()
+    if state.dead:
+        print(f"error: engine died: {state.dead}", file=sys.stderr)
+    return state.exit_code
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+    )
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template file or string")
+    g.add_argument("--disable-log-requests", action="store_true")

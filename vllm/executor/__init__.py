@@ -1,0 +1,1 @@
+"""Executors: how the engine core reaches its workers. One process per rank, always."""

@@ -1,0 +1,109 @@
+"""Spawns one worker process per rank of an engine replica and runs steps on them.
+
+The scheduler output goes to every worker over its own ZMQ socket; the driver (first rank of
+the replica) sends back the sampled tokens. Worker death or a worker error is noticed within
+~50 ms while waiting and raised as EngineDeadError naming the rank and cause.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import zmq
+
+from vllm.config import VllmConfig
+from vllm.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerMessage, decoder, encoder
+from vllm.utils import EngineDeadError, ipc_addr, ipc_dir, logger
+
+STARTUP_TIMEOUT_S = 1800.0
+
+
+class MultiprocExecutor:
+    def __init__(self, config: VllmConfig, dp_rank: int, dist_init: str):
+        self.config = config
+        self.world_size = config.parallel_config.world_size
+        self.first_rank = dp_rank * self.world_size
+        self.ctx = zmq.Context()
+        d = ipc_dir()
+        self.result_addr = ipc_addr(d, "results")
+        self.results = self.ctx.socket(zmq.PULL)
+        self.results.bind(self.result_addr)
+        self.enc, self.dec = encoder(), decoder(WorkerMessage)
+        spawn = mp.get_context("spawn")
+        self.procs, self.socks = [], []
+        from vllm.worker.worker import worker_main
+
+        for i in range(self.world_size):
+            rank = self.first_rank + i
+            addr = ipc_addr(d, f"in-{rank}")
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.bind(addr)
+            p = spawn.Process(
+                target=worker_main,
+                name=f"VllmWorker-{rank}",
+                args=(config, rank, dp_rank, dist_init, addr, self.result_addr),
+                daemon=True,
+            )
+            p.start()
+            self.procs.append(p)
+            self.socks.append(sock)
+        infos = self._collect("ready", self.world_size, STARTUP_TIMEOUT_S)
+        self.num_blocks = min(m.info["num_blocks"] for m in infos)
+        self.dead: str | None = None
+
+    def _check_alive(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                raise EngineDeadError(
+                    f"worker rank {self.first_rank + i} exited with code {p.exitcode}"
+                )
+
+    def _collect(self, kind: str, count: int, timeout: float) -> list[WorkerMessage]:
+        got: list[WorkerMessage] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < count:
+            if self.results.poll(50):
+                m = self.dec.decode(self.results.recv())
+                if m.kind == "error":
+                    raise EngineDeadError(f"worker rank {m.rank} failed: {m.error}")
+                if m.kind == kind:
+                    got.append(m)
+                continue
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise EngineDeadError(
+                    f"timed out after {timeout:.0f}s waiting for workers ({kind})"
+                )
+        return got
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        raw = self.enc.encode(so)
+        for s in self.socks:
+            s.send(raw)
+        try:
+            return self._collect("output", 1, float("inf"))[0].output
+        except EngineDeadError as e:
+            self.dead = str(e)
+            raise
+
+    def shutdown(self) -> None:
+        for s in self.socks:
+            try:
+                s.send(b"SHUTDOWN", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                logger.warning("terminating worker %s", p.name)
+                p.kill()
+                p.join(2)
+        for s in self.socks:
+            s.close(linger=0)
+        self.results.close(linger=0)
+        self.ctx.term()

@@ -1,0 +1,51 @@
+"""Process plumbing shared by the front end, the engine core and the workers."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+
+logger = logging.getLogger("vllm")
+
+
+def init_logging(level: str | None = None) -> None:
+    lvl = (level or os.environ.get("VLLM_LOGGING_LEVEL", "INFO")).upper()
+    if not logging.getLogger("vllm").handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [%(processName)s] %(message)s", "%H:%M:%S")
+        )
+        logging.getLogger("vllm").addHandler(h)
+    logging.getLogger("vllm").setLevel(lvl)
+
+
+def die_with_parent() -> None:
+    """Linux: receive SIGKILL when the parent process dies, so no process outlives its parent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ipc_dir() -> str:
+    return tempfile.mkdtemp(prefix="vllm-ipc-")
+
+
+def ipc_addr(d: str, name: str) -> str:
+    return f"ipc://{os.path.join(d, name)}"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine (a worker or the engine core) died; the message says why."""

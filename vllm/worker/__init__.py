@@ -1,0 +1,1 @@
+"""Worker processes (`worker.py`) and the model runner (`gpu/`), one per rank."""

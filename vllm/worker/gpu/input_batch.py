@@ -1,0 +1,76 @@
+"""Per-step inputs, built from the scheduler output and the persistent state with array ops.
+
+Batch row b is request `req_ids[b]` in slot `idx_mapping[b]`, with `num_scheduled[b]` tokens at
+positions `start[b] ..`. Token ids the worker already knows (prompt, or prompt+outputs after a
+preemption) come from the host; a token past them is the one this worker sampled last step and is
+read on the device from `last_sampled` — no host round trip for decode inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm.engine.messages import SchedulerOutput
+from vllm.worker.gpu.states import RequestStates
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]
+    idx_mapping: torch.Tensor  # [B] slot per batch row (device)
+    idx_np: np.ndarray
+    start: np.ndarray  # [B] first position of this step's tokens
+    num_scheduled: np.ndarray  # [B]
+    query_start_loc: np.ndarray  # [B+1]
+    seq_lens: np.ndarray  # [B] start + num_scheduled
+    is_prefill: np.ndarray  # [B] bool: the chunk holds known (not freshly sampled) tokens
+    sample_rows: np.ndarray  # batch rows that produce a token this step
+    input_ids: torch.Tensor  # [T] (device)
+    positions: torch.Tensor  # [T] int64 (device)
+    token_req: torch.Tensor  # [T] batch row of each token (device)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+def build_step_inputs(
+    so: SchedulerOutput, st: RequestStates, device: torch.device, start_of: dict[str, int]
+) -> StepInputs:
+    req_ids = list(so.num_scheduled_tokens)
+    idx = np.fromiter((st.slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+    n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+    start = np.fromiter((start_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+    qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
+    np.cumsum(n, out=qsl[1:])
+    t = int(qsl[-1])
+    token_req = np.repeat(np.arange(len(req_ids)), n)
+    positions = np.repeat(start, n) + (np.arange(t) - np.repeat(qsl[:-1], n))
+    known = st.num_known[idx]
+    ids = np.full(t, -1, dtype=np.int64)
+    for b in np.nonzero(start < known)[0]:  # rows with host-known tokens (prefill chunks)
+        hi = min(start[b] + n[b], known[b])
+        ids[qsl[b] : qsl[b] + hi - start[b]] = st.token_ids[idx[b]][start[b] : hi]
+    seq_lens = start + n
+    sample_rows = np.nonzero(seq_lens >= known + st.num_generated[idx])[0]
+    dev_idx = torch.from_numpy(idx).to(device)
+    dev_tr = torch.from_numpy(token_req).to(device)
+    ids_d = torch.from_numpy(ids).to(device)
+    input_ids = torch.where(ids_d >= 0, ids_d, st.last_sampled[dev_idx[dev_tr]])
+    return StepInputs(
+        req_ids=req_ids,
+        idx_mapping=dev_idx,
+        idx_np=idx,
+        start=start,
+        num_scheduled=n,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        is_prefill=start < known,
+        sample_rows=sample_rows,
+        input_ids=input_ids,
+        positions=torch.from_numpy(positions).to(device),
+        token_req=dev_tr,
+    )

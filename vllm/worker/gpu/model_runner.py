@@ -1,0 +1,235 @@
+"""Model Runner V2.
+
+What belongs here: what every model step needs — applying the scheduler's changes to the
+persistent request state, building the step's inputs, running the model, sampling, and handing
+back sampled tokens with exactly one device→host sync. What does not: model math (model files),
+where tokens and KV live across ranks (`distributed/pcp_manager.py` behind `self.cp`), moving KV
+to or from other engines (the KV connector, a no-op unless configured).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.attention.kv_cache import KVCacheLayout, cdiv, kv_bytes_per_token
+from vllm.attention.metadata import MLAMetadata
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector
+from vllm.distributed.parallel_state import ParallelContext
+from vllm.engine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from vllm.worker.gpu.input_batch import StepInputs, build_step_inputs
+from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample
+from vllm.worker.gpu.states import RequestStates
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: VllmConfig,
+        model,
+        pc: ParallelContext,
+        device: torch.device,
+        connector: KVConnectorBase | None = None,
+    ):
+        self.config, self.model, self.pc, self.device = config, model, pc, device
+        mc = config.model_config
+        self.arch = mc.arch
+        self.layout = KVCacheLayout.from_arch(self.arch, config.cache_config.cache_dtype, mc.dtype)
+        self.scheduler_block_size = config.scheduler_block_size
+        self.max_blocks_per_req = cdiv(mc.max_model_len, self.scheduler_block_size)
+        self.states = RequestStates(
+            config.scheduler_config.max_num_seqs, self.max_blocks_per_req, device
+        )
+        self.eos_ids = list(self.arch.eos_token_id)
+        self.connector = connector or NoOpConnector()
+        self.force_mqa = config.attention_config.sparse_mla_force_mqa
+        self.num_blocks = 0
+        from vllm.distributed.pcp_manager import make_cp_planner
+
+        self.cp = make_cp_planner(config, pc, self.layout)
+
+    # ---- KV cache ------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one 64-token block takes on this rank across every attention layer."""
+        per_token = kv_bytes_per_token(
+            self.arch,
+            self.layout.cache_dtype,
+            self.config.model_config.dtype,
+            num_mtp_layers=self.model.num_mtp,
+        )
+        return per_token * self.layout.block_size
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        for attn in self.model.attention_layers():
+            attn.kv_cache = self.layout.allocate_mla(num_blocks, self.device)
+            attn.indexer_cache = (
+                self.layout.allocate_indexer(num_blocks, self.device) if attn.has_indexer else None
+            )
+
+    # ---- one step ------------------------------------------------------------------------------
+    def update_states(self, so: SchedulerOutput) -> dict[str, int]:
+        for rid in so.finished_req_ids:
+            self.states.remove(rid)
+        start_of: dict[str, int] = {}
+        for r in so.new_reqs:
+            self.states.add(r, self.eos_ids)
+            start_of[r.req_id] = r.num_computed_tokens
+        self.states.append_blocks([(c.req_id, c.new_block_ids) for c in so.cached_reqs])
+        for c in so.cached_reqs:
+            start_of[c.req_id] = c.num_computed_tokens
+        return start_of
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        start_of = self.update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            if so.dummy:
+                self.cp.dummy_forward(self)
+            return ModelRunnerOutput(step=so.step)
+        inp = build_step_inputs(so, self.states, self.device, start_of)
+        self.connector.start_load_kv(so)
+        hidden = self.cp.forward(self, inp)  # [T, hidden] in the batch's token order, on every rank
+        self.connector.wait_for_save()
+        return self._sample(inp, hidden, so.step)
+
+    def metadata(self, inp: StepInputs, positions, token_req, qsl_local: list[int]) -> MLAMetadata:
+        """Attention metadata for this rank's query tokens (positions/token_req/qsl_local)."""
+        topk = self.arch.index_topk
+        seq_lens = inp.seq_lens.tolist()
+        is_prefill = inp.is_prefill.tolist()
+        dense = [
+            p and s <= topk and not self.force_mqa
+            for p, s in zip(is_prefill, seq_lens, strict=True)
+        ]
+        return MLAMetadata(
+            layout=self.layout,
+            index_topk=topk,
+            positions=positions,
+            token_req=token_req,
+            query_start_loc_cpu=qsl_local,
+            seq_lens=torch.from_numpy(inp.seq_lens).to(self.device),
+            seq_lens_cpu=seq_lens,
+            block_table=self.states.block_table[inp.idx_mapping],
+            is_prefill_cpu=is_prefill,
+            use_dense_cpu=dense,
+            slot_mapping=torch.empty(0, dtype=torch.long, device=self.device),
+        )
+
+    # ---- sampling --------------------------------------------------------------------------------
+    def _sampling_batch(self, inp: StepInputs, rows: np.ndarray) -> SamplingBatch:
+        st, slots = self.states, inp.idx_np[rows]
+        dslots = torch.from_numpy(slots).to(self.device)
+        banned_r, banned_t = [], []
+        for i, s in enumerate(slots):
+            if st.num_generated[s] < st.min_tokens[s] and st.stop_ids[s]:
+                banned_r += [i] * len(st.stop_ids[s])
+                banned_t += st.stop_ids[s]
+        banned = None
+        if banned_r:
+            banned = (
+                torch.tensor(banned_r, device=self.device),
+                torch.tensor(banned_t, device=self.device),
+            )
+        return SamplingBatch(
+            temperature=st.temperature[dslots],
+            top_k=st.top_k[dslots],
+            top_p=st.top_p[dslots],
+            min_p=st.min_p[dslots],
+            seeds=st.seeds[dslots],
+            positions=torch.from_numpy(inp.seq_lens[rows]).to(self.device),
+            all_greedy=bool(st.greedy[slots].all()),
+            any_top_k=bool(st.top_k_on[slots].any()),
+            any_top_p=bool(st.top_p_on[slots].any()),
+            any_min_p=bool(st.min_p_on[slots].any()),
+            max_logprobs=int(max(st.logprobs[slots].max(initial=-1), 0)),
+            banned=banned,
+        )
+
+    def _sample(self, inp: StepInputs, hidden: torch.Tensor, step: int) -> ModelRunnerOutput:
+        st = self.states
+        rows = inp.sample_rows
+        host: dict[str, torch.Tensor] = {}
+        if len(rows):
+            last = torch.from_numpy(inp.query_start_loc[rows + 1] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[last])
+            sb = self._sampling_batch(inp, rows)
+            sampled, lp = sample(logits, sb)
+            sampled = self.cp.broadcast_sampled(sampled)
+            st.last_sampled[inp.idx_mapping[torch.from_numpy(rows).to(self.device)]] = sampled
+            host["sampled"] = sampled
+            if lp is not None:
+                host.update(lp_chosen=lp[0], lp_rank=lp[1], lp_ids=lp[2], lp_vals=lp[3])
+        plp_plan = self._prompt_logprob_plan(inp)
+        if plp_plan:
+            tok_rows = np.concatenate([r for _, r, _, _ in plp_plan])
+            next_ids = np.concatenate([nx for _, _, nx, _ in plp_plan])
+            n = max(k for _, _, _, k in plp_plan)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(tok_rows).to(self.device)])
+            res = prompt_logprobs(logits, torch.from_numpy(next_ids).to(self.device), n)
+            host.update(plp_chosen=res[0], plp_rank=res[1], plp_ids=res[2], plp_vals=res[3])
+        h = to_host(host)  # the step's one device -> host sync
+        return self._build_output(inp, rows, h, plp_plan, step)
+
+    def _prompt_logprob_plan(self, inp: StepInputs):
+        """(batch row, hidden rows, next prompt ids, n) for requests wanting prompt logprobs."""
+        st, plan = self.states, []
+        for b in np.nonzero(st.prompt_logprobs[inp.idx_np] >= 0)[0]:
+            s = inp.idx_np[b]
+            lo, hi = int(inp.start[b]), min(int(inp.seq_lens[b]), int(st.num_prompt[s]) - 1)
+            if hi <= lo:
+                continue
+            rows = inp.query_start_loc[b] + np.arange(hi - lo)
+            plan.append((b, rows, st.token_ids[s][lo + 1 : hi + 1], int(st.prompt_logprobs[s])))
+        return plan
+
+    def _build_output(self, inp, rows, h, plp_plan, step) -> ModelRunnerOutput:
+        st = self.states
+        out = ModelRunnerOutput(step=step)
+        if len(rows):
+            sampled = h["sampled"].tolist()
+            for i, b in enumerate(rows.tolist()):
+                rid = inp.req_ids[b]
+                out.req_ids.append(rid)
+                out.sampled_token_ids.append([sampled[i]])
+                s = inp.idx_np[b]
+                st.num_generated[s] += 1
+                k = int(st.logprobs[s])
+                if k >= 0:
+                    out.logprobs[rid] = [
+                        TokenLogprobs(
+                            sampled[i],
+                            float(h["lp_chosen"][i]),
+                            int(h["lp_rank"][i]),
+                            h["lp_ids"][i, :k].tolist(),
+                            h["lp_vals"][i, :k].tolist(),
+                        )
+                    ]
+        off = 0
+        for b, r, nx, k in plp_plan:
+            m = len(r)
+            out.prompt_logprobs[inp.req_ids[b]] = [
+                TokenLogprobs(
+                    int(nx[j]),
+                    float(h["plp_chosen"][off + j]),
+                    int(h["plp_rank"][off + j]),
+                    h["plp_ids"][off + j, :k].tolist(),
+                    h["plp_vals"][off + j, :k].tolist(),
+                )
+                for j in range(m)
+            ]
+            off += m
+        return out
+
+
+def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copy every tensor to the host with a single synchronisation."""
+    if not tensors:
+        return {}
+    first = next(iter(tensors.values()))
+    if not first.is_cuda:
+        return {k: v.cpu() for k, v in tensors.items()}
+    out = {k: v.to("cpu", non_blocking=True) for k, v in tensors.items()}
+    torch.cuda.current_stream().synchronize()
+    return out

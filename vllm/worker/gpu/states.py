@@ -1,0 +1,108 @@
+"""Persistent per-request state, one row ("slot") per live request.
+
+Device tensors hold what the step needs every time (block table, last sampled token, sampling
+parameters); host arrays hold what only the CPU needs (known token ids for prefill chunks, counts).
+Per-step inputs gather from here through `idx_mapping` (the slot of each batch row).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.engine.messages import NewRequestData
+
+
+class RequestStates:
+    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+        self.max_num_reqs, self.max_blocks = max_num_reqs, max_blocks_per_req
+        self.device = device
+        self.free_slots = list(range(max_num_reqs - 1, -1, -1))
+        self.slot_of: dict[str, int] = {}
+        n = max_num_reqs
+        # host
+        self.token_ids: list[np.ndarray | None] = [None] * n
+        self.num_known = np.zeros(n, dtype=np.int64)
+        self.num_prompt = np.zeros(n, dtype=np.int64)
+        self.num_generated = np.zeros(n, dtype=np.int64)
+        self.num_blocks = np.zeros(n, dtype=np.int64)
+        self.min_tokens = np.zeros(n, dtype=np.int64)
+        self.logprobs = np.full(n, -1, dtype=np.int64)
+        self.prompt_logprobs = np.full(n, -1, dtype=np.int64)
+        self.greedy = np.ones(n, dtype=bool)
+        self.top_k_on = np.zeros(n, dtype=bool)
+        self.top_p_on = np.zeros(n, dtype=bool)
+        self.min_p_on = np.zeros(n, dtype=bool)
+        self.stop_ids: list[list[int]] = [[] for _ in range(n)]
+        # device
+        self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
+        self.last_sampled = torch.zeros(n, dtype=torch.int64, device=device)
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(n, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(n, dtype=torch.int64, device=device)
+
+    def add(self, r: NewRequestData, eos_ids: list[int]) -> int:
+        if not self.free_slots:
+            raise RuntimeError("no free request slot (max_num_seqs exceeded)")
+        if len(r.block_ids) > self.max_blocks:
+            raise RuntimeError(
+                f"request {r.req_id} needs {len(r.block_ids)} blocks > {self.max_blocks}"
+            )
+        s = self.free_slots.pop()
+        self.slot_of[r.req_id] = s
+        toks = np.asarray(r.token_ids, dtype=np.int64)
+        self.token_ids[s] = toks
+        self.num_known[s] = len(toks)
+        self.num_prompt[s] = r.num_prompt_tokens
+        self.num_generated[s] = len(toks) - r.num_prompt_tokens
+        sp = r.sampling
+        self.min_tokens[s] = sp.min_tokens
+        self.logprobs[s] = -1 if sp.logprobs is None else sp.logprobs
+        self.prompt_logprobs[s] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
+        self.greedy[s] = sp.temperature == 0.0
+        self.top_k_on[s], self.top_p_on[s], self.min_p_on[s] = (
+            sp.top_k > 0,
+            sp.top_p < 1.0,
+            sp.min_p > 0,
+        )
+        self.stop_ids[s] = ([] if sp.ignore_eos else list(eos_ids)) + list(sp.stop_token_ids)
+        self.num_blocks[s] = len(r.block_ids)
+        self.block_table[s, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+        self.temperature[s] = sp.temperature
+        self.top_k[s], self.top_p[s], self.min_p[s], self.seeds[s] = (
+            sp.top_k,
+            sp.top_p,
+            sp.min_p,
+            sp.seed,
+        )
+        return s
+
+    def remove(self, req_id: str) -> None:
+        s = self.slot_of.pop(req_id, None)
+        if s is None:
+            return
+        self.token_ids[s] = None
+        self.num_blocks[s] = 0
+        self.free_slots.append(s)
+
+    def append_blocks(self, updates: list[tuple[str, list[int]]]) -> None:
+        """One scatter for every request's new block ids."""
+        rows, cols, vals = [], [], []
+        for rid, ids in updates:
+            if not ids:
+                continue
+            s = self.slot_of[rid]
+            start = int(self.num_blocks[s])
+            if start + len(ids) > self.max_blocks:
+                raise RuntimeError(f"request {rid} exceeds {self.max_blocks} blocks")
+            rows += [s] * len(ids)
+            cols += range(start, start + len(ids))
+            vals += ids
+            self.num_blocks[s] = start + len(ids)
+        if rows:
+            idx = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
+            self.block_table.index_put_(
+                idx, torch.tensor(vals, dtype=torch.int32, device=self.device)
+            )

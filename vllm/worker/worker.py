@@ -1,0 +1,111 @@
+"""A worker process: one rank. Loads its shard of the model, sizes and allocates its KV cache,
+then runs whatever scheduler output the engine core sends, until told to stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import traceback
+
+import torch
+import zmq
+
+from vllm.config import VllmConfig
+from vllm.engine.messages import SchedulerOutput, WorkerMessage, decoder, encoder
+from vllm.utils import die_with_parent, init_logging, logger
+
+ACTIVATION_RESERVE_GIB = float(os.environ.get("VLLM_CUDA_ACTIVATION_RESERVE_GIB", "4"))
+
+
+def _device(config: VllmConfig, local_rank: int) -> torch.device:
+    if config.device_config.device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _num_blocks(config: VllmConfig, runner, device: torch.device) -> int:
+    cc = config.cache_config
+    if cc.num_gpu_blocks_override:
+        return cc.num_gpu_blocks_override
+    per_block = runner.kv_bytes_per_block()
+    if cc.kv_cache_memory_bytes is not None:
+        budget = cc.kv_cache_memory_bytes
+    else:
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = int(total * cc.gpu_memory_utilization - used - ACTIVATION_RESERVE_GIB * 2**30)
+    n = budget // per_block
+    if n < 1:
+        raise RuntimeError(
+            f"no room for the KV cache: {budget} bytes available, one block needs {per_block} "
+            "(raise --gpu-memory-utilization or --kv-cache-memory-bytes)"
+        )
+    return int(n)
+
+
+def worker_main(
+    config: VllmConfig, global_rank: int, dp_rank: int, dist_init: str, in_addr: str, out_addr: str
+) -> None:
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end coordinates shutdown
+    init_logging()
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(out_addr)
+    enc = encoder()
+    try:
+        _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc)
+    except Exception as e:  # report, then die: the engine core fails every request with this
+        logger.error("worker %d failed: %s", global_rank, traceback.format_exc())
+        out.send(
+            enc.encode(
+                WorkerMessage(rank=global_rank, kind="error", error=f"{type(e).__name__}: {e}")
+            )
+        )
+        out.close(linger=2000)
+        os._exit(1)
+
+
+def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
+    from vllm.distributed.parallel_state import init_distributed
+    from vllm.model_executor.model_loader import build_model
+    from vllm.worker.gpu.model_runner import ModelRunner
+
+    pc_cfg = config.parallel_config
+    world = pc_cfg.world_size_across_dp
+    device = _device(config, global_rank)
+    if config.device_config.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    pc = init_distributed(config, global_rank, dist_init, device)
+    rank_in_replica = global_rank - dp_rank * pc_cfg.world_size
+    mc = config.model_config
+    model = build_model(
+        mc.model,
+        dtype=mc.dtype,
+        device=device,
+        pc=pc,
+        force_mqa=config.attention_config.sparse_mla_force_mqa,
+        load_mtp=config.speculative_config is not None,
+        progress=rank_in_replica == 0 and os.environ.get("VLLM_NO_PROGRESS", "0") != "1",
+    )
+    runner = ModelRunner(config, model, pc, device)
+    num_blocks = _num_blocks(config, runner, device)
+    num_blocks = pc.min_over_world(num_blocks)
+    runner.initialize_kv_cache(num_blocks)
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(in_addr)
+    out.send(
+        enc.encode(WorkerMessage(rank=global_rank, kind="ready", info={"num_blocks": num_blocks}))
+    )
+    dec = decoder(SchedulerOutput)
+    driver = rank_in_replica == 0
+    while True:
+        raw = inp.recv()
+        if raw == b"SHUTDOWN":
+            break
+        so = dec.decode(raw)
+        ro = runner.execute(so)
+        if driver:
+            out.send(enc.encode(WorkerMessage(rank=global_rank, kind="output", output=ro)))
+    pc.destroy()
