@@ -1,0 +1,50 @@
+"""KV cache writes: quantise + scatter N new rows into a 1M-slot cache at random distinct slots
+(fp8_ds_mla 656-byte rows, bf16 ``auto`` 1152-byte rows, FP8 indexer keys 132 bytes).
+Memory-bound; the floor is 60 % of the measured copy bandwidth."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms
+from vllm.attention.kv_cache import KVCacheLayout, write_indexer_cache_ref, write_mla_cache_ref
+from vllm.kernels.kv_write import kv_write_cost, write_indexer_cache, write_mla_cache
+
+SLOTS = 1 << 20
+SHAPES = [16384, 131072]
+
+
+def bench(n, what):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    cache_dtype = "auto" if what == "mla_auto" else "fp8_ds_mla"
+    layout = KVCacheLayout(cache_dtype, torch.bfloat16, 512, 64, 128)
+    nb = SLOTS // 64
+    slots = torch.randperm(SLOTS, device="cuda", generator=g)[:n]
+    kv_c = torch.randn(n, 512, device="cuda", generator=g).to(torch.bfloat16)
+    k_pe = torch.randn(n, 64, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(n, 128, device="cuda", generator=g).to(torch.bfloat16)
+    if what == "indexer":
+        cache = layout.allocate_indexer(nb, "cuda")
+        fn = lambda: write_indexer_cache(cache, k, slots, layout)
+        ref = lambda: write_indexer_cache_ref(cache, k, slots, layout)
+        flops, nbytes = kv_write_cost(n, 256, 132)
+    else:
+        cache = layout.allocate_mla(nb, "cuda")
+        fn = lambda: write_mla_cache(cache, kv_c, k_pe, slots, layout)
+        ref = lambda: write_mla_cache_ref(cache, kv_c, k_pe, slots, layout)
+        flops, nbytes = kv_write_cost(n, 1152, layout.mla_bytes_per_token)
+    ms = time_ms(fn)
+    ref_ms = time_ms(ref, rep_ms=100)
+    return row(f"kv_write_{what}", f"N={n} into {SLOTS} slots", ms, flops, nbytes, "bf16", ref_ms)
+
+
+def main():
+    args = parser(__doc__).parse_args()
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    rows = [bench(n, w) for w in ("mla_fp8", "mla_auto", "indexer") for n in shapes]
+    print_rows(rows)
+    dump_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Sparse MLA decode at GLM-5.3 shapes: H=64, d_qk=576, d_v=512, top-k 2048, fp8_ds_mla (656-byte
+rows) and bf16 caches. Queries belong to 16 requests of 128K tokens each (a 2M-token cache, far
+beyond L2); each query's top-k are random slots of its own request."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from benchmarks.kernels.common import dump_json, parser, print_rows, row, scaled_ref_ms, time_ms
+from vllm.attention.kv_cache import KVCacheLayout
+from vllm.attention.ops.sparse_mla import sparse_mla_ref
+from vllm.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_cost
+from vllm.kernels.sparse_mla_fwd import SparseMLAConfig, default_config
+
+SHAPES = [64, 128, 256, 512, 1024]  # decode queries
+CTX, NUM_REQS, TOPK, H = 131072, 16, 2048, 64
+
+
+def make_inputs(t: int, cache_dtype: str, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    layout = KVCacheLayout(cache_dtype, torch.bfloat16, 512, 64, 128)
+    nb = NUM_REQS * CTX // layout.block_size
+    if layout.is_fp8:  # random valid rows: e4m3 values, positive scales, bf16 rope
+        cache = torch.randint(0, 256, layout.mla_cache_shape(nb), device="cuda", dtype=torch.uint8)
+        cache[..., :512] &= 0x77  # no NaN patterns, moderate magnitudes
+        sc = torch.rand(nb, 64, 4, device="cuda", generator=g) * 0.01 + 1e-3
+        cache[..., 512:528] = sc.view(torch.uint8).view(nb, 64, 16)
+        rope = torch.randn(nb, 64, 64, device="cuda", generator=g).to(torch.bfloat16)
+        cache[..., 528:] = rope.view(torch.uint8).view(nb, 64, 128)
+    else:
+        cache = torch.randn(layout.mla_cache_shape(nb), device="cuda", generator=g)
+        cache = cache.to(torch.bfloat16)
+    req = torch.arange(t, device="cuda") % NUM_REQS
+    slots = torch.randint(0, CTX, (t, TOPK), device="cuda", generator=g) + (req * CTX)[:, None]
+    q = torch.randn(t, H, 576, device="cuda", generator=g).to(torch.bfloat16)
+    return layout, cache, slots.to(torch.int32), q
+
+
+def bench(t: int, cache_dtype: str, config=None, int_dequant=False, ref=True, tag="") -> dict:
+    layout, cache, slots, q = make_inputs(t, cache_dtype)
+    scale = 1 / math.sqrt(256)
+
+    def run():
+        return sparse_mla_decode(
+            q, cache, slots, layout, scale, torch.bfloat16, config, int_dequant
+        )
+
+    ms = time_ms(run)
+    ref_ms = None
+    if ref:
+        sub = min(t, 64)
+        ref_ms = scaled_ref_ms(
+            lambda: sparse_mla_ref(q[:sub], cache, slots[:sub], layout, scale), sub, t
+        )
+    flops, nbytes = sparse_mla_decode_cost(t, H, TOPK, layout.is_fp8, out_bytes=2)
+    cfg = config or default_config(t, H, TOPK, layout.is_fp8, q.device)
+    note = f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.num_splits}"
+    note += " int-deq" if int_dequant else ""
+    return row(f"sparse_decode_{cache_dtype[:3]}{tag}", f"T={t} H=64 topk=2048 ctx=128K", ms,
+               flops, nbytes, "bf16", ref_ms, note)  # fmt: skip
+
+
+def main():
+    args = parser(__doc__).parse_args()
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    rows = [bench(t, "fp8_ds_mla") for t in shapes]
+    rows += [bench(t, "auto") for t in (shapes[0], shapes[-1])]
+    if args.sweep:
+        for t in (64, 512):
+            for bn, warps, stages in ((32, 8, 2), (64, 8, 2), (32, 8, 3), (64, 8, 1)):
+                base = default_config(t, H, TOPK, True, torch.device("cuda"))
+                cfg = SparseMLAConfig(64, bn, warps, stages, base.num_splits)
+                for int_deq in (False, True):
+                    rows.append(bench(t, "fp8_ds_mla", cfg, int_deq, ref=False, tag="*"))
+    print_rows(rows)
+    dump_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()

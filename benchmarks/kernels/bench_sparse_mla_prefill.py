@@ -1,0 +1,61 @@
+"""Sparse MLA prefill (MQA form) at GLM-5.3 shapes: H=64, d_qk=576, d_v=512, top-k 2048 random
+rows of a flat bf16 context of S tokens. FLOP-bound: the floor is 50 % of the measured bf16 peak."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.kernels.common import dump_json, parser, print_rows, row, scaled_ref_ms, time_ms
+from vllm.attention.ops import dispatch
+from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
+from vllm.kernels.sparse_mla_prefill import sparse_mla_prefill, sparse_mla_prefill_cost
+
+SHAPES = [(8192, 32768), (32768, 131072), (131072, 131072)]  # (queries, context)
+TOPK, H = 2048, 64
+
+
+def bench(t: int, s: int, config=None, ref=True, tag="") -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(t, H, 576, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(s, 576, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, s, (t, TOPK), device="cuda", generator=g, dtype=torch.int32)
+    scale = 576**-0.5
+    ms = time_ms(lambda: sparse_mla_prefill(q, kv, idx, scale, 512, torch.bfloat16, config))
+    ref_ms = None
+    if ref:
+        sub = 128
+        ref_ms = scaled_ref_ms(lambda: _ref(q[:sub], kv, idx[:sub], scale), sub, t)
+    flops, nbytes = sparse_mla_prefill_cost(t, H, TOPK, out_bytes=2)
+    note = (
+        ""
+        if config is None
+        else f"bh{config.block_h} bn{config.block_n} w{config.num_warps} s{config.num_stages}"
+    )
+    return row(f"sparse_prefill{tag}", f"T={t} S={s} H=64 topk=2048", ms, flops, nbytes, "bf16",
+               ref_ms, note)  # fmt: skip
+
+
+def _ref(q, kv, idx, scale):
+    import os
+
+    os.environ["VLLM_USE_REF_KERNELS"] = "1"
+    try:
+        return dispatch.sparse_mla_prefill(q, kv, idx, scale, 512)
+    finally:
+        del os.environ["VLLM_USE_REF_KERNELS"]
+
+
+def main():
+    args = parser(__doc__).parse_args()
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    rows = [bench(t, s) for t, s in shapes]
+    if args.sweep:
+        for bn, warps, stages in ((32, 8, 2), (64, 8, 3), (32, 4, 2), (128, 8, 2)):
+            cfg = SparseMLAConfig(64, bn, warps, stages, 1)
+            rows.append(bench(8192, 32768, cfg, ref=False, tag="*"))
+    print_rows(rows)
+    dump_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()

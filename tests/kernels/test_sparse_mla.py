@@ -1,0 +1,147 @@
+"""Sparse MLA decode (paged fp8_ds_mla / bf16 cache) and MQA prefill against the fp32 references.
+
+Tolerances: the kernels feed bf16 operands to tensor-core dots (q, dequantised rows, P) with fp32
+accumulation, so outputs carry bf16 rounding: ‖out − ref‖/‖ref‖ < 1e-2 and |lse − ref| < 2e-2
+(lse is a log of a sum of ~K terms, each with bf16-rounded logits). Under the interpreter
+everything is fp32: 1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm.attention.kv_cache import KVCacheLayout, write_mla_cache_ref
+from vllm.attention.ops.sparse_mla import sparse_mla_ref
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _cache(layout, num_blocks, device, g):
+    """A cache filled by the reference writer (every slot written), so reads are meaningful."""
+    n = num_blocks * layout.block_size
+    cache = layout.allocate_mla(num_blocks, "cpu")
+    kv_c = torch.randn(n, layout.kv_lora_rank, generator=g)
+    k_pe = torch.randn(n, layout.rope_dim, generator=g)
+    write_mla_cache_ref(cache, kv_c, k_pe, torch.arange(n), layout)
+    return cache.to(device)
+
+
+def _slots(t, k, num_slots, device, g, frac_invalid=0.2, empty_rows=()):
+    slots = torch.stack([torch.randperm(num_slots, generator=g)[:k] for _ in range(t)])
+    slots[torch.rand(t, k, generator=g) < frac_invalid] = -1
+    for r in empty_rows:
+        slots[r] = -1
+    return slots.to(torch.int32).to(device)
+
+
+def _check_decode(mod, layout, t, h, k, num_blocks, device, q_dtype, tol, seed, **kw):
+    g = torch.Generator().manual_seed(seed)
+    cache = _cache(layout, num_blocks, device, g)
+    q = torch.randn(t, h, layout.mla_dim, generator=g).to(q_dtype).to(device)
+    empty = (0,) if t > 1 else ()
+    slots = _slots(t, k, num_blocks * layout.block_size, device, g, empty_rows=empty)
+    scale = 1.0 / math.sqrt(256)
+    out = torch.full((t, h, layout.kv_lora_rank), float("nan"))
+    out, lse = mod.sparse_mla_decode(q, cache, slots, layout, scale, **kw)
+    ref_o, ref_l = sparse_mla_ref(q.float(), cache, slots, layout, scale)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert _rel(out, ref_o) < tol
+    fin = ref_l.isfinite()
+    assert torch.equal(fin, lse.isfinite())
+    assert (lse[fin] - ref_l[fin]).abs().max().item() < 2 * tol
+    if t > 1:  # the all −1 token: zeros and −inf
+        assert out[0].abs().max().item() == 0.0 and (lse[0] == float("-inf")).all()
+
+
+def _check_prefill(mod, t, h, s, k, d_v, rope, device, dtype, tol, seed, **kw):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d_v + rope, generator=g).to(dtype).to(device)
+    kv = torch.randn(s, d_v + rope, generator=g).to(dtype).to(device)
+    # causal-style rows: query i may use rows < limit_i; topk longer than the context pads −1
+    limit = torch.randint(0, s + 1, (t,), generator=g)
+    idx = torch.full((t, k), -1, dtype=torch.int32)
+    for i in range(t):
+        n = min(k, int(limit[i]))
+        idx[i, :n] = torch.randperm(int(limit[i]), generator=g)[:n].to(torch.int32)
+    idx = idx.to(device)
+    scale = (d_v + rope) ** -0.5
+    out, lse = mod.sparse_mla_prefill(q, kv, idx, scale, d_v, **kw)
+    ref_o, ref_l = mod.sparse_mla_prefill_ref(q.float(), kv.float(), idx, scale, d_v)
+    assert not out.isnan().any()
+    assert _rel(out, ref_o) < tol
+    fin = ref_l.isfinite()
+    assert torch.equal(fin, lse.isfinite())
+    assert (lse[fin] - ref_l[fin]).abs().max().item() < 2 * tol
+
+
+# ---- CPU: Triton interpreter, tiny shapes ----------------------------------------------------
+@pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_interpreter(interp, cache_dtype, splits):
+    mod, fwd = interp("sparse_mla_decode"), interp("sparse_mla_fwd")
+    layout = KVCacheLayout(cache_dtype, torch.float32, 128, 16, 32, block_size=16)
+    cfg = fwd.SparseMLAConfig(16, 16, 4, 1, splits)
+    _check_decode(mod, layout, 3, 4, 40, 4, "cpu", torch.float32, 1e-5, seed=splits, config=cfg)
+
+
+def test_decode_interpreter_int_dequant(interp):
+    mod = interp("sparse_mla_decode")
+    layout = KVCacheLayout("fp8_ds_mla", torch.float32, 128, 16, 32, block_size=16)
+    _check_decode(mod, layout, 2, 4, 24, 3, "cpu", torch.float32, 1e-5, seed=7, int_dequant=True)
+
+
+def test_prefill_interpreter(interp):
+    mod = interp("sparse_mla_prefill")
+    _check_prefill(mod, 4, 3, 50, 24, 64, 16, "cpu", torch.float32, 1e-5, seed=3)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+GLM = dict(r=512, rope=64, h=64, topk=2048)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
+@pytest.mark.parametrize("t,h", [(1, 64), (7, 64), (64, 64), (130, 64), (5, 16), (9, 8), (3, 4)])
+def test_decode_gpu(cache_dtype, t, h):
+    from vllm.kernels import sparse_mla_decode as mod
+
+    layout = KVCacheLayout(cache_dtype, torch.bfloat16, GLM["r"], GLM["rope"], 128)
+    _check_decode(mod, layout, t, h, GLM["topk"], 64, "cuda", torch.bfloat16, 1e-2, seed=t * h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int_dequant", [False, True])
+@pytest.mark.parametrize("bn,warps,splits", [(32, 8, 1), (64, 8, 1), (32, 4, 2), (64, 8, 3)])
+def test_decode_gpu_configs(int_dequant, bn, warps, splits):
+    from vllm.kernels import sparse_mla_decode as mod
+    from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
+
+    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
+    cfg = SparseMLAConfig(64, bn, warps, 2, splits)
+    _check_decode(
+        mod, layout, 11, 64, 2048, 64, "cuda", torch.bfloat16, 1e-2, seed=bn, config=cfg,
+        int_dequant=int_dequant,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [torch.float32])
+def test_decode_gpu_fp32_query_and_short_topk(q_dtype):
+    from vllm.kernels import sparse_mla_decode as mod
+
+    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
+    _check_decode(mod, layout, 6, 64, 100, 4, "cuda", q_dtype, 1e-2, seed=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h,s", [(1, 64, 100), (77, 64, 4096), (300, 64, 3000), (33, 16, 5000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_gpu(t, h, s, dtype):
+    from vllm.kernels import sparse_mla_prefill as mod
+
+    _check_prefill(mod, t, h, s, 2048, 512, 64, "cuda", dtype, 1e-2, seed=t + s)
