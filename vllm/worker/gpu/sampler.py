@@ -44,7 +44,7 @@ class SamplingBatch:
     any_top_k: bool
     any_top_p: bool
     any_min_p: bool
-    max_logprobs: int  # 0 = none requested
+    max_logprobs: int  # -1 = no row wants logprobs; else the largest top-n asked (may be 0)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked (min_tokens)
 
 
@@ -68,11 +68,11 @@ def sample(logits: torch.Tensor, sb: SamplingBatch):
         gumbel = -torch.log(-torch.log(u))
         sampled = torch.where(sb.temperature > 0, (x + gumbel).argmax(dim=-1), greedy)
     lp = None
-    if sb.max_logprobs > 0:
+    if sb.max_logprobs >= 0:
         logprobs = torch.log_softmax(logits, dim=-1)
         chosen = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
         rank = (logprobs > chosen.unsqueeze(1)).sum(-1) + 1
-        top = logprobs.topk(sb.max_logprobs, dim=-1)
+        top = logprobs.topk(max(sb.max_logprobs, 1), dim=-1)
         lp = (chosen, rank, top.indices, top.values)
     return sampled, lp
 
