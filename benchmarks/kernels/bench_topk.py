@@ -12,6 +12,7 @@ from benchmarks.kernels.common import dump_json, parser, print_rows, row, scaled
 from vllm.attention.ops.indexer import topk_ref
 from vllm.kernels.indexer_logits import indexer_logits, indexer_logits_paged_cost
 from vllm.kernels.topk import indexer_topk, topk_cost
+from vllm.kernels.triton_utils import resource_report
 
 TOPK = 2048
 SHAPES = [(64, 131072, False), (64, 1 << 20, False), (8192, 32768, True), (8192, 131072, True)]
@@ -41,6 +42,7 @@ def bench(t, s, causal):
         note = f"{ms / logit_ms:.0%} of logits at copy bandwidth"
     else:
         note = f"{ms / logit_ms:.0%} of logits ({logit_ms:.2f} ms)"
+    note += " " + resource_report("topk")
     return row("topk", f"T={t} S={s} k=2048{' causal' if causal else ''}", ms, flops, nbytes,
                "fp8", ref_ms, note)  # fmt: skip
 

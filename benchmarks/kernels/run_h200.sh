@@ -16,13 +16,11 @@ if [ "${TEST_TIMEOUT:-200}" != 0 ]; then
   echo "tests exit $?" >>"$OUT/tests.log"
 fi
 for b in ${BENCHES:-sparse_mla_decode sparse_mla_prefill indexer_logits topk kv_write merge_attn}; do
+  echo "==== bench_$b" >>"$OUT/bench.log"
   timeout "${BENCH_TIMEOUT:-90}" python3 "benchmarks/kernels/bench_$b.py" --json "$OUT/bench.jsonl" \
-    ${BENCH_ARGS:-} >"$OUT/bench_$b.log" 2>&1
-  echo "exit $?" >>"$OUT/bench_$b.log"
+    ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
+  echo "exit $?" >>"$OUT/bench.log"
 done
 echo "==== tests"
-grep -E "^(FAILED|ERROR)|passed|failed|tests exit" "$OUT/tests.log" 2>/dev/null | cut -c1-200 | tail -25
-for f in "$OUT"/bench_*.log; do
-  echo "==== $(basename "$f")"
-  grep -vE "^\s*$" "$f" | grep -vE "Warning|warn\(" | tail -40 | cut -c1-200
-done
+grep -E "^(FAILED|ERROR)|^E  |passed|failed|tests exit" "$OUT/tests.log" 2>/dev/null | cut -c1-160 | tail -30
+grep -vE "^\s*$|Warning|warn\(" "$OUT/bench.log" | grep -E "^(====|#|op |exit|[a-z_]+[*]? +T=|[a-z_]+ +N=|config|[A-Za-z]*Error)" | cut -c1-220

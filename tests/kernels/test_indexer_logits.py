@@ -1,9 +1,10 @@
 """Indexer scores: prefill (flat keys) and decode (paged keys) against the fp32 references.
 
 Tolerances: with FP8 q and k every product is exact in fp32 and Hopper's FP8 MMA accumulates with
-reduced precision (~2^-13 relative), so ‖out − ref‖/‖ref‖ < 2e-3; the fp32 path uses tf32, which
-is exact for FP8/bf16-valued operands and ~1e-3 for arbitrary fp32 (inputs here are random fp32:
-< 5e-3). Under the interpreter everything is fp32: 1e-5.
+reduced precision (~2^-13 relative), so ‖out − ref‖/‖ref‖ < 2e-3; the float path uses tf32, which
+is exact for FP8/bf16-valued operands (what the model passes; prefill test: 1e-4, summation order
+only) and rounds arbitrary fp32 q to 10 mantissa bits (paged test, random fp32 q: 5e-3).
+Under the interpreter everything is fp32: 1e-5.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ def _check_prefill(mod, t, s, h, d, device, fp8, tol, seed, **kw):
     if fp8:
         q, qs = quantize_indexer_fp8_ref(q)
         k, ks = quantize_indexer_fp8_ref(k)
-    else:
+    else:  # bf16-valued, as the model's `auto` path feeds them: tf32 dots are then exact
+        q, k = q.bfloat16().float(), k.bfloat16().float()
         qs, ks = torch.ones(t, h), torch.rand(s, generator=g) + 0.5
     args = [x.to(device) for x in (q, qs, w, k, ks)]
     out = mod.indexer_logits(*args, **kw)
     ref = indexer_logits_ref(*args)
-    assert _rel(out, ref) < tol
+    err = _rel(out, ref)
+    assert err < tol, err
 
 
 def _check_paged(mod, cache_dtype, num_req, h, d, bs, device, q_fp8, tol, seed, **kw):
@@ -96,7 +99,7 @@ def test_indexer_logits_paged_interpreter(interp, cache_dtype, q_fp8):
 def test_indexer_logits_gpu(t, s, fp8):
     from vllm.kernels import indexer_logits as mod
 
-    _check_prefill(mod, t, s, 32, 128, "cuda", fp8, 2e-3 if fp8 else 5e-3, seed=t + s)
+    _check_prefill(mod, t, s, 32, 128, "cuda", fp8, 2e-3 if fp8 else 1e-4, seed=t + s)
 
 
 @pytest.mark.gpu

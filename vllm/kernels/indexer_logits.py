@@ -23,7 +23,7 @@ import triton.language as tl
 
 from vllm.attention.kv_cache import FP8_DTYPE, KVCacheLayout
 from vllm.attention.ops.indexer import indexer_logits_cost, indexer_logits_ref
-from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2
+from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record
 
 __all__ = [
     "indexer_logits",
@@ -190,12 +190,13 @@ def indexer_logits(
     if t == 0 or s == 0:
         return out
     n_s = triton.cdiv(s, block_s)
-    _indexer_logits_kernel[(triton.cdiv(t, block_t) * n_s,)](
+    k = _indexer_logits_kernel[(triton.cdiv(t, block_t) * n_s,)](
         qx, _coef(w, q_scale), kx, k_scale.float().contiguous(), out, t, s,
         qx.stride(0), qx.stride(1), kx.stride(0), out.stride(0), n_s,
         H=h, D=d, BLOCK_T=block_t, BLOCK_S=block_s, Q_FP8=q8, K_FP8=k8,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    record("indexer_logits", k)
     return out
 
 

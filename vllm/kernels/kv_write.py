@@ -1,7 +1,10 @@
 """KV cache writes: quantise new latent rows / indexer keys and scatter them by slot mapping.
 
 Byte-exact with :func:`write_mla_cache_ref` and :func:`write_indexer_cache_ref` (the layouts are in
-``vllm/attention/kv_cache.py``, SPEC §3). Memory-bound: each new row is read once and written once.
+``vllm/attention/kv_cache.py``, SPEC §3) run on the same device. The references divide a tensor by
+the Python scalar 448; torch on CUDA computes that as a multiply by the fp32 reciprocal (one ulp
+away from a true division for some inputs), on CPU as a true division: the kernels do the same
+(``RECIP_DIV``) so the bytes match on either. Memory-bound: each new row read once, written once.
 """
 
 from __future__ import annotations
@@ -40,6 +43,17 @@ else:  # the interpreter has no libdevice; tl.log2 is numpy's there
     libdevice = None
 
 
+INV_448 = float(torch.tensor(1.0, dtype=torch.float32) / 448.0)  # fl32(1/448), as torch uses
+
+
+@triton.jit
+def _div_448(x, RECIP_DIV: tl.constexpr):
+    if RECIP_DIV:
+        return x * 0.0022321429569274187  # INV_448: fl32(1/448) exactly
+    else:
+        return tl.math.div_rn(x, tl.full(x.shape, 448.0, tl.float32))
+
+
 @triton.jit
 def _write_mla_fp8_kernel(
     kv_c_ptr,  # [N, R] float, row stride stride_c
@@ -57,6 +71,7 @@ def _write_mla_fp8_kernel(
     AMAX_FLOOR: tl.constexpr,
     BLOCK_R: tl.constexpr,
     SOFT_FP8: tl.constexpr,
+    RECIP_DIV: tl.constexpr,  # amax/448 as amax * fl32(1/448), as torch does on CUDA
 ):
     NT: tl.constexpr = R // TILE
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -69,7 +84,7 @@ def _write_mla_fp8_kernel(
     ).to(tl.float32)
     x3 = tl.reshape(x, (BLOCK_R, NT, TILE))  # [BLOCK_R, NT, TILE]
     amax = tl.maximum(tl.max(tl.abs(x3), axis=2), AMAX_FLOOR)  # [BLOCK_R, NT]
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    scale = _div_448(amax, RECIP_DIV)
     y = tl.math.div_rn(x3, scale[:, :, None])
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     vals = tl.reshape(e4m3_bits(y, SOFT_FP8), (BLOCK_R, R))
@@ -117,6 +132,7 @@ def _write_indexer_fp8_kernel(
     BLOCK_R: tl.constexpr,
     SOFT_FP8: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
+    RECIP_DIV: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     slot = tl.load(slot_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
@@ -125,7 +141,7 @@ def _write_indexer_fp8_kernel(
     x = tl.load(k_ptr + rows[:, None].to(tl.int64) * stride_k + cols[None, :], mask=ok[:, None])
     x = x.to(tl.float32)  # [BLOCK_R, D]
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_FLOOR)
-    v = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    v = _div_448(amax, RECIP_DIV)
     # the reference's exp2(ceil(log2(v))): log2 as torch computes it (CUDA log2f) so that values a
     # hair above a power of two round the same way; the power of two is then built exactly
     if USE_LIBDEVICE:
@@ -182,7 +198,7 @@ def write_mla_cache(
             kv_c, k_pe, slot_mapping, flat, n, kv_c.stride(0), k_pe.stride(0),
             R=layout.kv_lora_rank, P=layout.rope_dim, BLOCK_P=next_pow2(layout.rope_dim),
             TILE=MLA_TILE, ROW_BYTES=layout.mla_bytes_per_token, AMAX_FLOOR=MLA_AMAX_FLOOR,
-            BLOCK_R=block_r, SOFT_FP8=interpreting(), num_warps=4,
+            BLOCK_R=block_r, SOFT_FP8=interpreting(), RECIP_DIV=cache.is_cuda, num_warps=4,
         )  # fmt: skip
         return
     if kv_c.dtype != cache.dtype:
@@ -222,7 +238,8 @@ def write_indexer_cache(
         _write_indexer_fp8_kernel[_rows_grid(n, block_r)](
             k, slot_mapping, cache, n, k.stride(0),
             D=d, PAGE_TOKENS=layout.block_size, AMAX_FLOOR=INDEXER_AMAX_FLOOR, BLOCK_R=block_r,
-            SOFT_FP8=interpreting(), USE_LIBDEVICE=not interpreting(), num_warps=4,
+            SOFT_FP8=interpreting(), USE_LIBDEVICE=not interpreting(), RECIP_DIV=cache.is_cuda,
+            num_warps=4,
         )  # fmt: skip
         return
     if k.dtype != cache.dtype:

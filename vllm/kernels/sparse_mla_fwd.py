@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton_utils import check_cuda_or_interpreter, dot_dtype, next_pow2
+from vllm.kernels.triton_utils import check_cuda_or_interpreter, dot_dtype, next_pow2, record
 
 LOG2E = 1.4426950408889634
 
@@ -215,7 +215,7 @@ def sparse_mla_fwd(
         part_l = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
     else:
         part_o, part_l = out.unsqueeze(0), lse.unsqueeze(0)
-    _sparse_mla_fwd_kernel[(t * nhb, splits)](
+    k = _sparse_mla_fwd_kernel[(t * nhb, splits)](
         q, kv_rows, indices, part_o, part_l, sm_scale * LOG2E, h, k, k_per_split,
         q.stride(0), q.stride(1), indices.stride(0), kv_rows.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
@@ -224,6 +224,7 @@ def sparse_mla_fwd(
         TILE=128, INT_DEQUANT=int_dequant, DOT_DTYPE=dot_dtype(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    record("sparse_mla_fwd", k)
     if splits > 1:
         from vllm.kernels.merge_attn import merge_attn_states
 

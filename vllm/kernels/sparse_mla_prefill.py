@@ -41,6 +41,9 @@ def sparse_mla_prefill(
         raise ValueError(f"kv {tuple(kv.shape)} must be [S, {q.shape[2]}] with d_v < D")
     if kv.stride(-1) != 1:
         kv = kv.contiguous()
+    if kv.dtype == torch.float32 and kv.is_cuda:
+        # the dots take bf16 anyway; fp32 rows would double the pipelined shared memory
+        kv = kv.to(torch.bfloat16)
     fmt = RowFormat(d_v, q.shape[2] - d_v, is_fp8=False)
     return sparse_mla_fwd(q, kv, fmt, indices, sm_scale, out_dtype, config)
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from vllm.attention.ops.indexer import topk_ref
-from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2
+from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record
 
 __all__ = ["indexer_topk", "topk_ref", "topk_cost"]
 
@@ -63,18 +63,18 @@ def _topk_kernel(
     prefix = tl.zeros((), tl.int32)  # unsigned key bits decided so far (key ^ INT32_MIN)
     need = n
     for p in tl.static_range(NUM_PASSES):
-        SHIFT: tl.constexpr = 32 - RADIX_BITS * (p + 1)
+        shift = 32 - RADIX_BITS * (p + 1)  # compile-time: p is a static_range index
         hist = tl.zeros((NUM_BINS,), tl.int32)
         if limit > TOPK:
             for c0 in range(0, limit, CHUNK):
                 pos = c0 + offs
                 u = _keys(lrow, pos, limit) ^ -2147483648  # unsigned order as int32 bits
-                digit = (u >> SHIFT) & (NUM_BINS - 1)
+                digit = (u >> shift) & (NUM_BINS - 1)
                 if p == 0:
                     match = pos < limit
                 else:
-                    HIGH: tl.constexpr = (1 << (32 - SHIFT - RADIX_BITS)) - 1
-                    match = (pos < limit) & (((u >> (SHIFT + RADIX_BITS)) & HIGH) == prefix)
+                    high = (1 << (32 - shift - RADIX_BITS)) - 1
+                    match = (pos < limit) & (((u >> (shift + RADIX_BITS)) & high) == prefix)
                 hist += tl.histogram(digit, NUM_BINS, mask=match)
         # largest bin whose suffix count reaches `need`
         above_incl = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # [NUM_BINS] count in bins >= b
@@ -134,10 +134,11 @@ def indexer_topk(
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         logits = logits.float().contiguous()
     chunk = min(chunk, max(16, next_pow2(s)))
-    _topk_kernel[(t,)](
+    k = _topk_kernel[(t,)](
         logits, limit.contiguous(), out, s, logits.stride(0),
         TOPK=topk, TOPK_PAD=next_pow2(topk), CHUNK=chunk, RADIX_BITS=8, num_warps=num_warps,
     )  # fmt: skip
+    record("topk", k)
     return out
 
 

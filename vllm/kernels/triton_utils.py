@@ -29,6 +29,23 @@ def dot_dtype(device: torch.device):
     return tl.float32 if device.type == "cpu" else tl.bfloat16
 
 
+LAST_COMPILED: dict[str, object] = {}
+
+
+def record(name: str, compiled) -> None:
+    """Keep the last compiled kernel per op, for the benchmarks' resource report."""
+    if compiled is not None:
+        LAST_COMPILED[name] = compiled
+
+
+def resource_report(name: str) -> str:
+    """'regs R spills S smem B' of the op's last compiled kernel (the compiler's report)."""
+    k = LAST_COMPILED.get(name)
+    if k is None:
+        return ""
+    return f"regs {k.n_regs} spills {k.n_spills} smem {k.metadata.shared}"
+
+
 def check_cuda_or_interpreter(*tensors: torch.Tensor) -> None:
     dev = tensors[0].device
     if any(t.device != dev for t in tensors):
