@@ -18,7 +18,7 @@ TOPK = 2048
 SHAPES = [(64, 131072, False), (64, 1 << 20, False), (8192, 32768, True), (8192, 131072, True)]
 
 
-def bench(t, s, causal):
+def bench(t, s, causal, sampled=True):
     g = torch.Generator(device="cuda").manual_seed(0)
     if causal:  # the logits kernel's output, so the ratio is for the same shape
         q, qs, w, k, ks = prefill_inputs(t, s)
@@ -30,7 +30,7 @@ def bench(t, s, causal):
         # decode logits are memory-bound: their time is the key bytes over copy bandwidth
         logit_ms = None
         limit = torch.full((t,), s, device="cuda")
-    ms = time_ms(lambda: indexer_topk(logits, limit, TOPK))
+    ms = time_ms(lambda: indexer_topk(logits, limit, TOPK, sampled=sampled))
     sub = min(t, 64)
     ref_ms = scaled_ref_ms(lambda: topk_ref(logits[:sub], limit[:sub], TOPK), sub, t)
     flops, nbytes = topk_cost(t, s, TOPK)
@@ -42,8 +42,8 @@ def bench(t, s, causal):
         note = f"{ms / logit_ms:.0%} of logits at copy bandwidth"
     else:
         note = f"{ms / logit_ms:.0%} of logits ({logit_ms:.2f} ms)"
-    note += " " + resource_report("topk")
-    return row("topk", f"T={t} S={s} k=2048{' causal' if causal else ''}", ms, flops, nbytes,
+    note += " " + resource_report("topk") + ("" if sampled else " no pre-filter")
+    return row("topk" if sampled else "topk*", f"T={t} S={s} k=2048{' causal' if causal else ''}", ms, flops, nbytes,
                "fp8", ref_ms, note)  # fmt: skip
 
 
@@ -51,6 +51,8 @@ def main():
     args = parser(__doc__).parse_args()
     shapes = SHAPES[::2] if args.quick else SHAPES
     rows = [bench(*sh) for sh in shapes]
+    if args.sweep:
+        rows += [bench(*sh, sampled=False) for sh in shapes[:3]]
     print_rows(rows)
     dump_json(rows, args.json)
 

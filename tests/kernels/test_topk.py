@@ -34,13 +34,16 @@ def _check(mod, t, s, topk, device, seed, ties=True, limits=None, **kw):
 
 
 # ---- CPU: Triton interpreter, tiny shapes ----------------------------------------------------
+# cap 256: the sampled candidate list holds every row's candidates; cap 16 (< 1.5·k): every row
+# falls back to the whole-row radix select; sampled=False: no pre-filter at all
+@pytest.mark.parametrize("kw", [dict(cap=256), dict(cap=16), dict(sampled=False)])
 @pytest.mark.parametrize("t,s,topk,chunk", [(5, 300, 16, 64), (3, 40, 64, 16), (4, 129, 7, 32)])
-def test_topk_interpreter(interp, t, s, topk, chunk):
-    _check(interp("topk"), t, s, topk, "cpu", seed=s, chunk=chunk, num_warps=4)
+def test_topk_interpreter(interp, t, s, topk, chunk, kw):
+    _check(interp("topk"), t, s, topk, "cpu", seed=s, chunk=chunk, num_warps=4, sample=64, **kw)
 
 
 def test_topk_interpreter_distinct_scores(interp):
-    _check(interp("topk"), 3, 200, 32, "cpu", seed=9, ties=False, chunk=64, num_warps=4)
+    _check(interp("topk"), 3, 200, 32, "cpu", seed=9, ties=False, chunk=64, num_warps=4, sample=64)
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -49,10 +52,11 @@ def test_topk_interpreter_distinct_scores(interp):
     "t,s,topk", [(7, 1000, 2048), (64, 131072, 2048), (300, 5000, 2048), (16, 70000, 100)]
 )
 @pytest.mark.parametrize("ties", [True, False])
-def test_topk_gpu(t, s, topk, ties):
+@pytest.mark.parametrize("sampled", [True, False])
+def test_topk_gpu(t, s, topk, ties, sampled):
     from vllm.kernels import topk as mod
 
-    _check(mod, t, s, topk, "cuda", seed=t + s, ties=ties)
+    _check(mod, t, s, topk, "cuda", seed=t + s, ties=ties, sampled=sampled)
 
 
 @pytest.mark.gpu

@@ -165,10 +165,10 @@ def indexer_logits(
     w: torch.Tensor,
     k: torch.Tensor,
     k_scale: torch.Tensor,
-    block_t: int = 128,
+    block_t: int = 64,
     block_s: int = 128,
-    num_warps: int = 8,
-    num_stages: int = 3,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Prefill scores of T queries against one context of S keys (no mask: callers pass the
     causal limit to top-k).
@@ -189,6 +189,8 @@ def indexer_logits(
     out = torch.empty(t, s, dtype=torch.float32, device=q.device)
     if t == 0 or s == 0:
         return out
+    if num_stages is None:  # measured on H200 (BENCHMARKS.md); fp32 tiles need the shallower pipe
+        num_stages = 3 if (q8 and k8) else 2
     n_s = triton.cdiv(s, block_s)
     k = _indexer_logits_kernel[(triton.cdiv(t, block_t) * n_s,)](
         qx, _coef(w, q_scale), kx, k_scale.float().contiguous(), out, t, s,

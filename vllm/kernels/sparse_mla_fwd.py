@@ -168,7 +168,7 @@ def default_config(
     """Tiles measured on one H200 (BENCHMARKS.md): 64 heads per program, split-K only when the
     batch leaves SMs idle."""
     block_h = min(64, max(16, next_pow2(num_heads)))
-    block_n = 32 if is_fp8 else 64
+    block_n = 64
     num_warps = 8 if block_h == 64 else 4
     base = max(1, num_tokens * triton.cdiv(num_heads, block_h))
     splits = max(1, min(round(_num_sms(device) / base), topk // (4 * block_n)))
