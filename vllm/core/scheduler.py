@@ -94,6 +94,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, f"running request {req.request_id} has nothing to compute"
             if not self.chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
                 i += 1
                 continue

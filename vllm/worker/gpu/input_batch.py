@@ -55,7 +55,8 @@ def build_step_inputs(
         hi = min(start[b] + n[b], known[b])
         ids[qsl[b] : qsl[b] + hi - start[b]] = st.token_ids[idx[b]][start[b] : hi]
     seq_lens = start + n
-    sample_rows = np.nonzero(seq_lens >= known + st.num_generated[idx])[0]
+    # a row samples once its chunk reaches the newest token (known + what this worker sampled)
+    sample_rows = np.nonzero(seq_lens >= known + st.num_sampled[idx])[0]
     dev_idx = torch.from_numpy(idx).to(device)
     dev_tr = torch.from_numpy(token_req).to(device)
     ids_d = torch.from_numpy(ids).to(device)

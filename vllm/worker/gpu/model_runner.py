@@ -195,6 +195,7 @@ class ModelRunner:
                 out.sampled_token_ids.append([sampled[i]])
                 s = inp.idx_np[b]
                 st.num_generated[s] += 1
+                st.num_sampled[s] += 1
                 k = int(st.logprobs[s])
                 if k >= 0:
                     out.logprobs[rid] = [

@@ -24,7 +24,8 @@ class RequestStates:
         self.token_ids: list[np.ndarray | None] = [None] * n
         self.num_known = np.zeros(n, dtype=np.int64)
         self.num_prompt = np.zeros(n, dtype=np.int64)
-        self.num_generated = np.zeros(n, dtype=np.int64)
+        self.num_generated = np.zeros(n, dtype=np.int64)  # output tokens so far (min_tokens)
+        self.num_sampled = np.zeros(n, dtype=np.int64)  # tokens this worker sampled since admission
         self.num_blocks = np.zeros(n, dtype=np.int64)
         self.min_tokens = np.zeros(n, dtype=np.int64)
         self.logprobs = np.full(n, -1, dtype=np.int64)
@@ -57,6 +58,7 @@ class RequestStates:
         self.num_known[s] = len(toks)
         self.num_prompt[s] = r.num_prompt_tokens
         self.num_generated[s] = len(toks) - r.num_prompt_tokens
+        self.num_sampled[s] = 0
         sp = r.sampling
         self.min_tokens[s] = sp.min_tokens
         self.logprobs[s] = -1 if sp.logprobs is None else sp.logprobs

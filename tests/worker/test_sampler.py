@@ -1,0 +1,88 @@
+"""Device sampler: filters, seeded reproducibility, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample, uniform_noise
+
+
+def _sb(b, **kw):
+    d = dict(
+        temperature=torch.ones(b),
+        top_k=torch.zeros(b, dtype=torch.int64),
+        top_p=torch.ones(b),
+        min_p=torch.zeros(b),
+        seeds=torch.arange(b, dtype=torch.int64) * 7919,
+        positions=torch.arange(b, dtype=torch.int64),
+        all_greedy=False,
+        any_top_k=False,
+        any_top_p=False,
+        any_min_p=False,
+        max_logprobs=-1,
+    )
+    d.update(kw)
+    return SamplingBatch(**d)
+
+
+def test_noise_is_a_pure_function_and_uniform():
+    s, p = torch.tensor([1, 2, 1]), torch.tensor([5, 5, 5])
+    u = uniform_noise(s, p, 4096)
+    assert torch.equal(u[0], u[2]) and not torch.equal(u[0], u[1])
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
+    assert torch.equal(
+        uniform_noise(s, p + 1, 4096)[0],
+        uniform_noise(torch.tensor([1]), torch.tensor([6]), 4096)[0],
+    )
+
+
+def test_greedy_and_temperature_zero_rows():
+    logits = torch.randn(3, 50)
+    out, _ = sample(logits, _sb(3, temperature=torch.tensor([0.0, 1.0, 0.0])))
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 64).repeat(400, 1)
+    seeds = torch.arange(400, dtype=torch.int64)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    out, _ = sample(logits, _sb(400, seeds=seeds, top_k=torch.full((400,), 5), any_top_k=True))
+    assert set(out.tolist()) <= top5 and len(set(out.tolist())) > 2
+    probs = logits[0].softmax(-1)
+    order = probs.argsort(descending=True)
+    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
+    out, _ = sample(logits, _sb(400, seeds=seeds, top_p=torch.full((400,), 0.5), any_top_p=True))
+    assert set(out.tolist()) <= nucleus
+    keep = set((probs >= 0.3 * probs.max()).nonzero().squeeze(1).tolist())
+    out, _ = sample(logits, _sb(400, seeds=seeds, min_p=torch.full((400,), 0.3), any_min_p=True))
+    assert set(out.tolist()) <= keep
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(6000, 1)
+    out, _ = sample(logits, _sb(6000, seeds=torch.arange(6000, dtype=torch.int64)))
+    freq = torch.bincount(out, minlength=3).float() / 6000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+
+
+def test_logprobs_rank_and_banned_tokens():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    out, lp = sample(
+        logits,
+        _sb(
+            1,
+            temperature=torch.zeros(1),
+            all_greedy=True,
+            max_logprobs=2,
+            banned=(torch.tensor([0]), torch.tensor([0])),
+        ),
+    )
+    assert out.item() == 1  # token 0 banned (min_tokens)
+    chosen, rank, ids, vals = lp
+    assert rank.item() == 1 and ids[0].tolist() == [1, 2]  # raw distribution after the ban
+    plp = prompt_logprobs(torch.tensor([[0.0, 1.0]]), torch.tensor([0]), 1)
+    assert (
+        plp[1].item() == 2
+        and abs(plp[0].item() - torch.log_softmax(torch.tensor([0.0, 1.0]), 0)[0].item()) < 1e-6
+    )
