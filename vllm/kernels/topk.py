@@ -3,16 +3,18 @@
 One program per row. Scores become order-preserving int32 keys (−0.0 folded onto +0.0, positions
 at or past the row's limit below every score). Then:
 
-  1. pivot (``SAMPLED``): SAMPLE evenly strided keys of the eligible prefix; a 32-step bisection
-     finds the sample value whose sample rank sits a few standard deviations past k, so that
-     about 1.5·k elements of the row are at or above it;
+  1. pivot (``SAMPLED``): SAMPLE evenly strided keys of the eligible prefix; a 16-step bisection
+     on the top key bits finds a value whose sample rank sits a few standard deviations past k,
+     so that about 1.5·k elements of the row are at or above it;
   2. one pass over the row compacts the positions at or above the pivot (in position order) into
      a per-row scratch list of CAP entries. If fewer than k or more than CAP land there (a bad
      sample, ~0.1–2 % of random rows), the row falls back to working on the whole row;
   3. radix select on the candidates (four 8-bit histogram passes) finds the exact k-th key and
      how many of its ties to keep — the lowest positions, as the stable reference sort keeps;
-  4. a compaction pass writes the winners; a bitonic sort of the k winners by (score descending,
-     position ascending) makes the output equal :func:`topk_ref` exactly, −1 padded.
+  4. a compaction pass writes each winner as one int64 key (score descending, position
+     ascending); ``torch.sort`` of those [T, k] keys after the kernel (a segmented radix sort,
+     far cheaper than Triton's in-program bitonic ``tl.sort``) makes the output equal
+     :func:`topk_ref` exactly, −1 padded.
 
 HBM traffic: the row once (sample and compaction; the candidates and the final gathers hit L2).
 Per-element work on the full row is a key, a compare and a prefix sum; the histogram passes (Triton
@@ -52,9 +54,10 @@ def _sample_pivot(lrow, limit, n, SAMPLE: tl.constexpr):
     r = (n.to(tl.int64) * SAMPLE // limit).to(tl.int32)
     rank = r + (3.0 * tl.sqrt((r + 1).to(tl.float32))).to(tl.int32) + 4
     rank = tl.minimum(rank, SAMPLE - 1)
-    # bisection over the unsigned key bits, MSB first: the largest u with #{sample >= u} > rank
+    # bisection over the top 16 unsigned key bits, MSB first: the largest such u with
+    # #{sample >= u} > rank (a pivot needs no more resolution: 2^-7 relative in the score)
     u = tl.zeros((), tl.int32)
-    for b in tl.static_range(32):
+    for b in tl.static_range(16):
         if b == 0:
             cand = u | -2147483648
         else:
@@ -79,7 +82,7 @@ def _item_keys(lrow, srow, c0, offs, src_len, limit, from_list):
 def _topk_kernel(
     logits_ptr,  # [T, S] fp32, strides (stride_lt, 1)
     limit_ptr,  # [T] int, positions < limit are eligible
-    out_ptr,  # [T, TOPK] int32, contiguous
+    keys_ptr,  # [T, TOPK_PAD] int64 composite sort keys of the winners, then padding
     scratch_ptr,  # [T, CAP] int32 candidate positions
     num_cols,
     stride_lt,
@@ -95,7 +98,7 @@ def _topk_kernel(
     NUM_PASSES: tl.constexpr = 32 // RADIX_BITS
     row = tl.program_id(0).to(tl.int64)
     lrow = logits_ptr + row * stride_lt
-    orow = out_ptr + row * TOPK
+    krow = keys_ptr + row * TOPK_PAD
     srow = scratch_ptr + row * CAP
     limit = tl.minimum(tl.maximum(tl.load(limit_ptr + row).to(tl.int32), 0), num_cols)
     n = tl.minimum(limit, TOPK)  # how many positions this row selects
@@ -154,21 +157,13 @@ def _topk_kernel(
         sel = mask & ((limit <= TOPK) | (key > thr) | (tie & (tie_rank < need)))
         sel_i = sel.to(tl.int32)
         dst = n_sel + tl.cumsum(sel_i, 0) - 1
-        tl.store(orow + dst, pos, mask=sel)
+        # one int64 whose ascending order is (score descending, position ascending)
+        inv = 2147483647 - key.to(tl.int64)  # in [0, 2^32)
+        tl.store(krow + dst, (inv << 31) | pos.to(tl.int64), mask=sel)  # < 2^63
         n_sel += tl.sum(sel_i)
         n_tie += tl.sum(tie.to(tl.int32))
-    tl.debug_barrier()  # the winners written above are read back by other threads
-
-    i = tl.arange(0, TOPK_PAD)
-    have = i < n
-    pos = tl.load(orow + i, mask=have, other=0)
-    key = _keys(lrow, pos, have)
-    inv = 2147483647 - key.to(tl.int64)  # in [0, 2^32): ascending = score descending
-    key64 = tl.where(have, (inv << 31) | pos.to(tl.int64), 9223372036854775807)  # < 2^63
-    key64 = tl.sort(key64, 0)
-    tl.debug_barrier()
-    res = tl.where(have, (key64 & 2147483647).to(tl.int32), -1)  # low 31 bits: the position
-    tl.store(orow + i, res, mask=i < TOPK)
+    i = tl.arange(0, TOPK_PAD)  # padding sorts last; winners filled [0, n) exactly
+    tl.store(krow + i, tl.full((TOPK_PAD,), 9223372036854775807, tl.int64), mask=i >= n)
 
 
 def indexer_topk(
@@ -193,22 +188,25 @@ def indexer_topk(
         raise ValueError(f"logits {tuple(logits.shape)} must be [T, S] with limit [T]")
     check_cuda_or_interpreter(logits, limit)
     t, s = logits.shape
-    out = torch.empty(t, topk, dtype=torch.int32, device=logits.device)
     if t == 0 or topk == 0:
-        return out
+        return torch.empty(t, topk, dtype=torch.int32, device=logits.device)
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         logits = logits.float().contiguous()
     cap = cap or 4 * next_pow2(topk)
     sampled = sampled and s > topk
     scratch = torch.empty(t if sampled else 1, cap, dtype=torch.int32, device=logits.device)
     chunk = min(chunk, max(16, next_pow2(s)))
+    keys = torch.empty(t, next_pow2(topk), dtype=torch.int64, device=logits.device)
     k = _topk_kernel[(t,)](
-        logits, limit.contiguous(), out, scratch, s, logits.stride(0),
+        logits, limit.contiguous(), keys, scratch, s, logits.stride(0),
         TOPK=topk, TOPK_PAD=next_pow2(topk), CHUNK=chunk, RADIX_BITS=8,
         SAMPLED=sampled, SAMPLE=sample, CAP=cap, num_warps=num_warps,
     )  # fmt: skip
     record("topk", k)
-    return out
+    # Triton's tl.sort of 2048 keys per program costs more than the whole selection; torch's
+    # segmented sort of the [T, k] composite keys is a few µs
+    keys = torch.sort(keys, dim=1).values[:, :topk]
+    return torch.where(keys == torch.iinfo(torch.int64).max, -1, keys & 0x7FFFFFFF).to(torch.int32)
 
 
 def topk_cost(num_rows: int, num_cols: int, topk: int = 2048) -> tuple[int, int]:
