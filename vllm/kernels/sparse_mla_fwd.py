@@ -14,7 +14,6 @@ selected row once per program and writes only out and lse.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -237,4 +236,4 @@ def sparse_mla_flops(num_tokens: int, num_heads: int, topk: int, d_qk: int, d_v:
     return 2 * num_tokens * num_heads * topk * (d_qk + d_v)
 
 
-__all__ = ["sparse_mla_fwd", "SparseMLAConfig", "RowFormat", "default_config", "math"]
+__all__ = ["sparse_mla_fwd", "SparseMLAConfig", "RowFormat", "default_config", "sparse_mla_flops"]
