@@ -49,3 +49,22 @@ def ipc_addr(d: str, name: str) -> str:
 
 class EngineDeadError(RuntimeError):
     """The engine (a worker or the engine core) died; the message says why."""
+
+
+def send_nonblocking(sock, data: bytes, check_alive, timeout_s: float = 30.0) -> None:
+    """Send without ever blocking forever: a ZMQ PUSH socket whose peer died blocks on send, so
+    poll the peer's liveness (`check_alive` raises if it is dead) while the queue is full."""
+    import time
+
+    import zmq
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            check_alive()
+            if time.monotonic() > deadline:
+                raise EngineDeadError("timed out sending to the engine") from None
+            time.sleep(0.001)

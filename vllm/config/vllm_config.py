@@ -269,16 +269,8 @@ class VllmConfig:
         """Flags whose features have not landed yet fail here, saying so; none is ignored."""
         not_yet = []
         pc = self.parallel_config
-        if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
-            not_yet.append(
-                "--prefill-context-parallel-size/--decode-context-parallel-size > 1 (PCP/DCP)"
-            )
-        if pc.tensor_parallel_size > 1:
-            not_yet.append("--tensor-parallel-size > 1")
         if pc.data_parallel_size > 1:
             not_yet.append("--data-parallel-size > 1")
-        if pc.enable_expert_parallel:
-            not_yet.append("--enable-expert-parallel")
         if self.attention_config.hisparse is not None:
             not_yet.append("--attention-config hisparse_config (Hybrid HiSparse)")
         if self.speculative_config is not None:

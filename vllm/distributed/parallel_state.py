@@ -42,9 +42,7 @@ class GroupCoordinator:
         """Concatenate every rank's equally-shaped tensor along ``dim`` (rank order)."""
         if self.world_size == 1:
             return x
-        x = x.contiguous()
-        out = torch.empty((self.world_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x, group=self.group)
+        out = self.all_gather_stacked(x)
         return out.movedim(0, dim).flatten(dim, dim + 1) if dim != 0 else out.flatten(0, 1)
 
     def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,9 +50,13 @@ class GroupCoordinator:
         if self.world_size == 1:
             return x.unsqueeze(0)
         x = x.contiguous()
-        out = torch.empty((self.world_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+        if x.dim() == 0:
+            x = x.view(1)
+        out = torch.empty(
+            (self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device
+        )
         dist.all_gather_into_tensor(out, x, group=self.group)
-        return out
+        return out.view((self.world_size,) + tuple(x.shape))
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks of x [world·n, ...] and keep this rank's [n, ...] slice."""

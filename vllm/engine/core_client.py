@@ -16,7 +16,7 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, decoder, encoder
-from vllm.utils import EngineDeadError, free_port, ipc_addr, ipc_dir, logger
+from vllm.utils import EngineDeadError, free_port, ipc_addr, ipc_dir, logger, send_nonblocking
 
 STARTUP_TIMEOUT_S = 1800.0
 
@@ -91,16 +91,23 @@ class EngineCoreClient:
         i = min(range(len(self.load)), key=self.load.__getitem__)
         self.owner[req.request_id] = i
         self.load[i] += 1
-        self.inputs[i].send(b"add|" + self.enc.encode(req))
+        send_nonblocking(self.inputs[i], b"add|" + self.enc.encode(req), self.check_alive)
 
     def abort(self, request_ids: list[str]) -> None:
+        if self.dead:
+            return
         by_engine: dict[int, list[str]] = {}
         for rid in request_ids:
             i = self.owner.get(rid)
             if i is not None:
                 by_engine.setdefault(i, []).append(rid)
         for i, ids in by_engine.items():
-            self.inputs[i].send(b"abort|" + msgspec.msgpack.encode(ids))
+            try:
+                send_nonblocking(
+                    self.inputs[i], b"abort|" + msgspec.msgpack.encode(ids), self.check_alive
+                )
+            except EngineDeadError:
+                return
 
     def finished(self, request_id: str) -> None:
         i = self.owner.pop(request_id, None)
@@ -110,7 +117,11 @@ class EngineCoreClient:
     def call_utility(self, name: str, *args, timeout: float = 60.0):
         """Run a utility on engine 0 and wait for its answer (other outputs are kept)."""
         cid = next(self._call_ids)
-        self.inputs[0].send(b"utility|" + msgspec.msgpack.encode([cid, name, list(args)]))
+        send_nonblocking(
+            self.inputs[0],
+            b"utility|" + msgspec.msgpack.encode([cid, name, list(args)]),
+            self.check_alive,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             m = self.get_output(0.1)

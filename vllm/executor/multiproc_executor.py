@@ -14,7 +14,7 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerMessage, decoder, encoder
-from vllm.utils import EngineDeadError, ipc_addr, ipc_dir, logger
+from vllm.utils import EngineDeadError, ipc_addr, ipc_dir, logger, send_nonblocking
 
 STARTUP_TIMEOUT_S = 1800.0
 
@@ -59,6 +59,20 @@ class MultiprocExecutor:
                     f"worker rank {self.first_rank + i} exited with code {p.exitcode}"
                 )
 
+    def _describe_failure(self, first: WorkerMessage) -> str:
+        """When one rank fails its peers fail too (collectives break); wait briefly and report
+        every rank's error, the root cause first."""
+        errors = {first.rank: first.error}
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            if self.results.poll(50):
+                m = self.dec.decode(self.results.recv())
+                if m.kind == "error":
+                    errors[m.rank] = m.error
+        secondary = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out")
+        ranked = sorted(errors.items(), key=lambda kv: any(s in (kv[1] or "") for s in secondary))
+        return "; ".join(f"worker rank {r} failed: {e}" for r, e in ranked)
+
     def _collect(self, kind: str, count: int, timeout: float) -> list[WorkerMessage]:
         got: list[WorkerMessage] = []
         deadline = time.monotonic() + timeout
@@ -66,7 +80,7 @@ class MultiprocExecutor:
             if self.results.poll(50):
                 m = self.dec.decode(self.results.recv())
                 if m.kind == "error":
-                    raise EngineDeadError(f"worker rank {m.rank} failed: {m.error}")
+                    raise EngineDeadError(self._describe_failure(m))
                 if m.kind == kind:
                     got.append(m)
                 continue
@@ -81,9 +95,9 @@ class MultiprocExecutor:
         if self.dead:
             raise EngineDeadError(self.dead)
         raw = self.enc.encode(so)
-        for s in self.socks:
-            s.send(raw)
         try:
+            for s in self.socks:
+                send_nonblocking(s, raw, self._check_alive, timeout_s=float("inf"))
             return self._collect("output", 1, float("inf"))[0].output
         except EngineDeadError as e:
             self.dead = str(e)

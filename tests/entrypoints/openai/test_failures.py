@@ -15,8 +15,11 @@ from tests.utils import RemoteServer
 
 def _workers(server_pid: int) -> list[psutil.Process]:
     root = psutil.Process(server_pid)
-    return [p for p in root.children(recursive=True)
-            if p.ppid() != server_pid and "resource_tracker" not in " ".join(p.cmdline())]
+    return [
+        p
+        for p in root.children(recursive=True)
+        if p.ppid() != server_pid and "resource_tracker" not in " ".join(p.cmdline())
+    ]
 
 
 def test_killed_worker_fails_requests_and_server_exits(tiny_ckpt):

@@ -54,7 +54,9 @@ class Indexer(nn.Module):
 
     def forward(self, x, c_q, cos, sin) -> IndexerInputs:
         t = x.shape[0]
-        q = self.wq_b(c_q).view(t, -1, self.head_dim)  # [T, Hi_local, D], rope dims first
+        q = self.wq_b(c_q).view(
+            t, self.wq_b.out_features // self.head_dim, self.head_dim
+        )  # [T, Hi_local, D], rope dims first
         q = torch.cat(
             [
                 apply_rope(q[..., : self.rope_dim], cos, sin, self.interleave),
@@ -158,7 +160,7 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, self.interleave)
         idx = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None
         out, topk = self.attn(q_nope, q_pe, kv_c, k_pe, idx, prev_topk, meta)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, -1))), topk
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v))), topk
 
 
 class MLP(nn.Module):
@@ -213,7 +215,7 @@ class Experts(nn.Module):
     def __init__(self, arch: ModelArch, pc: ParallelContext, dtype: torch.dtype):
         super().__init__()
         e, inter, h = arch.n_routed_experts, arch.moe_intermediate_size, arch.hidden_size
-        self.ep = pc.ep
+        self.ep, self.pc = pc.ep, pc
         if self.ep is not None:
             if e % self.ep.world_size:
                 raise ValueError(
@@ -244,7 +246,7 @@ class Experts(nn.Module):
         if self.ep is not None:
             from vllm.distributed.ep import ep_moe
 
-            return ep_moe(self.ep, x, weights, ids, self._local)
+            return ep_moe(self.pc, x, weights, ids, self)
         return self._local(x, weights, ids)
 
     def _local(self, x, weights, ids):

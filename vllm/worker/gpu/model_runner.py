@@ -117,6 +117,23 @@ class ModelRunner:
             slot_mapping=torch.empty(0, dtype=torch.long, device=self.device),
         )
 
+    def empty_metadata(self, positions) -> MLAMetadata:
+        """Metadata for a step with no requests (DP dummy steps)."""
+        z = torch.zeros(0, dtype=torch.int64, device=self.device)
+        return MLAMetadata(
+            layout=self.layout,
+            index_topk=self.arch.index_topk,
+            positions=positions,
+            token_req=torch.zeros_like(positions),
+            query_start_loc_cpu=[0],
+            seq_lens=z,
+            seq_lens_cpu=[],
+            block_table=self.states.block_table[:0],
+            is_prefill_cpu=[],
+            use_dense_cpu=[],
+            slot_mapping=z,
+        )
+
     # ---- sampling --------------------------------------------------------------------------------
     def _sampling_batch(self, inp: StepInputs, rows: np.ndarray) -> SamplingBatch:
         st, slots = self.states, inp.idx_np[rows]

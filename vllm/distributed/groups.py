@@ -1,0 +1,63 @@
+"""Build every process group of the [DP, PP, PCP, TP] rank layout (TP fastest).
+
+All ranks create all groups in the same order (torch.distributed requires it). DCP groups are
+consecutive runs of `dcp` ranks inside one replica's PCP×TP block, as upstream forms them: with
+DCP = TP·PCP that is the whole block, with PCP = 1 a slice of the TP group, with TP = 1 the PCP group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from vllm.config import ParallelConfig
+from vllm.distributed.parallel_state import GroupCoordinator, ParallelContext
+
+
+def rank_grid(pc: ParallelConfig) -> torch.Tensor:
+    """[DP, PP, PCP, TP] tensor of global ranks."""
+    return torch.arange(pc.world_size_across_dp).view(
+        pc.data_parallel_size,
+        pc.pipeline_parallel_size,
+        pc.prefill_context_parallel_size,
+        pc.tensor_parallel_size,
+    )
+
+
+def group_ranks(pc: ParallelConfig) -> dict[str, list[list[int]]]:
+    g = rank_grid(pc)
+    dp, pp, pcp, tp = g.shape
+    dcp = pc.decode_context_parallel_size
+
+    def rows(t: torch.Tensor, size: int) -> list[list[int]]:
+        return t.reshape(-1, size).tolist()
+
+    return {
+        "tp": rows(g, tp),
+        "pcp": rows(g.transpose(2, 3), pcp),
+        "dcp": rows(g, dcp),
+        "dp": rows(g.permute(1, 2, 3, 0), dp),
+        "replica": rows(g, pp * pcp * tp),
+        "ep": rows(g.permute(1, 0, 2, 3), dp * pcp * tp),
+        "world": [g.flatten().tolist()],
+    }
+
+
+def build_groups(pc: ParallelConfig, global_rank: int, device: torch.device) -> ParallelContext:
+    cuda = device.type == "cuda"
+    mine: dict[str, GroupCoordinator] = {}
+    for name, all_ranks in group_ranks(pc).items():
+        for ranks in all_ranks:
+            dev_group = dist.new_group(ranks, backend="nccl" if cuda else "gloo")
+            cpu_group = dist.new_group(ranks, backend="gloo") if cuda else dev_group
+            if global_rank in ranks:
+                mine[name] = GroupCoordinator(name, ranks, global_rank, dev_group, cpu_group)
+    return ParallelContext(
+        tp=mine["tp"],
+        pcp=mine["pcp"],
+        dcp=mine["dcp"],
+        ep=mine["ep"] if pc.enable_expert_parallel else None,
+        dp=mine["dp"],
+        replica=mine["replica"],
+        world=mine["world"],
+    )
