@@ -268,9 +268,6 @@ class VllmConfig:
     def _refuse_unlanded(self) -> None:
         """Flags whose features have not landed yet fail here, saying so; none is ignored."""
         not_yet = []
-        pc = self.parallel_config
-        if pc.data_parallel_size > 1:
-            not_yet.append("--data-parallel-size > 1")
         if self.attention_config.hisparse is not None:
             not_yet.append("--attention-config hisparse_config (Hybrid HiSparse)")
         if self.speculative_config is not None:

@@ -18,7 +18,7 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.core.scheduler import Scheduler
-from vllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, encoder
+from vllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, encoder
 from vllm.utils import die_with_parent, init_logging, logger
 
 IDLE_POLL_MS = 100
@@ -35,10 +35,15 @@ class EngineCore:
         self.executor = MultiprocExecutor(config, dp_rank, dist_init)
         self.scheduler = Scheduler(config, self.executor.num_blocks)
 
-    def step(self) -> EngineCoreOutputs | None:
+    def step(self, lockstep: bool = False) -> EngineCoreOutputs | None:
+        """One model step. With `lockstep` (DP replicas sharing EP) the workers run a forward even
+        with nothing scheduled (a dummy step) so every replica's EP all-to-alls stay matched."""
         if not self.scheduler.has_work():
+            if lockstep:
+                self.executor.execute(SchedulerOutput(dummy=True))
             return None
         so = self.scheduler.schedule()
+        so.dummy = lockstep and so.total_num_scheduled_tokens == 0
         ro = self.executor.execute(so)
         outs = self.scheduler.update_from_output(so, ro)
         return EngineCoreOutputs(
@@ -59,7 +64,7 @@ class EngineCore:
 
 
 def engine_core_main(
-    config: VllmConfig, dp_rank: int, in_addr: str, out_addr: str, dist_init: str
+    config: VllmConfig, dp_rank: int, in_addr: str, out_addr: str, dist_init: str, dp_init: str = ""
 ) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,8 +81,9 @@ def engine_core_main(
     code = 0
     try:
         core = EngineCore(config, dp_rank, dist_init)
+        wave = DPWave(config, dp_rank, dp_init)
         out.send(enc.encode(EngineCoreOutputs(engine_index=dp_rank, ready=core.info())))
-        _loop(core, inp, out, enc, stop)
+        _loop(core, inp, out, enc, stop, wave)
     except Exception as e:
         code = 1
         logger.error("engine core %d failed: %s", dp_rank, traceback.format_exc())
@@ -93,12 +99,41 @@ def engine_core_main(
     sys.exit(code)
 
 
-def _loop(core: EngineCore, inp, out, enc, stop) -> None:
+class DPWave:
+    """Keeps DP engine cores in step when their workers share EP collectives.
+
+    Every iteration each core all-reduces (has work, wants to stop) over a gloo group of the DP
+    engine cores; if any has work, all step (idle ones run a dummy step); if any stops, all stop.
+    Without EP across DP the replicas are independent and this is a no-op.
+    """
+
+    def __init__(self, config: VllmConfig, dp_rank: int, dp_init: str):
+        pc = config.parallel_config
+        self.active = pc.data_parallel_size > 1 and pc.enable_expert_parallel
+        if self.active:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=dp_init, world_size=pc.data_parallel_size, rank=dp_rank)
+
+    def sync(self, has_work: bool, stop: bool) -> tuple[bool, bool]:
+        if not self.active:
+            return has_work, stop
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([int(has_work), int(stop)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t[0]), bool(t[1])
+
+
+def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
     dec = msgspec.msgpack.Decoder()
     req_dec = msgspec.msgpack.Decoder(EngineCoreRequest)
     sched = core.scheduler
-    while not stop["flag"]:
-        timeout = 0 if sched.has_work() else IDLE_POLL_MS
+    idle_ms = 10 if wave.active else IDLE_POLL_MS
+    shutdown = False
+    while True:
+        timeout = 0 if sched.has_work() else idle_ms
         while inp.poll(timeout):
             timeout = 0
             raw = inp.recv()
@@ -121,8 +156,14 @@ def _loop(core: EngineCore, inp, out, enc, stop) -> None:
                     )
                 )
             elif kind == b"shutdown":
-                return
-        res = core.step()
+                shutdown = True
+                break
+        any_work, any_stop = wave.sync(sched.has_work(), shutdown or stop["flag"])
+        if any_stop:
+            return
+        if not any_work:
+            continue
+        res = core.step(lockstep=wave.active)
         if res is not None:
             out.send(enc.encode(res))
 

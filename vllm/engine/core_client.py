@@ -34,6 +34,7 @@ class EngineCoreClient:
         self.enc = encoder()
         self.dec = decoder(EngineCoreOutputs)
         dist_init = f"tcp://127.0.0.1:{free_port()}"
+        dp_init = f"tcp://127.0.0.1:{free_port()}"
         spawn = mp.get_context("spawn")
         self.procs, self.inputs = [], []
         dp = config.parallel_config.data_parallel_size
@@ -44,7 +45,7 @@ class EngineCoreClient:
             p = spawn.Process(
                 target=engine_core_main,
                 name=f"EngineCore_DP{i}",
-                args=(config, i, addr, self.out_addr, dist_init),
+                args=(config, i, addr, self.out_addr, dist_init, dp_init),
                 daemon=False,
             )
             p.start()
