@@ -39,6 +39,12 @@ class IndexerInputs:
     k: torch.Tensor  # [T, D] roped and rotated key
 
 
+def context_dtype(cache: torch.Tensor) -> torch.dtype:
+    """Dtype of a prefill's temporary full context: bf16 on CUDA (what the MQA prefill kernel
+    reads), fp32 on CPU (the reference path, exact)."""
+    return torch.bfloat16 if cache.is_cuda else torch.float32
+
+
 class LocalContext:
     """Single-rank data access: every token's KV is in this rank's cache."""
 
@@ -52,7 +58,7 @@ class LocalContext:
         s = meta.seq_lens_cpu[r]
         pos = torch.arange(s, device=meta.positions.device)
         slots = meta.slots_for(torch.full_like(pos, r), pos)
-        rows = read_mla_cache_ref(attn.kv_cache, slots, meta.layout)
+        rows = read_mla_cache_ref(attn.kv_cache, slots, meta.layout, context_dtype(attn.kv_cache))
         idx = read_indexer_cache_ref(attn.indexer_cache, slots, meta.layout) if need_index else None
         return rows, idx
 
@@ -134,7 +140,8 @@ class SparseMLAAttention(nn.Module):
         if idx is not None:
             if meta.layout.is_fp8:
                 qv, qs = quantize_indexer_fp8_ref(idx.q)
-                iq = (qv.float(), qs, idx.w.float())
+                # e4m3 values as they are: the fast kernels use FP8 tensor-core dots
+                iq = (qv, qs, idx.w.float())
             else:
                 iq = (
                     idx.q.float(),
@@ -221,6 +228,7 @@ class SparseMLAAttention(nn.Module):
 
     def _dense_attend(self, q_nope, q_pe, rows, pos):
         """MHA form over the full context rows [S, R + rope]: expand K/V per head with W_UK/W_UV."""
+        rows = rows.float()
         c, kpe = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
         k_nope = torch.einsum("sr,hnr->hsn", c, self.w_uk)  # [H, S, nope]
         v = torch.einsum("sr,hvr->hsv", c, self.w_uv)  # [H, S, v]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from vllm.attention.kv_cache import read_indexer_cache_ref, read_mla_cache_ref
-from vllm.attention.layer import LOCAL, LocalContext
+from vllm.attention.layer import LOCAL, LocalContext, context_dtype
 from vllm.attention.metadata import MLAMetadata
 from vllm.attention.ops import dispatch
 from vllm.attention.ops.indexer import merge_topk_ref
@@ -70,7 +70,7 @@ class CPAttention(LocalContext):
         p = torch.arange(s, device=dev)
         owner, lidx = (p // self.i) % self.n, (p // (self.i * self.n)) * self.i + p % self.i
         full = self.dcp.all_gather_stacked(raw)[owner, lidx]  # [S, row], global order
-        rows = read_mla_cache_ref(full.unsqueeze(0), p, meta.layout)
+        rows = read_mla_cache_ref(full.unsqueeze(0), p, meta.layout, context_dtype(cache))
         idx = None
         if need_index:
             k, ks = read_indexer_cache_ref(attn.indexer_cache, slots, meta.layout)

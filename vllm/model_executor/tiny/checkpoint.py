@@ -274,6 +274,10 @@ def ensure_tiny_checkpoint(fp8: bool = False) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     tmp = f"{path}.tmp-{os.getpid()}"
+    from vllm.utils import init_logging, logger
+
+    init_logging()
+    logger.info("writing the built-in tiny checkpoint to %s (first use)", path)
     write_tiny_checkpoint(tmp, fp8=fp8)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -1,0 +1,18 @@
+# vLLM (GLM-5.3 sparse-MLA edition) on CUDA. Build: docker build -t vllm-glm .
+# Run:   docker run --gpus all -p 8000:8000 vllm-glm [MODEL] [flags]   (no MODEL: the tiny checkpoint)
+FROM nvidia/cuda:13.0.0-devel-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev git \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+WORKDIR /opt/vllm
+COPY pyproject.toml README.md ./
+COPY vllm ./vllm
+RUN pip install --index-url https://download.pytorch.org/whl/cu130 "torch>=2.11" \
+    && pip install -e '.[triton]'
+
+EXPOSE 8000
+ENTRYPOINT ["vllm", "serve", "--host", "0.0.0.0", "--port", "8000"]
