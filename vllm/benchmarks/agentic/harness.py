@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +65,18 @@ def find_agentx(explicit: str | None = None) -> str:
         f"(creates .venv-agentx with agentx-harness=={AGENTX_VERSION}), or pass --agentx-bin / "
         f"set ${AGENTX_BIN_ENV}"
     )
+
+
+def agentx_python(agentx: str) -> str:
+    """The Python interpreter of the harness's environment (from the `agentx` script's shebang)."""
+    sibling = os.path.join(os.path.dirname(agentx), "python")
+    if os.path.isfile(sibling):
+        return sibling
+    with open(agentx, "rb") as f:
+        first = f.readline().decode(errors="replace")
+    if first.startswith("#!") and "python" in first:
+        return first[2:].strip().split()[0]
+    raise BenchmarkError(f"cannot tell which Python runs {agentx!r}")
 
 
 def prepare_tokenizer(tokenizer_dir: str, hf_home: str, name: str) -> str:
@@ -177,6 +190,7 @@ class HarnessProgress:
     """What the harness's log says so far (phase, requests done, errors)."""
 
     phase: str = "starting"
+    phase_t0: float = field(default_factory=time.monotonic)
     done: int = 0
     errors: int = 0
     lines: list[str] = field(default_factory=list)
@@ -190,7 +204,7 @@ class HarnessProgress:
         self.lines.append(line)
         del self.lines[:-200]
         if m := self._PHASE.search(line):
-            self.phase = m.group(1)
+            self.phase, self.phase_t0 = m.group(1), time.monotonic()
             self.done = self.errors = 0
             return True
         if m := self._DONE.search(line):

@@ -95,8 +95,8 @@ def level_metrics(
     ok = [r for r in records if not r.get("error")]
     starts = [r["metadata"].get("request_start_ns") for r in records]
     ends = [r["metadata"].get("request_end_ns") for r in records]
-    starts = [s for s in starts if s]
-    ends = [e for e in ends if e]
+    starts = [s for s in starts if s is not None]
+    ends = [e for e in ends if e is not None]
     duration = (max(ends) - min(starts)) / 1e9 if starts and ends else 0.0
 
     in_tok = sum(_value(r, "usage_prompt_tokens", "input_sequence_length") or 0 for r in ok)
@@ -182,6 +182,7 @@ def plot_pareto(path: str, rows: list[dict], title: str) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 5), dpi=120)
     configs = list(dict.fromkeys(r["config"] for r in rows))
+    plotted = False
     for name in configs:
         pts = sorted(
             (r["interactivity_p90"], r["throughput_per_gpu"], r["concurrency"])
@@ -194,14 +195,17 @@ def plot_pareto(path: str, rows: list[dict], title: str) -> bool:
             continue
         xs, ys, cs = zip(*pts, strict=False)
         ax.plot(xs, ys, marker="o", label=name)
+        plotted = True
         for x, y, c in pts:
             ax.annotate(f"c{c}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("interactivity, P90 over requests (output tok/s/user, end to end)")
     ax.set_ylabel("logical throughput (input + output tok/s) per GPU")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
-    if configs:
+    if plotted:
         ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no level completed", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

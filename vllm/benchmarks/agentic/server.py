@@ -73,7 +73,7 @@ def parse_serve_config(name: str, command: str, num_gpus: int = 1) -> ServeConfi
     except SystemExit:
         msg = err.getvalue().strip().splitlines()
         detail = msg[-1] if msg else "invalid arguments"
-        detail = re.sub(r"^vllm serve: error: ", "", detail)
+        detail = re.sub(r"^vllm( serve)?: error: ", "", detail)
         raise BenchmarkError(
             f"configuration {name!r}: cannot parse serve command {command!r}: {detail}"
         ) from None

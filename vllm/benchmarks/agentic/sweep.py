@@ -365,11 +365,14 @@ class _Sweep:
                 allow_wrap=self._num_sessions() < c,
                 extra=self.args.harness_arg,
             )
-            t0 = time.monotonic()
+            dur = self.args.duration
 
             def show(p: harness.HarnessProgress) -> None:
-                s = time.monotonic() - t0
-                self.progress.status(f"{tag}: {p.phase} {s:4.0f}s  done={p.done} err={p.errors}")
+                s = time.monotonic() - p.phase_t0
+                of = f"/{dur:.0f}" if p.phase == "profiling" else ""
+                self.progress.status(
+                    f"{tag}: {p.phase} {s:.0f}{of} s, done={p.done} err={p.errors}"
+                )
 
             rc, prog = harness.run_harness(
                 cmd,
