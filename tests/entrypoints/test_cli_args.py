@@ -140,7 +140,6 @@ NOT_LANDED = [
         "--kv-transfer-config",
     ),
     (["--kv-offloading-size", "4"], "--kv-offloading-size"),
-    (["--attention-config", '{"hisparse_config": {"host_pool_gib": 1}}'], "hisparse_config"),
 ]
 
 

@@ -71,7 +71,7 @@ class LocalContext:
             iq[2][tok],
             attn.indexer_cache,
             meta.layout,
-            meta.block_table,
+            meta.block_table if meta.idx_block_table is None else meta.idx_block_table,
             meta.token_req[tok],
             ctx,
             max(meta.seq_lens_cpu[r] for r in reqs),
@@ -167,7 +167,10 @@ class SparseMLAAttention(nn.Module):
         dispatch.write_mla_cache(self.kv_cache, kv_c, k_pe, meta.slot_mapping, meta.layout)
         if idx is not None:
             dispatch.write_indexer_cache(
-                self.indexer_cache, cp.gather_new_rows(idx.k, meta), meta.slot_mapping, meta.layout
+                self.indexer_cache,
+                cp.gather_new_rows(idx.k, meta),
+                meta.slot_mapping if meta.idx_slot_mapping is None else meta.idx_slot_mapping,
+                meta.layout,
             )
 
     def _needs_scoring(self, meta: MLAMetadata, pos: torch.Tensor) -> torch.Tensor:

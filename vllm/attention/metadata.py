@@ -35,6 +35,10 @@ class MLAMetadata:
     dcp_size: int = 1
     dcp_rank: int = 0
     cp_interleave: int = 1
+    # HiSparse: indexer pages live in their own pool (None = same as block_table)
+    idx_block_table: torch.Tensor | None = None
+    idx_slot_mapping: torch.Tensor | None = None
+    block_table_full: torch.Tensor | None = None  # [max_reqs, pages] by request slot
     extras: dict = field(default_factory=dict)
 
     @property
@@ -62,5 +66,5 @@ class MLAMetadata:
         off = p % (bs * n)
         local = (off // (i * n)) * i + off % i
         slot = vblock * bs + local
-        owned = (pos >= 0) & ((p // i) % n == self.dcp_rank)
+        owned = (pos >= 0) & ((p // i) % n == self.dcp_rank) & (vblock >= 0)
         return torch.where(owned, slot, -1)

@@ -225,6 +225,18 @@ class VllmConfig:
         return self.cache_config.block_size * self.parallel_config.decode_context_parallel_size
 
     @property
+    def hot_buffer_min_rows(self) -> int:
+        return (self.num_spec_tokens + 1) * self.model_config.arch.index_topk
+
+    @property
+    def hot_buffer_rows(self) -> int:
+        """Hot rows per request: default 2×topk ((n_spec+2)×topk with MTP)."""
+        hs = self.attention_config.hisparse
+        if hs is not None and hs.hot_buffer_rows:
+            return hs.hot_buffer_rows
+        return (self.num_spec_tokens + 2) * self.model_config.arch.index_topk
+
+    @property
     def num_spec_tokens(self) -> int:
         return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
@@ -263,13 +275,26 @@ class VllmConfig:
                 f"--max-model-len {self.model_config.max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.model_config.arch.max_position_embeddings}"
             )
+        hs = self.attention_config.hisparse
+        if hs is not None:
+            if hs.host_pool_gib <= 0:
+                raise ValueError("--attention-config hisparse_config.host_pool_gib must be > 0")
+            if pc.prefill_context_parallel_size > 1 or pc.decode_context_parallel_size > 1:
+                raise ValueError(
+                    "--attention-config hisparse_config is a decode-side feature for TP/DP/EP layouts; "
+                    "it cannot be combined with --prefill-context-parallel-size or "
+                    "--decode-context-parallel-size > 1"
+                )
+            if hs.hot_buffer_rows is not None and hs.hot_buffer_rows < self.hot_buffer_min_rows:
+                raise ValueError(
+                    f"--attention-config hisparse_config.hot_buffer_rows must be >= "
+                    f"{self.hot_buffer_min_rows} ((num_speculative_tokens + 1) × index_topk)"
+                )
         self._refuse_unlanded()
 
     def _refuse_unlanded(self) -> None:
         """Flags whose features have not landed yet fail here, saying so; none is ignored."""
         not_yet = []
-        if self.attention_config.hisparse is not None:
-            not_yet.append("--attention-config hisparse_config (Hybrid HiSparse)")
         if self.speculative_config is not None:
             not_yet.append("--speculative-config (MTP speculative decoding)")
         if self.kv_transfer_config is not None:

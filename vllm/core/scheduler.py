@@ -26,7 +26,7 @@ from vllm.engine.messages import (
 
 
 class Scheduler:
-    def __init__(self, config: VllmConfig, num_blocks: int):
+    def __init__(self, config: VllmConfig, num_blocks: int, kv_plan: dict | None = None):
         self.config = config
         sc = config.scheduler_config
         self.max_num_batched_tokens = sc.max_num_batched_tokens
@@ -34,15 +34,28 @@ class Scheduler:
         self.chunked_prefill = sc.enable_chunked_prefill
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.scheduler_block_size
-        self.kv = KVCacheManager(
-            num_blocks, self.block_size, config.cache_config.enable_prefix_caching
-        )
+        caching = config.cache_config.enable_prefix_caching
+        if config.attention_config.hisparse is not None:
+            from vllm.hisparse.manager import HiSparseKVManager
+
+            plan = kv_plan or {}
+            self.kv = HiSparseKVManager(
+                num_blocks,
+                plan["num_host_blocks"],
+                plan["num_idx_blocks"],
+                self.block_size,
+                config.hot_buffer_rows,
+                caching,
+            )
+        else:
+            self.kv = KVCacheManager(num_blocks, self.block_size, caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_ids: list[str] = []  # to tell the workers
         self.step = 0
         self._stats = SchedulerStats()
+        self._worker_stats: dict[str, float] = {}
 
     # ---- admission ------------------------------------------------------------------------
     @property
@@ -89,6 +102,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached: list[CachedRequestData] = []
         preempted: list[Request] = []
+        updates: list[tuple[Request, bool, list[int] | None, int]] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -109,7 +123,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_sched[req.request_id] = n
-            cached.append(CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+            updates.append((req, False, new_blocks, req.num_computed_tokens))
             budget -= n
             i += 1
 
@@ -133,19 +147,29 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             req.worker_known_tokens = req.num_tokens
-            new_reqs.append(
-                NewRequestData(
-                    req.request_id,
-                    req.all_token_ids,
-                    req.num_prompt_tokens,
-                    self.kv.blocks_of(req),
-                    num_hit,
-                    req.sampling,
-                )
-            )
+            updates.append((req, True, None, num_hit))
             num_sched[req.request_id] = n
             budget -= n
 
+        # messages are built after every allocation of the step: a later allocation may have
+        # changed an earlier request's pages (HiSparse drops)
+        hs = getattr(self.kv, "worker_update", None)
+        for req, is_new, new_blocks, start in updates:
+            extra = hs(req, is_new) if hs else None
+            if is_new:
+                new_reqs.append(
+                    NewRequestData(
+                        req.request_id,
+                        req.all_token_ids,
+                        req.num_prompt_tokens,
+                        self.kv.blocks_of(req),
+                        start,
+                        req.sampling,
+                        extra,
+                    )
+                )
+            else:
+                cached.append(CachedRequestData(req.request_id, new_blocks, start, extra))
         for req in self.running:
             if req.request_id in num_sched:
                 req.num_computed_tokens += num_sched[req.request_id]
@@ -175,6 +199,8 @@ class Scheduler:
         self, so: SchedulerOutput, ro: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        for k, v in ro.stats.items():
+            self._worker_stats[k] = self._worker_stats.get(k, 0) + v
         sampled = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
         for rid in so.num_scheduled_tokens:
             req = self.requests.get(rid)
@@ -244,6 +270,21 @@ class Scheduler:
         )
         s.prefix_cache_queries, s.prefix_cache_hits = pool.stats_queries, pool.stats_hits
         pool.stats_queries = pool.stats_hits = 0
+        ws = self._worker_stats
+        if hasattr(self.kv, "host_usage"):
+            q = ws.get("hisparse_hits", 0) + ws.get("hisparse_misses", 0)
+            s.extra = {
+                "hisparse_host_pool_usage_perc": self.kv.host_usage(),
+                "hisparse_hot_hit_rate": ws.get("hisparse_hits", 0) / q if q else 1.0,
+                "hisparse_h2d_bytes_per_step": ws.get("hisparse_h2d_bytes", 0),
+                "hisparse_pages_dropped_total": self.kv.stats_dropped,
+            }
+            s.prefix_cache_queries, s.prefix_cache_hits = (
+                self.kv.host.stats_queries,
+                self.kv.host.stats_hits,
+            )
+            self.kv.host.stats_queries = self.kv.host.stats_hits = 0
+        self._worker_stats = {}
         self._stats = SchedulerStats()
         return s
 

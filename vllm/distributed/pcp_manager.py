@@ -72,6 +72,16 @@ def shard_tokens(qsl: np.ndarray, is_prefill: np.ndarray, pcp: int) -> PCPShard:
     return PCPShard(per_rank, counts, pad, gathered, restore)
 
 
+def set_slot_mappings(meta, token_req, positions) -> None:
+    """Where this step's new rows go: MLA rows by the block table, indexer keys by the indexer
+    table when it differs (HiSparse keeps indexer pages in their own pool)."""
+    meta.slot_mapping = meta.slots_for(token_req, positions)
+    if meta.idx_block_table is not None:
+        bs = meta.layout.block_size
+        p = positions.long()
+        meta.idx_slot_mapping = meta.idx_block_table[token_req.long(), p // bs].long() * bs + p % bs
+
+
 class SingleRankPlanner:
     """No context parallelism: this rank computes every token and holds every KV row."""
 
@@ -80,7 +90,7 @@ class SingleRankPlanner:
 
     def forward(self, runner, inp) -> torch.Tensor:
         meta = runner.metadata(inp, inp.positions, inp.token_req, inp.query_start_loc.tolist())
-        meta.slot_mapping = meta.slots_for(inp.token_req, inp.positions)
+        set_slot_mappings(meta, inp.token_req, inp.positions)
         return runner.model(inp.input_ids, inp.positions, meta)
 
     def broadcast_sampled(self, sampled: torch.Tensor) -> torch.Tensor:
@@ -117,7 +127,7 @@ class CPPlanner(SingleRankPlanner):
             pos, tr, ids = inp.positions[mine], inp.token_req[mine], inp.input_ids[mine]
             qsl = [0] + np.cumsum(sh.per_rank_counts[self.rank]).tolist()
         meta = runner.metadata(inp, pos, tr, qsl)
-        meta.cp = self.attn
+        meta.cp = meta.cp or self.attn
         meta.dcp_size, meta.dcp_rank, meta.cp_interleave = (
             self.dcp_size,
             self.pc.dcp.rank_in_group,
@@ -126,7 +136,7 @@ class CPPlanner(SingleRankPlanner):
         decode_counts = self._decode_counts(inp, sh)
         meta.extras["decode_pad"] = max(1, int(decode_counts.max()))
         if sh is None:
-            meta.slot_mapping = meta.slots_for(inp.token_req, inp.positions)
+            set_slot_mappings(meta, inp.token_req, inp.positions)
         else:
             g = torch.from_numpy(sh.gathered).to(dev)
             gv = g.clamp_min(0)

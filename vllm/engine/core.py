@@ -33,7 +33,7 @@ class EngineCore:
         self.config = config
         self.dp_rank = dp_rank
         self.executor = MultiprocExecutor(config, dp_rank, dist_init)
-        self.scheduler = Scheduler(config, self.executor.num_blocks)
+        self.scheduler = Scheduler(config, self.executor.num_blocks, self.executor.kv_plan)
 
     def step(self, lockstep: bool = False) -> EngineCoreOutputs | None:
         """One model step. With `lockstep` (DP replicas sharing EP) the workers run a forward even
@@ -113,7 +113,9 @@ class DPWave:
         if self.active:
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", init_method=dp_init, world_size=pc.data_parallel_size, rank=dp_rank)
+            dist.init_process_group(
+                "gloo", init_method=dp_init, world_size=pc.data_parallel_size, rank=dp_rank
+            )
 
     def sync(self, has_work: bool, stop: bool) -> tuple[bool, bool]:
         if not self.active:

@@ -86,12 +86,14 @@ class NewRequestData(msgspec.Struct, array_like=True):
     block_ids: list[int]
     num_computed_tokens: int
     sampling: SamplingOptions
+    hs: dict | None = None  # HiSparse page tables (see hisparse/manager.py worker_update)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    hs: dict | None = None
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
@@ -106,6 +108,7 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
 
 class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     step: int = 0
+    stats: dict = {}  # per-step worker counters (e.g. HiSparse hits/misses/bytes)
     req_ids: list[str] = []
     sampled_token_ids: list[list[int]] = []
     logprobs: dict[str, list[TokenLogprobs]] = {}

@@ -32,6 +32,7 @@ class LLM:
         )
         self.outputs = OutputProcessor()
         self._ids = itertools.count()
+        self.stats_history: list = []  # SchedulerStats of every step (engine-side counters)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -84,6 +85,8 @@ class LLM:
             batch = self.client.get_output(1.0)
             if batch is None:
                 continue
+            if batch.stats is not None:
+                self.stats_history.append(batch.stats)
             for out in batch.outputs:
                 st = states.get(out.request_id)
                 if st is None or st.finished:

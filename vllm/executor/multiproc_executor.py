@@ -49,7 +49,8 @@ class MultiprocExecutor:
             self.procs.append(p)
             self.socks.append(sock)
         infos = self._collect("ready", self.world_size, STARTUP_TIMEOUT_S)
-        self.num_blocks = min(m.info["num_blocks"] for m in infos)
+        self.kv_plan = {k: min(m.info[k] for m in infos) for k in infos[0].info}
+        self.num_blocks = self.kv_plan["num_blocks"]
         self.dead: str | None = None
 
     def _check_alive(self) -> None:

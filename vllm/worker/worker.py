@@ -24,24 +24,21 @@ def _device(config: VllmConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _num_blocks(config: VllmConfig, runner, device: torch.device) -> int:
+def _kv_plan(config: VllmConfig, runner, device: torch.device) -> dict:
     cc = config.cache_config
-    if cc.num_gpu_blocks_override:
-        return cc.num_gpu_blocks_override
-    per_block = runner.kv_bytes_per_block()
     if cc.kv_cache_memory_bytes is not None:
         budget = cc.kv_cache_memory_bytes
     else:
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         budget = int(total * cc.gpu_memory_utilization - used - ACTIVATION_RESERVE_GIB * 2**30)
-    n = budget // per_block
-    if n < 1:
+    plan = runner.plan_kv(budget)
+    if plan["num_blocks"] < 1:
         raise RuntimeError(
-            f"no room for the KV cache: {budget} bytes available, one block needs {per_block} "
+            f"no room for the KV cache: {budget} bytes available, one block needs {runner.kv_bytes_per_block()} "
             "(raise --gpu-memory-utilization or --kv-cache-memory-bytes)"
         )
-    return int(n)
+    return plan
 
 
 def worker_main(
@@ -90,14 +87,11 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
         progress=rank_in_replica == 0 and os.environ.get("VLLM_NO_PROGRESS", "0") != "1",
     )
     runner = ModelRunner(config, model, pc, device)
-    num_blocks = _num_blocks(config, runner, device)
-    num_blocks = pc.min_over_world(num_blocks)
-    runner.initialize_kv_cache(num_blocks)
+    plan = {k: pc.min_over_world(v) for k, v in _kv_plan(config, runner, device).items()}
+    runner.initialize_kv_cache(**plan)
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
-    out.send(
-        enc.encode(WorkerMessage(rank=global_rank, kind="ready", info={"num_blocks": num_blocks}))
-    )
+    out.send(enc.encode(WorkerMessage(rank=global_rank, kind="ready", info=plan)))
     dec = decoder(SchedulerOutput)
     driver = rank_in_replica == 0
     while True:

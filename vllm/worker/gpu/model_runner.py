@@ -48,6 +48,18 @@ class ModelRunner:
         from vllm.distributed.pcp_manager import make_cp_planner
 
         self.cp = make_cp_planner(config, pc, self.layout)
+        self.hisparse = None
+        if config.attention_config.hisparse is not None:
+            from vllm.hisparse.worker import HiSparseWorker
+
+            self.hisparse = HiSparseWorker(
+                model,
+                self.layout,
+                config.scheduler_config.max_num_seqs,
+                self.max_blocks_per_req,
+                config.hot_buffer_rows,
+                device,
+            )
 
     # ---- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -60,8 +72,31 @@ class ModelRunner:
         )
         return per_token * self.layout.block_size
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def plan_kv(self, budget_bytes: int) -> dict:
+        """Blocks per pool for a KV budget (bytes of device memory on this rank)."""
+        cc = self.config.cache_config
+        if self.hisparse is None:
+            n = cc.num_gpu_blocks_override or budget_bytes // self.kv_bytes_per_block()
+            return {"num_blocks": int(n)}
+        hs = self.hisparse
+        host_gib = self.config.attention_config.hisparse.host_pool_gib
+        n_host = int(host_gib * 2**30) // (hs.mla_bytes_per_block() + hs.idx_bytes_per_block())
+        n_idx = n_host  # every token the host pool can hold keeps its indexer keys on the GPU
+        rest = budget_bytes - n_idx * hs.idx_bytes_per_block()
+        n_gpu = cc.num_gpu_blocks_override or rest // hs.mla_bytes_per_block() - 1
+        return {
+            "num_blocks": int(n_gpu),
+            "num_host_blocks": int(n_host),
+            "num_idx_blocks": int(n_idx),
+        }
+
+    def initialize_kv_cache(
+        self, num_blocks: int, num_host_blocks: int = 0, num_idx_blocks: int = 0
+    ) -> None:
         self.num_blocks = num_blocks
+        if self.hisparse is not None:
+            self.hisparse.allocate(num_blocks, num_host_blocks, num_idx_blocks)
+            return
         for attn in self.model.attention_layers():
             attn.kv_cache = self.layout.allocate_mla(num_blocks, self.device)
             attn.indexer_cache = (
@@ -74,11 +109,18 @@ class ModelRunner:
             self.states.remove(rid)
         start_of: dict[str, int] = {}
         for r in so.new_reqs:
-            self.states.add(r, self.eos_ids)
+            slot = self.states.add(r, self.eos_ids)
             start_of[r.req_id] = r.num_computed_tokens
+            if r.hs is not None:
+                self.hisparse.on_add(slot, r.hs, r.block_ids)
         self.states.append_blocks([(c.req_id, c.new_block_ids) for c in so.cached_reqs])
         for c in so.cached_reqs:
             start_of[c.req_id] = c.num_computed_tokens
+            if c.hs is not None:
+                slot = self.states.slot_of[c.req_id]
+                if c.hs["dropped"]:
+                    self.states.block_table[slot, c.hs["dropped"]] = -1
+                self.hisparse.on_update(slot, c.hs)
         return start_of
 
     @torch.inference_mode()
@@ -89,8 +131,13 @@ class ModelRunner:
                 self.cp.dummy_forward(self)
             return ModelRunnerOutput(step=so.step)
         inp = build_step_inputs(so, self.states, self.device, start_of)
+        self.step = so.step
         self.connector.start_load_kv(so)
+        if self.hisparse is not None:
+            self.hisparse.before_step()
         hidden = self.cp.forward(self, inp)  # [T, hidden] in the batch's token order, on every rank
+        if self.hisparse is not None:
+            self.hisparse.backup(self.states.block_table, inp.idx_np, inp.start, inp.seq_lens)
         self.connector.wait_for_save()
         return self._sample(inp, hidden, so.step)
 
@@ -103,7 +150,7 @@ class ModelRunner:
             p and s <= topk and not self.force_mqa
             for p, s in zip(is_prefill, seq_lens, strict=True)
         ]
-        return MLAMetadata(
+        meta = MLAMetadata(
             layout=self.layout,
             index_topk=topk,
             positions=positions,
@@ -116,6 +163,15 @@ class ModelRunner:
             use_dense_cpu=dense,
             slot_mapping=torch.empty(0, dtype=torch.long, device=self.device),
         )
+        if self.hisparse is not None:
+            hs = self.hisparse
+            meta.cp = hs.context
+            meta.idx_block_table = hs.idx_table[inp.idx_mapping]
+            meta.block_table_full = self.states.block_table
+            meta.extras.update(
+                step=self.step, req_slots=inp.idx_np.tolist(), req_slots_t=inp.idx_mapping
+            )
+        return meta
 
     def empty_metadata(self, positions) -> MLAMetadata:
         """Metadata for a step with no requests (DP dummy steps)."""
@@ -178,6 +234,8 @@ class ModelRunner:
             host["sampled"] = sampled
             if lp is not None:
                 host.update(lp_chosen=lp[0], lp_rank=lp[1], lp_ids=lp[2], lp_vals=lp[3])
+        if self.hisparse is not None:
+            host["hisparse"] = self.hisparse.take_stats()
         plp_plan = self._prompt_logprob_plan(inp)
         if plp_plan:
             tok_rows = np.concatenate([r for _, r, _, _ in plp_plan])
@@ -204,6 +262,15 @@ class ModelRunner:
     def _build_output(self, inp, rows, h, plp_plan, step) -> ModelRunnerOutput:
         st = self.states
         out = ModelRunnerOutput(step=step)
+        if "hisparse" in h:
+            hits, misses, resident = h["hisparse"].tolist()
+            row = self.layout.mla_bytes_per_token
+            out.stats = {
+                "hisparse_hits": hits,
+                "hisparse_misses": misses,
+                "hisparse_resident": resident,
+                "hisparse_h2d_bytes": misses * row,
+            }
         if len(rows):
             sampled = h["sampled"].tolist()
             for i, b in enumerate(rows.tolist()):

@@ -1,0 +1,138 @@
+"""Host overhead per engine step: scheduler + input preparation + sampling, the model forward
+excluded, at batch 1, 64 and 256 (decode steady state), plus device→host syncs per step.
+
+    python benchmarks/engine/bench_step_overhead.py                      # CPU, tiny checkpoint
+    python benchmarks/engine/bench_step_overhead.py --device cuda --model glm-slice   # H200
+
+`glm-slice` is a GLM-5.3-shaped model (real attention/indexer dims and the real 154,880-token
+vocabulary; 2 layers, 4 experts, hidden 1024, random weights). Phases are timed with a device
+synchronise around the forward (measurement only); syncs are counted with
+torch.cuda.set_sync_debug_mode during the host phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from vllm.core.scheduler import Scheduler  # noqa: E402
+from vllm.distributed.parallel_state import ParallelContext  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.engine.messages import EngineCoreRequest, SamplingOptions  # noqa: E402
+from vllm.model_executor.model_loader import build_model  # noqa: E402
+from vllm.model_executor.tiny import TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
+from vllm.worker.gpu.input_batch import build_step_inputs  # noqa: E402
+from vllm.worker.gpu.model_runner import ModelRunner  # noqa: E402
+
+GLM_SLICE = dict(
+    vocab_size=154880, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
+    num_hidden_layers=2, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048,
+    kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32,
+    index_head_dim=128, index_topk=2048, index_topk_freq=4, index_skip_topk_offset=3,
+    n_routed_experts=4, num_experts_per_tok=2, num_nextn_predict_layers=0,
+)
+
+
+def _checkpoint(name: str) -> str:
+    d = tempfile.mkdtemp(prefix=f"bench-{name}-")
+    cfg = dict(TINY_CONFIG) if name == "tiny" else {**TINY_CONFIG, **GLM_SLICE}
+    write_checkpoint(d, cfg, tiny_state_dict(cfg, seed=1), tokenizer=False)
+    return d
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(path: str, device: str, batch: int, steps: int, dtype: torch.dtype) -> dict:
+    dev = torch.device(device)
+    cfg = EngineArgs(model=path, device=device, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 16),
+                     kv_cache_memory_bytes=2 * 2**30 if device == "cuda" else 256 * 2**20,
+                     dtype="bfloat16" if dtype == torch.bfloat16 else "float32").create_engine_config()
+    model = build_model(path, dtype=cfg.model_config.dtype, device=dev)
+    runner = ModelRunner(cfg, model, ParallelContext.single(), dev)
+    blocks = cfg.cache_config.kv_cache_memory_bytes // runner.kv_bytes_per_block()
+    runner.initialize_kv_cache(blocks)
+    sched = Scheduler(cfg, blocks)
+    for i in range(batch):
+        sched.add_request(EngineCoreRequest(str(i), list(range(10 + i % 7, 26 + i % 7)),
+                                            SamplingOptions(temperature=0.8, top_p=0.95, seed=i, max_tokens=10_000,
+                                                            ignore_eos=True), []))
+    rows = []
+    for step in range(steps + 3):
+        t0 = time.perf_counter()
+        so = sched.schedule()
+        t1 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            if dev.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            start_of = runner.update_states(so)
+            inp = build_step_inputs(so, runner.states, dev, start_of)
+            runner.metadata(inp, inp.positions, inp.token_req, inp.query_start_loc.tolist())
+            if dev.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+            prep_syncs = len([x for x in w if "synchroniz" in str(x.message)])
+        _sync(dev)
+        t2 = time.perf_counter()
+        with torch.inference_mode():
+            hidden = runner.cp.forward(runner, inp)
+        _sync(dev)
+        t3 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            if dev.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            with torch.inference_mode():
+                ro = runner._sample(inp, hidden, so.step)
+            if dev.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+            sample_syncs = len([x for x in w if "synchroniz" in str(x.message)])
+        t4 = time.perf_counter()
+        sched.update_from_output(so, ro)
+        t5 = time.perf_counter()
+        if step >= 3 and all(n == 1 for n in so.num_scheduled_tokens.values()):
+            rows.append(dict(schedule=t1 - t0, prep=t2 - t1, forward=t3 - t2, sample=t4 - t3, update=t5 - t4,
+                             syncs=prep_syncs + sample_syncs))
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    host = med["schedule"] + med["prep"] + med["sample"] + med["update"]
+    return {"batch": batch, "steps": len(rows), "host_ms": host * 1e3, **{f"{k}_ms": v * 1e3 for k, v in med.items()
+            if k != "syncs"}, "syncs_per_step": med["syncs"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "glm-slice"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    path = _checkpoint(args.model)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    res = [run(path, args.device, b, args.steps, dtype) for b in args.batches]
+    print(f"host overhead per decode step ({args.model}, {args.device}); forward excluded; medians")
+    print(f"{'batch':>5} {'host ms':>8} {'sched':>7} {'prep':>7} {'sample':>7} {'update':>7} {'fwd ms':>8} {'syncs':>5}")
+    for r in res:
+        print(f"{r['batch']:>5} {r['host_ms']:>8.3f} {r['schedule_ms']:>7.3f} {r['prep_ms']:>7.3f} {r['sample_ms']:>7.3f}"
+              f" {r['update_ms']:>7.3f} {r['forward_ms']:>8.2f} {r['syncs_per_step']:>5}")
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in res:
+                f.write(json.dumps({"bench": "step_overhead", "model": args.model, "device": args.device, **r}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The HiSparse resolver: selected positions -> cache slots, fetching misses from host memory.
+
+For each decode token t (one per request) and each selected position p:
+  * resident: the page of p still has a GPU block  -> slot = block·64 + p % 64 (read in place);
+  * hit:      p is in the request's hot buffer      -> that hot row's slot; its LRU stamp refreshes;
+  * miss:     neither                               -> the least recently used hot row not hit by
+              this token is overwritten with p's row, copied from the host pool (every layer of
+              the IndexShare group at once), and becomes p's slot.
+Everything is tensor ops on the device: no host decision, no sync, fixed shapes (misses are masked,
+their no-op copies go to a trash slot), so it can run inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ResolveResult:
+    slots: torch.Tensor  # [T, K] GPU slots to read (−1 = no position)
+    src: torch.Tensor  # [T, K] host slots of rows to copy (valid where `miss`)
+    dest: torch.Tensor  # [T, K] GPU slots they go to (trash slot where not `miss`)
+    miss: torch.Tensor  # [T, K] bool
+    hits: torch.Tensor  # [] int64 hot-buffer hits
+    num_miss: torch.Tensor  # [] int64
+    num_resident: torch.Tensor  # [] int64
+
+
+def resolve(
+    positions: torch.Tensor,
+    req_slot: torch.Tensor,
+    page_table: torch.Tensor,
+    host_page_table: torch.Tensor,
+    hot_slots: torch.Tensor,
+    hot_pos: torch.Tensor,
+    hot_lru: torch.Tensor,
+    step: int,
+    trash_slot: int,
+    block_size: int = 64,
+) -> ResolveResult:
+    """positions [T, K] (−1 = none, one decode token per request); req_slot [T];
+    page_table/host_page_table [R, P] GPU / host block of each page (−1 = none);
+    hot_slots [R, H] GPU slot of each hot row; hot_pos / hot_lru [R, H] (updated in place)."""
+    valid = positions >= 0
+    p = positions.clamp_min(0).long()
+    page, off = p // block_size, p % block_size
+    s = req_slot.long()
+    gblk = page_table[s.unsqueeze(1), page].long()
+    resident = valid & (gblk >= 0)
+    need = valid & ~resident
+    hp = hot_pos[s]  # [T, H]
+    sorted_hp, order = torch.sort(hp, dim=1)
+    idx = torch.searchsorted(sorted_hp, p).clamp_max(hp.shape[1] - 1)
+    hit = need & (sorted_hp.gather(1, idx) == p)
+    hit_row = order.gather(1, idx)  # meaningful where hit
+    miss = need & ~hit
+    # victims: least recently used rows, never one this token hits
+    hit_count = torch.zeros_like(hp).scatter_add_(1, torch.where(hit, hit_row, 0), hit.long())
+    lru = hot_lru[s].masked_fill(hit_count > 0, torch.iinfo(hot_lru.dtype).max)
+    cand = torch.argsort(lru, dim=1, stable=True)
+    rank = (torch.cumsum(miss.long(), dim=1) - 1).clamp_min(0)
+    victim = cand.gather(1, rank)
+    hs = hot_slots[s]
+    dest = torch.where(miss, hs.gather(1, victim), trash_slot)
+    src = host_page_table[s.unsqueeze(1), page].long() * block_size + off
+    slots = torch.where(
+        resident, gblk * block_size + off, torch.where(hit, hs.gather(1, hit_row), dest)
+    )
+    slots = torch.where(valid, slots, -1)
+    # bookkeeping: new rows hold their positions; every used row gets this step's stamp
+    rows = torch.where(miss, victim, torch.where(hit, hit_row, -1))
+    used = rows >= 0
+    r_idx = s.unsqueeze(1).expand_as(rows)[used]
+    hot_pos[r_idx[miss[used]], rows[used][miss[used]]] = p[used][miss[used]]
+    hot_lru[r_idx, rows[used]] = step
+    return ResolveResult(
+        slots, torch.where(miss, src, 0), dest, miss, hit.sum(), miss.sum(), resident.sum()
+    )
+
+
+def apply_copies(
+    res: ResolveResult, gpu_caches: list[torch.Tensor], host_pools: list[torch.Tensor]
+) -> None:
+    """Copy missed rows host -> GPU for every layer of the group (masked: non-misses copy host
+    row 0 into the trash slot, keeping shapes fixed). `host_pools` must be addressable from the
+    caches' device (on CUDA: device views of pinned memory, see worker.device_view)."""
+    dest, src = res.dest.flatten(), res.src.flatten()
+    for gpu, host in zip(gpu_caches, host_pools, strict=True):
+        g = gpu.view(-1, gpu.shape[-1])
+        h = host.view(-1, host.shape[-1])
+        # on CUDA `host` is a device view of pinned memory (zero-copy reads over PCIe)
+        g.index_copy_(0, dest, h[src])
