@@ -16,9 +16,11 @@ from vllm.benchmarks.agentic.server import parse_prometheus, parse_serve_config
 
 
 def test_parse_serve_config():
-    cfg = parse_serve_config("pcp", "vllm serve -pcp 2 -dcp 2 --enable-expert-parallel", 2)
+    cfg = parse_serve_config("pcp", "vllm serve -pcp 2 -dcp 2 --enable-expert-parallel")
     assert cfg.args == ("-pcp", "2", "-dcp", "2", "--enable-expert-parallel")
     assert cfg.num_gpus == 2 and cfg.command.startswith("vllm serve -pcp 2")
+    assert parse_serve_config("dp", "vllm serve -dp 2 -tp 2").num_gpus == 4
+    assert parse_serve_config("x", "vllm serve -tp 2", num_gpus=8).num_gpus == 8
     for bad, msg in [
         ("vllm serve --no-such-flag", "unrecognized arguments"),
         ("vllm serve 'open", "No closing quotation"),

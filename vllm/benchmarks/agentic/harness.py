@@ -115,7 +115,7 @@ class Workload:
 
     kind: str  # "agentx" or "mooncake"
     input_path: str
-    block_size: int = 16  # Mooncake only: tokens per hash block after scaling
+    block_size: int = 64  # Mooncake only: tokens per hash block after scaling
 
     def harness_args(self) -> list[str]:
         if self.kind == "agentx":
@@ -128,6 +128,10 @@ class Workload:
             "--isl-block-size",
             str(self.block_size),
             "--no-fixed-schedule",  # closed loop at the level's concurrency
+            # Every Mooncake request is its own conversation: the agentx scenario's per-conversation
+            # cache-bust marker would hide the cross-request prefix reuse the trace records.
+            "--cache-bust",
+            "none",
         ]
 
 

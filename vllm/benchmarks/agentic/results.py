@@ -75,9 +75,10 @@ def _value(rec: dict, *names: str) -> float | None:
 
 
 def _delta(before: dict, after: dict, name: str) -> float | None:
-    if name not in after:
+    # A labelled counter appears only once incremented: absent is 0 on a server that answered.
+    if not after:
         return None
-    return after[name] - before.get(name, 0.0)
+    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

@@ -43,11 +43,12 @@ class ServeConfig:
         return shlex.join(["vllm", "serve", *self.args])
 
 
-def parse_serve_config(name: str, command: str, num_gpus: int = 1) -> ServeConfig:
-    """Validate `command` (`vllm serve [MODEL] [flags]`) with the real serve parser."""
+def parse_serve_config(name: str, command: str, num_gpus: int | None = None) -> ServeConfig:
+    """Validate `command` (`vllm serve [MODEL] [flags]`) with the real serve parser.
+    `num_gpus` defaults to the ranks the command starts: DP x PP x PCP x TP."""
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name or ""):
         raise BenchmarkError(f"configuration name {name!r}: use letters, digits and _.+- only")
-    if num_gpus < 1:
+    if num_gpus is not None and num_gpus < 1:
         raise BenchmarkError(f"configuration {name!r}: the GPU count must be >= 1")
     try:
         argv = shlex.split(command)
@@ -78,6 +79,13 @@ def parse_serve_config(name: str, command: str, num_gpus: int = 1) -> ServeConfi
             f"configuration {name!r}: cannot parse serve command {command!r}: {detail}"
         ) from None
     model = ns.model_flag or ns.model
+    if num_gpus is None:
+        num_gpus = (
+            ns.data_parallel_size
+            * ns.pipeline_parallel_size
+            * ns.prefill_context_parallel_size
+            * ns.tensor_parallel_size
+        )
     return ServeConfig(name, tuple(args), num_gpus, model, getattr(ns, "tokenizer", None))
 
 

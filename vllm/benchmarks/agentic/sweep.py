@@ -49,7 +49,13 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "--config-file",
         help='JSON list of {"name", "command", "num_gpus"} objects (or a {name: command} map)',
     )
-    g.add_argument("--num-gpus", type=int, default=1, help="GPUs per configuration (default 1)")
+    g.add_argument(
+        "--num-gpus",
+        type=int,
+        default=None,
+        help="GPUs per configuration for per-GPU throughput (default: the ranks each command "
+        "starts, DP x PP x PCP x TP)",
+    )
     g.add_argument(
         "--server-timeout", type=float, default=600.0, help="seconds to wait for /health"
     )
@@ -80,8 +86,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--mooncake-block-size",
         type=int,
-        default=16,
-        help="tokens per 512-token block after scaling",
+        default=64,
+        help="tokens per 512-token Mooncake block after scaling (default 64, one engine KV block)",
     )
     w.add_argument(
         "--synth-only", action="store_true", help="write the traces, print their statistics, stop"
@@ -115,7 +121,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def _configs(args) -> list[ServeConfig]:
-    specs: list[tuple[str, str, int]] = []
+    specs: list[tuple[str, str, int | None]] = []
     if args.config_file:
         try:
             with open(args.config_file) as f:
@@ -127,7 +133,7 @@ def _configs(args) -> list[ServeConfig]:
             if isinstance(d, str):
                 specs.append((name, d, args.num_gpus))
             elif isinstance(d, dict) and "name" in d and "command" in d:
-                specs.append((d["name"], d["command"], int(d.get("num_gpus", args.num_gpus))))
+                specs.append((d["name"], d["command"], d.get("num_gpus", args.num_gpus)))
             else:
                 raise BenchmarkError(f"--config-file: bad entry {d!r}")
     for i, spec in enumerate(args.config):
