@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -248,7 +249,7 @@ def run_harness(
             errors="replace",
             start_new_session=True,
         )
-        timer = threading.Timer(timeout, proc.kill)
+        timer = threading.Timer(timeout, _stop_group, (proc,))
         timer.start()
         try:
             for line in proc.stdout:
@@ -258,10 +259,23 @@ def run_harness(
             rc = proc.wait()
         finally:
             timer.cancel()
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            if proc.poll() is None:  # interrupted: take the harness's services down with it
+                _stop_group(proc)
     return rc, progress
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGINT to the harness's process group (its services are children), SIGKILL after 15 s."""
+    for sig, wait in ((signal.SIGINT, 15.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def read_records(artifact_dir: str) -> list[dict]:

@@ -389,8 +389,8 @@ class _Sweep:
             )
             alive = server.proc.poll() is None
             after = server.metrics() if alive else {}
-        except OSError as e:
-            row.update(status="harness_failed", message=str(e))
+        except (OSError, ValueError, KeyError) as e:  # /v1/models or /metrics unreadable
+            row.update(status="harness_failed", message=f"{type(e).__name__}: {e}")
             return row
         finally:
             server.stop()
