@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,8 +29,6 @@ from vllm.attention.kv_cache import (
 )
 from vllm.attention.metadata import MLAMetadata
 from vllm.attention.ops import dispatch
-from vllm.attention.ops.indexer import indexer_logits_ref, topk_ref
-from vllm.attention.ops.sparse_mla import sparse_mla_attend_ref
 
 
 @dataclass
@@ -199,19 +198,37 @@ class SparseMLAAttention(nn.Module):
                 sel = self._all_positions(meta, pos)
                 score = self._needs_scoring(meta, pos)
                 if bool(score.any()):
-                    logits = indexer_logits_ref(iq[0][lo:hi], iq[1][lo:hi], iq[2][lo:hi], *ikeys)
-                    sel = torch.where(
-                        score.unsqueeze(1), topk_ref(logits, pos + 1, meta.index_topk), sel
-                    )
+                    chosen = self._prefill_topk(meta, iq, ikeys, lo, hi, pos)
+                    sel = torch.where(score.unsqueeze(1), chosen, sel)
                 topk[lo:hi] = sel
-            o, _ = sparse_mla_attend_ref(
-                q_abs[lo:hi],
-                rows[topk[lo:hi].long().clamp_min(0)],
-                topk[lo:hi] >= 0,
-                self.scale,
-                self.kv_lora_rank,
+            o, _ = dispatch.sparse_mla_prefill(
+                q_abs[lo:hi], rows, topk[lo:hi], self.scale, self.kv_lora_rank
             )
             out[lo:hi] = torch.einsum("thr,hvr->thv", o, self.w_uv)
+
+    def _prefill_topk(self, meta, iq, ikeys, lo, hi, pos):
+        """Indexer top-k for query tokens [lo, hi) of one request. Each run of consecutive
+        positions (a PCP chunk, or the whole chunk on one rank) scores only the keys up to its last
+        position: causal work, which the PCP V pattern then balances."""
+        k, ks = ikeys
+        out = torch.empty((hi - lo, meta.index_topk), dtype=torch.int32, device=pos.device)
+        if meta.positions_cpu is None:
+            runs, lasts = [(0, hi - lo)], [k.shape[0]]
+        else:
+            p = meta.positions_cpu[lo:hi]
+            cuts = (np.nonzero(np.diff(p) != 1)[0] + 1).tolist()
+            runs = list(zip([0] + cuts, cuts + [hi - lo], strict=True))
+            lasts = [int(p[b - 1]) + 1 for _, b in runs]
+        for (a, b), last in zip(runs, lasts, strict=True):
+            logits = dispatch.indexer_logits(
+                iq[0][lo + a : lo + b],
+                iq[1][lo + a : lo + b],
+                iq[2][lo + a : lo + b],
+                k[:last],
+                ks[:last],
+            )
+            out[a:b] = dispatch.indexer_topk(logits, pos[a:b] + 1, meta.index_topk)
+        return out
 
     def _decode(self, cp, meta, q_abs, iq, topk, out):
         dec = [r for r in range(meta.num_reqs) if not meta.is_prefill_cpu[r]]

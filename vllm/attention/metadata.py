@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm.attention.kv_cache import KVCacheLayout
@@ -35,6 +36,7 @@ class MLAMetadata:
     dcp_size: int = 1
     dcp_rank: int = 0
     cp_interleave: int = 1
+    positions_cpu: np.ndarray | None = None  # host copy of `positions` (prefill key ranges)
     # HiSparse: indexer pages live in their own pool (None = same as block_table)
     idx_block_table: torch.Tensor | None = None
     idx_slot_mapping: torch.Tensor | None = None

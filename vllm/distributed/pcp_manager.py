@@ -90,6 +90,7 @@ class SingleRankPlanner:
 
     def forward(self, runner, inp) -> torch.Tensor:
         meta = runner.metadata(inp, inp.positions, inp.token_req, inp.query_start_loc.tolist())
+        meta.positions_cpu = inp.positions_np
         set_slot_mappings(meta, inp.token_req, inp.positions)
         return runner.model(inp.input_ids, inp.positions, meta)
 
@@ -127,6 +128,7 @@ class CPPlanner(SingleRankPlanner):
             pos, tr, ids = inp.positions[mine], inp.token_req[mine], inp.input_ids[mine]
             qsl = [0] + np.cumsum(sh.per_rank_counts[self.rank]).tolist()
         meta = runner.metadata(inp, pos, tr, qsl)
+        meta.positions_cpu = inp.positions_np if sh is None else inp.positions_np[sh.per_rank[self.rank]]
         meta.cp = meta.cp or self.attn
         meta.dcp_size, meta.dcp_rank, meta.cp_interleave = (
             self.dcp_size,

@@ -31,6 +31,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] (device)
     positions: torch.Tensor  # [T] int64 (device)
     token_req: torch.Tensor  # [T] batch row of each token (device)
+    positions_np: np.ndarray | None = None  # host copy of positions
 
     @property
     def num_tokens(self) -> int:
@@ -74,4 +75,5 @@ def build_step_inputs(
         input_ids=input_ids,
         positions=torch.from_numpy(positions).to(device),
         token_req=dev_tr,
+        positions_np=positions,
     )
