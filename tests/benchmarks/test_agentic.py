@@ -144,7 +144,7 @@ def test_short_sweep_with_real_harness(agentx_bin, tmp_path):
     (row,) = data["results"]
     assert row["status"] == "ok", row["message"]
     assert row["config"] == "plain" and row["concurrency"] == 2
-    assert row["requests"] > 5 and row["errors"] == 0
+    assert row["requests"] > 0 and row["errors"] == 0
     assert row["throughput_per_gpu"] > 0 and row["output_tokens"] > 0
     assert row["interactivity_p90"] > 0 and row["ttft_median_ms"] > 0 and row["itl_mean_ms"] > 0
     assert row["prefix_cache_hit_rate"] > 0.5
