@@ -24,12 +24,26 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     tensor itself."""
     if device.type != "cuda":
         return host
-    import cupy  # the GPU image ships CuPy; pinned memory is mapped into the device address space
+    import cupy  # the GPU image ships CuPy
 
-    dptr = cupy.cuda.runtime.hostGetDevicePointer(host.data_ptr(), 0)
+    dptr = _host_device_pointer(host.data_ptr())
     mem = cupy.cuda.UnownedMemory(dptr, host.nbytes, host)
     arr = cupy.ndarray((host.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
     return torch.from_dlpack(arr).view(host.dtype).view(host.shape)
+
+
+def _host_device_pointer(ptr: int) -> int:
+    """Device address of pinned host memory (cudaHostGetDevicePointer). With unified virtual
+    addressing (every 64-bit CUDA platform) it is the host address itself."""
+    try:
+        from cuda.bindings import runtime as rt
+
+        err, dptr = rt.cudaHostGetDevicePointer(ptr, 0)
+        if int(err) == 0:
+            return int(dptr)
+    except Exception:  # noqa: BLE001 (no cuda-python: fall back to UVA identity)
+        pass
+    return ptr
 
 
 class HiSparseWorker:

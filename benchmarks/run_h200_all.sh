@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the engine/PCP/HiSparse benchmarks. Results -> $OUT (or ./out).
+set -u
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 VLLM_NO_PROGRESS=1 NCCL_NVLS_ENABLE=0
+summary=()
+run() {  # name timeout cmd...
+  local name=$1 t=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  summary+=("$name rc=$rc $(( $(date +%s) - t0 ))s")
+  tail -n 25 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+run gpu_tests "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/hisparse tests/entrypoints/test_engine_gpu.py}
+run step_overhead 150 python3 benchmarks/engine/bench_step_overhead.py --device cuda --model glm-slice --json "$OUT/results.jsonl"
+run pcp_share 200 python3 benchmarks/parallel/bench_pcp_share.py --lengths 32768 131072 --pcp 8 --json "$OUT/results.jsonl"
+run hisparse 240 python3 benchmarks/hisparse/bench_hisparse.py ${HISPARSE_ARGS:---million} --json "$OUT/results.jsonl"
+printf '%s\n' "${summary[@]}"
