@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the engine/PCP/HiSparse benchmarks. Results -> $OUT (or ./out).
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 VLLM_NO_PROGRESS=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}. PYTHONUNBUFFERED=1 VLLM_NO_PROGRESS=1 NCCL_NVLS_ENABLE=0
 summary=()
 run() {  # name timeout cmd...
   local name=$1 t=$2; shift 2
