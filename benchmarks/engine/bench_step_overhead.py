@@ -55,7 +55,7 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def run(path: str, device: str, batch: int, steps: int, dtype: torch.dtype) -> dict:
+def run(path: str, device: str, batch: int, steps: int, dtype: torch.dtype, sampling: str = "topp") -> dict:
     dev = torch.device(device)
     cfg = EngineArgs(model=path, device=device, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 16),
                      kv_cache_memory_bytes=2 * 2**30 if device == "cuda" else 256 * 2**20,
@@ -67,8 +67,9 @@ def run(path: str, device: str, batch: int, steps: int, dtype: torch.dtype) -> d
     sched = Scheduler(cfg, blocks)
     for i in range(batch):
         sched.add_request(EngineCoreRequest(str(i), list(range(10 + i % 7, 26 + i % 7)),
-                                            SamplingOptions(temperature=0.8, top_p=0.95, seed=i, max_tokens=10_000,
-                                                            ignore_eos=True), []))
+                                            SamplingOptions(temperature=0.8 if sampling == "topp" else 0.0,
+                                                            top_p=0.95 if sampling == "topp" else 1.0, seed=i,
+                                                            max_tokens=10_000, ignore_eos=True), []))
     rows = []
     for step in range(steps + 3):
         t0 = time.perf_counter()
@@ -79,7 +80,7 @@ def run(path: str, device: str, batch: int, steps: int, dtype: torch.dtype) -> d
             if dev.type == "cuda":
                 torch.cuda.set_sync_debug_mode("warn")
             start_of = runner.update_states(so)
-            inp = build_step_inputs(so, runner.states, dev, start_of)
+            inp = build_step_inputs(so, runner.states, dev, start_of, runner.staging)
             runner.metadata(inp, inp.positions, inp.token_req, inp.query_start_loc.tolist())
             if dev.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
@@ -107,7 +108,7 @@ def run(path: str, device: str, batch: int, steps: int, dtype: torch.dtype) -> d
                              syncs=prep_syncs + sample_syncs))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     host = med["schedule"] + med["prep"] + med["sample"] + med["update"]
-    return {"batch": batch, "steps": len(rows), "host_ms": host * 1e3, **{f"{k}_ms": v * 1e3 for k, v in med.items()
+    return {"batch": batch, "sampling": sampling, "steps": len(rows), "host_ms": host * 1e3, **{f"{k}_ms": v * 1e3 for k, v in med.items()
             if k != "syncs"}, "syncs_per_step": med["syncs"]}
 
 
@@ -118,14 +119,15 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sampling", nargs="+", default=["greedy", "topp"], choices=["greedy", "topp"])
     args = ap.parse_args()
     path = _checkpoint(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    res = [run(path, args.device, b, args.steps, dtype) for b in args.batches]
+    res = [run(path, args.device, b, args.steps, dtype, sm) for sm in args.sampling for b in args.batches]
     print(f"host overhead per decode step ({args.model}, {args.device}); forward excluded; medians")
-    print(f"{'batch':>5} {'host ms':>8} {'sched':>7} {'prep':>7} {'sample':>7} {'update':>7} {'fwd ms':>8} {'syncs':>5}")
+    print(f"{'sampling':>8} {'batch':>5} {'host ms':>8} {'sched':>7} {'prep':>7} {'sample':>7} {'update':>7} {'fwd ms':>8} {'syncs':>5}")
     for r in res:
-        print(f"{r['batch']:>5} {r['host_ms']:>8.3f} {r['schedule_ms']:>7.3f} {r['prep_ms']:>7.3f} {r['sample_ms']:>7.3f}"
+        print(f"{r['sampling']:>8} {r['batch']:>5} {r['host_ms']:>8.3f} {r['schedule_ms']:>7.3f} {r['prep_ms']:>7.3f} {r['sample_ms']:>7.3f}"
               f" {r['update_ms']:>7.3f} {r['forward_ms']:>8.2f} {r['syncs_per_step']:>5}")
     if args.json:
         with open(args.json, "a") as f:

@@ -91,8 +91,8 @@ class Setup:
         self.host_table = torch.arange(b * pages, device=dev).view(b, pages)
         self.hot_slots = ((torch.arange(b, device=dev) * (hot_blocks + 1)).unsqueeze(1) * BS
                           + torch.arange(self.hot_rows, device=dev))
-        self.hot_pos = torch.full((b, self.hot_rows), -1, dtype=torch.int64, device=dev)
-        self.hot_lru = torch.zeros((b, self.hot_rows), dtype=torch.int64, device=dev)
+        self.hot_pos = torch.full((b, self.hot_rows + 1), -1, dtype=torch.int64, device=dev)
+        self.hot_lru = torch.zeros((b, self.hot_rows + 1), dtype=torch.int64, device=dev)
         # indexer: FP8 keys of the whole context on the GPU
         self.idx_cache = layout.allocate_indexer(b * pages, dev)
         self.idx_cache.view(-1)[:].random_(0, 120)
@@ -143,7 +143,7 @@ def run(b, ctx, hit_rates, dev, layout, reps):
             s.attend_hisparse()
         misses = []
 
-        def step(h=h):
+        def step(h=h, misses=misses):
             s.advance(h)
             misses.append(s.attend_hisparse().num_miss)
 

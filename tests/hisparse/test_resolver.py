@@ -12,8 +12,8 @@ def _setup(h=8, pages=6, seed=0):
     page_table = torch.tensor([[5, -1, -1, 7, -1, 9]])  # pages 1, 2, 4 dropped
     host_table = torch.tensor([[0, 1, 2, 3, 4, 5]])
     hot_slots = torch.arange(h).view(1, h) + 100 * 4  # hot rows live in blocks 100.. (slot 400+)
-    hot_pos = torch.full((1, h), -1, dtype=torch.int64)
-    hot_lru = torch.zeros((1, h), dtype=torch.int64)
+    hot_pos = torch.full((1, h + 1), -1, dtype=torch.int64)
+    hot_lru = torch.zeros((1, h + 1), dtype=torch.int64)
     gpu = torch.zeros(200 * 4, 3)  # 4-token "pages" to keep it small
     host = torch.randn(6 * 4, 3, generator=g)
     for blk in (5, 7, 9):
@@ -54,7 +54,7 @@ def test_resident_hit_miss_and_lru():
         assert res.num_resident.item() == sum(page_table[0, p // 4].item() >= 0 for p in sel)
     # step 2: 5 and 9 were fetched in step 1 -> hits; 6, 10, 17 new
     # hot buffer holds 8 rows; every position ever missed is still there (≤ 8 distinct)
-    held = {int(x) for x in hot_pos[0].tolist() if x >= 0}
+    held = {int(x) for x in hot_pos[0, :-1].tolist() if x >= 0}
     assert held == {p for p in stamps}
     assert len(held) <= 8
 
@@ -79,7 +79,7 @@ def test_eviction_prefers_least_recent_and_never_a_current_hit():
     res = r(3, [1, 20])  # 1 hits; 20 evicts the LRU row not hit now: position 0
     apply_copies(res, [gpu], [host])
     assert res.hits.item() == 1 and res.num_miss.item() == 1
-    assert sorted(hot_pos[0].tolist()) == [1, 2, 3, 20]
+    assert sorted(hot_pos[0, :-1].tolist()) == [1, 2, 3, 20]
     assert torch.equal(gpu[res.slots[0]], host[[1, 20]])
 
 

@@ -42,7 +42,8 @@ def resolve(
 ) -> ResolveResult:
     """positions [T, K] (−1 = none, one decode token per request); req_slot [T];
     page_table/host_page_table [R, P] GPU / host block of each page (−1 = none);
-    hot_slots [R, H] GPU slot of each hot row; hot_pos / hot_lru [R, H] (updated in place)."""
+    hot_slots [R, H] GPU slot of each hot row; hot_pos / hot_lru [R, H + 1] (updated in place;
+    column H is a trash column that absorbs masked writes)."""
     valid = positions >= 0
     p = positions.clamp_min(0).long()
     page, off = p // block_size, p % block_size
@@ -50,7 +51,8 @@ def resolve(
     gblk = page_table[s.unsqueeze(1), page].long()
     resident = valid & (gblk >= 0)
     need = valid & ~resident
-    hp = hot_pos[s]  # [T, H]
+    h_rows = hot_slots.shape[1]
+    hp = hot_pos[s, :h_rows]  # [T, H]
     sorted_hp, order = torch.sort(hp, dim=1)
     idx = torch.searchsorted(sorted_hp, p).clamp_max(hp.shape[1] - 1)
     hit = need & (sorted_hp.gather(1, idx) == p)
@@ -58,7 +60,7 @@ def resolve(
     miss = need & ~hit
     # victims: least recently used rows, never one this token hits
     hit_count = torch.zeros_like(hp).scatter_add_(1, torch.where(hit, hit_row, 0), hit.long())
-    lru = hot_lru[s].masked_fill(hit_count > 0, torch.iinfo(hot_lru.dtype).max)
+    lru = hot_lru[s, :h_rows].masked_fill(hit_count > 0, torch.iinfo(hot_lru.dtype).max)
     cand = torch.argsort(lru, dim=1, stable=True)
     rank = (torch.cumsum(miss.long(), dim=1) - 1).clamp_min(0)
     victim = cand.gather(1, rank)
@@ -69,12 +71,13 @@ def resolve(
         resident, gblk * block_size + off, torch.where(hit, hs.gather(1, hit_row), dest)
     )
     slots = torch.where(valid, slots, -1)
-    # bookkeeping: new rows hold their positions; every used row gets this step's stamp
-    rows = torch.where(miss, victim, torch.where(hit, hit_row, -1))
-    used = rows >= 0
-    r_idx = s.unsqueeze(1).expand_as(rows)[used]
-    hot_pos[r_idx[miss[used]], rows[used][miss[used]]] = p[used][miss[used]]
-    hot_lru[r_idx, rows[used]] = step
+    # bookkeeping: new rows hold their positions; every used row gets this step's stamp. Unused
+    # entries write to the trash column H (no boolean indexing: no host sync, fixed shapes).
+    trash_col = hot_pos.shape[1] - 1
+    rows = torch.where(miss, victim, torch.where(hit, hit_row, trash_col))
+    r_idx = s.unsqueeze(1).expand_as(rows)
+    hot_pos[r_idx, torch.where(miss, victim, trash_col)] = torch.where(miss, p, -1)
+    hot_lru[r_idx, rows] = step
     return ResolveResult(
         slots, torch.where(miss, src, 0), dest, miss, hit.sum(), miss.sum(), resident.sum()
     )
@@ -86,9 +89,13 @@ def apply_copies(
     """Copy missed rows host -> GPU for every layer of the group (masked: non-misses copy host
     row 0 into the trash slot, keeping shapes fixed). `host_pools` must be addressable from the
     caches' device (on CUDA: device views of pinned memory, see worker.device_view)."""
-    dest, src = res.dest.flatten(), res.src.flatten()
     for gpu, host in zip(gpu_caches, host_pools, strict=True):
-        g = gpu.view(-1, gpu.shape[-1])
-        h = host.view(-1, host.shape[-1])
-        # on CUDA `host` is a device view of pinned memory (zero-copy reads over PCIe)
-        g.index_copy_(0, dest, h[src])
+        # on CUDA `host` is a device view of pinned memory: only missing rows cross PCIe
+        if gpu.is_cuda:
+            from vllm.kernels.row_copy import masked_row_copy
+
+            masked_row_copy(gpu, host, res.dest, res.src, res.miss)
+        else:
+            from vllm.kernels.row_copy import masked_row_copy_ref
+
+            masked_row_copy_ref(gpu, host, res.dest, res.src, res.miss)

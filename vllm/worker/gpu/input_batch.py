@@ -39,7 +39,7 @@ class StepInputs:
 
 
 def build_step_inputs(
-    so: SchedulerOutput, st: RequestStates, device: torch.device, start_of: dict[str, int]
+    so: SchedulerOutput, st: RequestStates, device: torch.device, start_of: dict[str, int], staging=None
 ) -> StepInputs:
     req_ids = list(so.num_scheduled_tokens)
     idx = np.fromiter((st.slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -58,9 +58,10 @@ def build_step_inputs(
     seq_lens = start + n
     # a row samples once its chunk reaches the newest token (known + what this worker sampled)
     sample_rows = np.nonzero(seq_lens >= known + st.num_sampled[idx])[0]
-    dev_idx = torch.from_numpy(idx).to(device)
-    dev_tr = torch.from_numpy(token_req).to(device)
-    ids_d = torch.from_numpy(ids).to(device)
+    h2d = staging.to_device if staging is not None else (lambda a: torch.from_numpy(a).to(device))
+    dev_idx = h2d(idx)
+    dev_tr = h2d(token_req)
+    ids_d = h2d(ids)
     input_ids = torch.where(ids_d >= 0, ids_d, st.last_sampled[dev_idx[dev_tr]])
     return StepInputs(
         req_ids=req_ids,
@@ -73,7 +74,7 @@ def build_step_inputs(
         is_prefill=start < known,
         sample_rows=sample_rows,
         input_ids=input_ids,
-        positions=torch.from_numpy(positions).to(device),
+        positions=h2d(positions),
         token_req=dev_tr,
         positions_np=positions,
     )

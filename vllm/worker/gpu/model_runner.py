@@ -48,6 +48,9 @@ class ModelRunner:
         from vllm.distributed.pcp_manager import make_cp_planner
 
         self.cp = make_cp_planner(config, pc, self.layout)
+        from vllm.worker.gpu.staging import HostStaging
+
+        self.staging = HostStaging(device)
         self.hisparse = None
         if config.attention_config.hisparse is not None:
             from vllm.hisparse.worker import HiSparseWorker
@@ -130,7 +133,7 @@ class ModelRunner:
             if so.dummy:
                 self.cp.dummy_forward(self)
             return ModelRunnerOutput(step=so.step)
-        inp = build_step_inputs(so, self.states, self.device, start_of)
+        inp = build_step_inputs(so, self.states, self.device, start_of, self.staging)
         self.step = so.step
         self.connector.start_load_kv(so)
         if self.hisparse is not None:
@@ -156,7 +159,7 @@ class ModelRunner:
             positions=positions,
             token_req=token_req,
             query_start_loc_cpu=qsl_local,
-            seq_lens=torch.from_numpy(inp.seq_lens).to(self.device),
+            seq_lens=self.staging.to_device(inp.seq_lens),
             seq_lens_cpu=seq_lens,
             block_table=self.states.block_table[inp.idx_mapping],
             is_prefill_cpu=is_prefill,
@@ -193,7 +196,7 @@ class ModelRunner:
     # ---- sampling --------------------------------------------------------------------------------
     def _sampling_batch(self, inp: StepInputs, rows: np.ndarray) -> SamplingBatch:
         st, slots = self.states, inp.idx_np[rows]
-        dslots = torch.from_numpy(slots).to(self.device)
+        dslots = self.staging.to_device(slots)
         banned_r, banned_t = [], []
         for i, s in enumerate(slots):
             if st.num_generated[s] < st.min_tokens[s] and st.stop_ids[s]:
@@ -211,7 +214,7 @@ class ModelRunner:
             top_p=st.top_p[dslots],
             min_p=st.min_p[dslots],
             seeds=st.seeds[dslots],
-            positions=torch.from_numpy(inp.seq_lens[rows]).to(self.device),
+            positions=self.staging.to_device(inp.seq_lens[rows]),
             all_greedy=bool(st.greedy[slots].all()),
             any_top_k=bool(st.top_k_on[slots].any()),
             any_top_p=bool(st.top_p_on[slots].any()),
@@ -225,12 +228,12 @@ class ModelRunner:
         rows = inp.sample_rows
         host: dict[str, torch.Tensor] = {}
         if len(rows):
-            last = torch.from_numpy(inp.query_start_loc[rows + 1] - 1).to(self.device)
+            last = self.staging.to_device(inp.query_start_loc[rows + 1] - 1)
             logits = self.model.compute_logits(hidden[last])
             sb = self._sampling_batch(inp, rows)
             sampled, lp = sample(logits, sb)
             sampled = self.cp.broadcast_sampled(sampled)
-            st.last_sampled[inp.idx_mapping[torch.from_numpy(rows).to(self.device)]] = sampled
+            st.last_sampled[inp.idx_mapping[self.staging.to_device(rows)]] = sampled
             host["sampled"] = sampled
             if lp is not None:
                 host.update(lp_chosen=lp[0], lp_rank=lp[1], lp_ids=lp[2], lp_vals=lp[3])
@@ -245,6 +248,7 @@ class ModelRunner:
             res = prompt_logprobs(logits, torch.from_numpy(next_ids).to(self.device), n)
             host.update(plp_chosen=res[0], plp_rank=res[1], plp_ids=res[2], plp_vals=res[3])
         h = to_host(host)  # the step's one device -> host sync
+        self.staging.synced()
         return self._build_output(inp, rows, h, plp_plan, step)
 
     def _prompt_logprob_plan(self, inp: StepInputs):

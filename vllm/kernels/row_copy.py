@@ -1,0 +1,55 @@
+"""Masked row copy: dst[dest[i]] = src[src_idx[i]] for every i with mask[i] (HiSparse misses).
+
+Rows are moved as int32 words; `src` may be a device view of pinned host memory, so only the
+rows that are actually missing cross PCIe (zero-copy reads), and the mask keeps shapes fixed (no
+host-side count, no sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_copy_kernel(
+    dst_ptr,  # int32 [N_dst, W]
+    src_ptr,  # int32 [N_src, W]
+    dest_ptr,  # int64 [M]
+    srci_ptr,  # int64 [M]
+    mask_ptr,  # int8 [M]
+    W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    if tl.load(mask_ptr + i) != 0:
+        d = tl.load(dest_ptr + i)
+        s = tl.load(srci_ptr + i)
+        cols = tl.arange(0, BLOCK)
+        m = cols < W
+        v = tl.load(src_ptr + s * W + cols, mask=m)
+        tl.store(dst_ptr + d * W + cols, v, mask=m)
+
+
+def masked_row_copy(dst: torch.Tensor, src: torch.Tensor, dest: torch.Tensor, src_idx: torch.Tensor,
+                    mask: torch.Tensor) -> None:
+    """dst [N_dst, row], src [N_src, row] (same dtype, row bytes divisible by 4), dest/src_idx/mask [M]."""
+    row_bytes = dst.shape[-1] * dst.element_size()
+    if row_bytes % 4:
+        raise ValueError(f"row of {row_bytes} bytes is not a multiple of 4")
+    w = row_bytes // 4
+    d32 = dst.view(torch.uint8).view(-1, row_bytes).view(torch.int32)
+    s32 = src.view(torch.uint8).view(-1, row_bytes).view(torch.int32)
+    m = mask.reshape(-1).to(torch.int8)
+    n = m.numel()
+    if n == 0:
+        return
+    _row_copy_kernel[(n,)](d32, s32, dest.reshape(-1).long(), src_idx.reshape(-1).long(), m, W=w,
+                           BLOCK=triton.next_power_of_2(w), num_warps=4)
+
+
+def masked_row_copy_ref(dst: torch.Tensor, src: torch.Tensor, dest: torch.Tensor, src_idx: torch.Tensor,
+                        mask: torch.Tensor) -> None:
+    m = mask.reshape(-1)
+    dst.view(-1, dst.shape[-1])[dest.reshape(-1)[m]] = src.view(-1, src.shape[-1])[src_idx.reshape(-1)[m]]
