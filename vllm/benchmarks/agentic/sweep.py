@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -515,6 +516,8 @@ def main(args: argparse.Namespace) -> int:
         "concurrency": levels,
         "duration_s": args.duration,
     }
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the level's server and harness stop.
+    signal.signal(signal.SIGTERM, _interrupt)
     sweep = _Sweep(args, configs, levels, workload, agentx, out_dir, meta)
     sweep.progress.event(
         f"{len(configs)} configuration(s) x {len(levels)} level(s), {args.duration:g} s each -> {out_dir}"
@@ -537,6 +540,10 @@ def main(args: argparse.Namespace) -> int:
             )
         return 1
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _agentx_version(agentx: str) -> str:
