@@ -1,0 +1,154 @@
+"""Issue 8 in one call: PCP×DCP×EP prefill and DP+EP HiSparse decode on N GPUs (NCCL), against one
+GPU, plus PCP scaling, the DCP overhead curve and capacity. Written for `nvidia-h200-x8`
+(N = 8); runs at any N, and on CPU (gloo) at toy sizes to check the script itself:
+
+    NCCL_NVLS_ENABLE=0 python benchmarks/multi_gpu/validate.py --ngpu 8            # 8×H200
+    python benchmarks/multi_gpu/validate.py --device cpu --ngpu 2 --small          # smoke test
+
+Model: a GLM-5.3-shaped slice (real attention and indexer dims, 4 layers F S S S, 8 experts split by
+EP, random weights), written once as a checkpoint. Results: a table on stdout and JSON lines
+(`--json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.model_executor.tiny import TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
+
+SLICE = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
+             num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+             qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
+             index_topk=2048, index_topk_freq=4, index_skip_topk_offset=3, n_routed_experts=8,
+             num_experts_per_tok=2, num_nextn_predict_layers=0)
+
+
+def checkpoint(small: bool) -> str:
+    d = tempfile.mkdtemp(prefix="glm-slice-")
+    cfg = dict(TINY_CONFIG) if small else {**TINY_CONFIG, **SLICE}
+    write_checkpoint(d, cfg, tiny_state_dict(cfg, seed=3), tokenizer=False)
+    return d
+
+
+def prompt(n: int, salt: int = 0) -> dict:
+    return {"prompt_token_ids": [(7 * i + salt) % 1000 + 3 for i in range(n)]}
+
+
+def greedy(ckpt, args, prompts, max_tokens, **kw):
+    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, **kw)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def ttft(ckpt, args, n_tokens, **kw):
+    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, **kw)
+    try:
+        llm.generate(prompt(256, 99), SamplingParams(max_tokens=1))  # warm-up (kernels, NCCL)
+        t0 = time.perf_counter()
+        llm.generate(prompt(n_tokens), SamplingParams(temperature=0, max_tokens=1))
+        return time.perf_counter() - t0, llm.client.info
+    finally:
+        llm.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ngpu", type=int, default=8)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny model and lengths (CPU smoke test)")
+    ap.add_argument("--kv-cache-dtype", default="fp8_ds_mla")
+    ap.add_argument("--kv-gib-per-gpu", type=float, default=15.0, help="per-GPU KV budget for the capacity test")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    n, rows = args.ngpu, []
+    ckpt = checkpoint(args.small)
+    lens = [300, 700] if args.small else [32768, 131072]
+    chunk = 64 if args.small else 2048
+    ctxs = [256, 512] if args.small else [16384, 65536, 131072, 253952]
+
+    def record(**r):
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    # 1. correctness with NCCL
+    probe = [prompt(x, s) for s, x in enumerate([37, 400 if args.small else 5000])]
+    ref = greedy(ckpt, args, probe, 16)
+    for name, kw in {
+        f"PCP{n}xDCP{n}xEP{n} ag_rs": dict(prefill_context_parallel_size=n, decode_context_parallel_size=n,
+                                         enable_expert_parallel=True),
+        f"PCP{n}xDCP{n}xEP{n} a2a": dict(prefill_context_parallel_size=n, decode_context_parallel_size=n,
+                                       enable_expert_parallel=True, dcp_comm_backend="a2a"),
+        f"PCP{n}": dict(prefill_context_parallel_size=n),
+        f"DP{n}+EP{n}": dict(data_parallel_size=n, enable_expert_parallel=True),
+    }.items():
+        record(test="correctness", config=name, same_greedy_as_1gpu=greedy(ckpt, args, probe, 16, **kw) == ref)
+    # 2. PCP scaling (TTFT)
+    for length in lens:
+        base = None
+        for p in [x for x in (1, 2, 4, 8) if x <= n]:
+            t, _ = ttft(ckpt, args, length, prefill_context_parallel_size=p, max_num_batched_tokens=length)
+            base = base or t
+            record(test="pcp_scaling", prompt=length, pcp=p, ttft_s=t, efficiency=base / (t * p))
+    # 3. DCP overhead: one chunk after a cached context
+    for ctx in ctxs:
+        for dcp in (1, n):
+            llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, prefill_context_parallel_size=n,
+                      decode_context_parallel_size=dcp, max_num_batched_tokens=chunk)
+            try:
+                llm.generate(prompt(ctx), SamplingParams(max_tokens=1))  # caches the context
+                t0 = time.perf_counter()
+                llm.generate({"prompt_token_ids": prompt(ctx)["prompt_token_ids"] + [5] * chunk},
+                             SamplingParams(max_tokens=1))
+                record(test="dcp_overhead", context=ctx, dcp=dcp, chunk_s=time.perf_counter() - t0)
+            finally:
+                llm.shutdown()
+    # 4. capacity with the per-GPU KV budget GLM-5.3 leaves on an H200
+    budget = int(args.kv_gib_per_gpu * 2**30) if not args.small else 8 << 20
+    for dcp in (1, n):
+        llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, prefill_context_parallel_size=n,
+                  decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget)
+        try:
+            cap = llm.client.info["max_request_tokens"]
+            target = min(cap - 1, 1 << 20) if not args.small else cap - 1
+            t0 = time.perf_counter()
+            llm.generate(prompt(target), SamplingParams(max_tokens=1))
+            record(test="capacity", pcp=n, dcp=dcp, longest_prompt=cap, prefilled=target,
+                   prefill_s=time.perf_counter() - t0, million_ok=target >= (1 << 20))
+        finally:
+            llm.shutdown()
+    # 5. decode: DP + EP + HiSparse at long context
+    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=n,
+              enable_expert_parallel=True, attention_config={"hisparse_config": {"host_pool_gib": 0.05 if args.small else 48}})
+    try:
+        ctx = 1000 if args.small else 131072
+        reqs = [prompt(ctx, s) for s in range(2 * n)]
+        llm.generate(reqs, SamplingParams(max_tokens=1))
+        t0 = time.perf_counter()
+        outs = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        dt = time.perf_counter() - t0
+        toks = sum(len(o.outputs[0].token_ids) for o in outs)
+        record(test="decode_hisparse", dp=n, context=ctx, requests=len(reqs), tok_s_per_gpu=toks / dt / n,
+               tok_s_per_request=64 / dt)
+    finally:
+        llm.shutdown()
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0 if all(r.get("same_greedy_as_1gpu", True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
