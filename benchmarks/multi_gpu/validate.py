@@ -44,7 +44,7 @@ def prompt(n: int, salt: int = 0) -> dict:
 
 
 def greedy(ckpt, args, prompts, max_tokens, **kw):
-    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, **kw)
+    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, **kw)
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         return [o.outputs[0].token_ids for o in outs]
@@ -53,7 +53,7 @@ def greedy(ckpt, args, prompts, max_tokens, **kw):
 
 
 def ttft(ckpt, args, n_tokens, **kw):
-    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, **kw)
+    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, **kw)
     try:
         llm.generate(prompt(256, 99), SamplingParams(max_tokens=1))  # warm-up (kernels, NCCL)
         t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def main() -> int:
     # 3. DCP overhead: one chunk after a cached context
     for ctx in ctxs:
         for dcp in (1, n):
-            llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, prefill_context_parallel_size=n,
+            llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, prefill_context_parallel_size=n,
                       decode_context_parallel_size=dcp, max_num_batched_tokens=chunk)
             try:
                 llm.generate(prompt(ctx), SamplingParams(max_tokens=1))  # caches the context
@@ -117,7 +117,7 @@ def main() -> int:
     # 4. capacity with the per-GPU KV budget GLM-5.3 leaves on an H200
     budget = int(args.kv_gib_per_gpu * 2**30) if not args.small else 8 << 20
     for dcp in (1, n):
-        llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, prefill_context_parallel_size=n,
+        llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, prefill_context_parallel_size=n,
                   decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget)
         try:
             cap = llm.client.info["max_request_tokens"]
@@ -129,7 +129,7 @@ def main() -> int:
         finally:
             llm.shutdown()
     # 5. decode: DP + EP + HiSparse at long context
-    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, data_parallel_size=n,
+    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, data_parallel_size=n,
               enable_expert_parallel=True, attention_config={"hisparse_config": {"host_pool_gib": 0.05 if args.small else 48}})
     try:
         ctx = 1000 if args.small else 131072
