@@ -30,17 +30,12 @@ from vllm.distributed.parallel_state import ParallelContext  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.engine.messages import EngineCoreRequest, SamplingOptions  # noqa: E402
 from vllm.model_executor.model_loader import build_model  # noqa: E402
+from vllm.model_executor.tiny import GLM_SLICE as GLM_SLICE_BASE  # noqa: E402
 from vllm.model_executor.tiny import TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
 from vllm.worker.gpu.input_batch import build_step_inputs  # noqa: E402
 from vllm.worker.gpu.model_runner import ModelRunner  # noqa: E402
 
-GLM_SLICE = dict(
-    vocab_size=154880, hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256,
-    num_hidden_layers=2, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048,
-    kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32,
-    index_head_dim=128, index_topk=2048, index_topk_freq=4, index_skip_topk_offset=3,
-    n_routed_experts=4, num_experts_per_tok=2, num_nextn_predict_layers=0,
-)
+GLM_SLICE = {**GLM_SLICE_BASE, "vocab_size": 154880, "num_hidden_layers": 2}  # the real vocabulary
 
 
 def _checkpoint(name: str) -> str:

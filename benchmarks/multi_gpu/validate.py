@@ -23,13 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.model_executor.tiny import TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
+from vllm.model_executor.tiny import GLM_SLICE, TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
 
-SLICE = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
-             num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
-             qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
-             index_topk=2048, index_topk_freq=4, index_skip_topk_offset=3, n_routed_experts=8,
-             num_experts_per_tok=2, num_nextn_predict_layers=0)
+SLICE = {**GLM_SLICE, "n_routed_experts": 8}  # 8 experts: one per EP rank at N = 8
 
 
 def checkpoint(small: bool) -> str:

@@ -6,6 +6,7 @@
 """
 
 from vllm.model_executor.tiny.checkpoint import (  # noqa: F401
+    GLM_SLICE,
     TINY_CONFIG,
     default_tiny_path,
     ensure_tiny_checkpoint,
