@@ -17,7 +17,6 @@ zeros. Fast kernels must reproduce these references byte for byte (writes) or va
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -294,21 +293,3 @@ def num_blocks_for(num_bytes: int, bytes_per_token: int, block_size: int = BLOCK
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-__all__ = [
-    "BLOCK_SIZE",
-    "KVCacheLayout",
-    "kv_bytes_per_token",
-    "write_mla_cache_ref",
-    "read_mla_cache_ref",
-    "write_indexer_cache_ref",
-    "read_indexer_cache_ref",
-    "quantize_mla_fp8_ref",
-    "quantize_indexer_fp8_ref",
-    "pow2_scale",
-    "normalize_cache_dtype",
-    "num_blocks_for",
-    "cdiv",
-    "math",
-]

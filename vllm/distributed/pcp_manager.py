@@ -128,7 +128,9 @@ class CPPlanner(SingleRankPlanner):
             pos, tr, ids = inp.positions[mine], inp.token_req[mine], inp.input_ids[mine]
             qsl = [0] + np.cumsum(sh.per_rank_counts[self.rank]).tolist()
         meta = runner.metadata(inp, pos, tr, qsl)
-        meta.positions_cpu = inp.positions_np if sh is None else inp.positions_np[sh.per_rank[self.rank]]
+        meta.positions_cpu = (
+            inp.positions_np if sh is None else inp.positions_np[sh.per_rank[self.rank]]
+        )
         meta.cp = meta.cp or self.attn
         meta.dcp_size, meta.dcp_rank, meta.cp_interleave = (
             self.dcp_size,

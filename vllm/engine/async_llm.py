@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -168,4 +167,4 @@ class AsyncLLM:
         self.client.shutdown()
 
 
-__all__ = ["AsyncLLM", "time"]
+__all__ = ["AsyncLLM", "RequestHandle"]

@@ -7,7 +7,6 @@ front end.
 from __future__ import annotations
 
 import itertools
-import time
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.core_client import EngineCoreClient
@@ -146,4 +145,4 @@ class LLM:
         self.shutdown()
 
 
-__all__ = ["LLM", "time"]
+__all__ = ["LLM"]

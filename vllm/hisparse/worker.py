@@ -75,7 +75,9 @@ class HiSparseWorker:
         self.host_np = np.zeros((r, max_pages), dtype=np.int64)
         self.num_pages = np.zeros(r, dtype=np.int64)
         self.hot_slots = torch.zeros(r, hot_rows, dtype=torch.int64, device=device)
-        self.hot_pos = torch.full((g, r, hot_rows + 1), -1, dtype=torch.int64, device=device)  # + trash column
+        self.hot_pos = torch.full(
+            (g, r, hot_rows + 1), -1, dtype=torch.int64, device=device
+        )  # + trash column
         self.hot_lru = torch.zeros((g, r, hot_rows + 1), dtype=torch.int64, device=device)
         self.stats = torch.zeros(3, dtype=torch.int64, device=device)  # hits, misses, resident
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None

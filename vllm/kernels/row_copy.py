@@ -32,8 +32,13 @@ def _row_copy_kernel(
         tl.store(dst_ptr + d * W + cols, v, mask=m)
 
 
-def masked_row_copy(dst: torch.Tensor, src: torch.Tensor, dest: torch.Tensor, src_idx: torch.Tensor,
-                    mask: torch.Tensor) -> None:
+def masked_row_copy(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dest: torch.Tensor,
+    src_idx: torch.Tensor,
+    mask: torch.Tensor,
+) -> None:
     """dst [N_dst, row], src [N_src, row] (same dtype, row bytes divisible by 4), dest/src_idx/mask [M]."""
     row_bytes = dst.shape[-1] * dst.element_size()
     if row_bytes % 4:
@@ -45,11 +50,26 @@ def masked_row_copy(dst: torch.Tensor, src: torch.Tensor, dest: torch.Tensor, sr
     n = m.numel()
     if n == 0:
         return
-    _row_copy_kernel[(n,)](d32, s32, dest.reshape(-1).long(), src_idx.reshape(-1).long(), m, W=w,
-                           BLOCK=triton.next_power_of_2(w), num_warps=4)
+    _row_copy_kernel[(n,)](
+        d32,
+        s32,
+        dest.reshape(-1).long(),
+        src_idx.reshape(-1).long(),
+        m,
+        W=w,
+        BLOCK=triton.next_power_of_2(w),
+        num_warps=4,
+    )
 
 
-def masked_row_copy_ref(dst: torch.Tensor, src: torch.Tensor, dest: torch.Tensor, src_idx: torch.Tensor,
-                        mask: torch.Tensor) -> None:
+def masked_row_copy_ref(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dest: torch.Tensor,
+    src_idx: torch.Tensor,
+    mask: torch.Tensor,
+) -> None:
     m = mask.reshape(-1)
-    dst.view(-1, dst.shape[-1])[dest.reshape(-1)[m]] = src.view(-1, src.shape[-1])[src_idx.reshape(-1)[m]]
+    dst.view(-1, dst.shape[-1])[dest.reshape(-1)[m]] = src.view(-1, src.shape[-1])[
+        src_idx.reshape(-1)[m]
+    ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -51,15 +50,6 @@ def checkpoint_files(path: str) -> dict[str, str]:
     raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path!r}")
 
 
-def iter_checkpoint(files: dict[str, str]) -> Iterator[tuple[str, str]]:
-    by_file: dict[str, list[str]] = {}
-    for n, fp in files.items():
-        by_file.setdefault(fp, []).append(n)
-    for fp in sorted(by_file):
-        for n in sorted(by_file[fp]):
-            yield n, fp
-
-
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -71,15 +61,8 @@ class _Loader:
         self.modules = dict(model.named_modules())
         self.loaded: set[str] = set()
         self.expert_parts: dict[str, set] = {}
-        self._handles: dict[str, object] = {}
 
     # -- reading -------------------------------------------------------------------------------
-    def _open(self, fp: str):
-        if fp not in self._handles:
-            self._handles.clear()  # one file open at a time
-            self._handles[fp] = safe_open(fp, "pt", device="cpu")
-        return self._handles[fp]
-
     def _get(self, name: str) -> torch.Tensor:
         fp = self.files[name]
         with safe_open(fp, "pt", device="cpu") as f:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from vllm.engine.async_llm import AsyncLLM
 from vllm.engine.input_processor import ProcessedPrompt
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from vllm.outputs import Logprob, RequestOutput
+from vllm.outputs import Logprob
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -386,6 +386,3 @@ class OpenAIServing:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
-
-
-__all__ = ["OpenAIServing", "RequestOutput"]

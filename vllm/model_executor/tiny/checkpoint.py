@@ -65,11 +65,25 @@ TINY_CONFIG = dict(
 # (64 heads, 576/512 MLA, indexer 32×128, top-k 2048, IndexShare 4/3), few layers and experts,
 # hidden 1024. Overlay it on TINY_CONFIG (and override what a use needs, e.g. the vocabulary).
 GLM_SLICE = dict(
-    hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=4,
-    num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
-    qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32, index_head_dim=128,
-    index_topk=2048, index_topk_freq=4, index_skip_topk_offset=3, n_routed_experts=4,
-    num_experts_per_tok=2, num_nextn_predict_layers=0,
+    hidden_size=1024,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    q_lora_rank=2048,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=2048,
+    index_topk_freq=4,
+    index_skip_topk_offset=3,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    num_nextn_predict_layers=0,
 )
 
 CHAT_TEMPLATE = (

@@ -39,7 +39,11 @@ class StepInputs:
 
 
 def build_step_inputs(
-    so: SchedulerOutput, st: RequestStates, device: torch.device, start_of: dict[str, int], staging=None
+    so: SchedulerOutput,
+    st: RequestStates,
+    device: torch.device,
+    start_of: dict[str, int],
+    staging=None,
 ) -> StepInputs:
     req_ids = list(so.num_scheduled_tokens)
     idx = np.fromiter((st.slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
