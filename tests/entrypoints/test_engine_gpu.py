@@ -12,13 +12,17 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_ds_mla"])
 def test_engine_on_cuda_generates(tiny_ckpt, cache_dtype):
-    llm = LLM(tiny_ckpt, device="cuda", kv_cache_dtype=cache_dtype, kv_cache_memory_bytes=256 * 2**20)
+    llm = LLM(
+        tiny_ckpt, device="cuda", kv_cache_dtype=cache_dtype, kv_cache_memory_bytes=256 * 2**20
+    )
     try:
         prompts = [list(range(10, 10 + n)) for n in (5, 40, 150, 700)]
         sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
         a = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
         b = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]  # deterministic
+        assert [o.outputs[0].token_ids for o in a] == [
+            o.outputs[0].token_ids for o in b
+        ]  # deterministic
         assert all(len(o.outputs[0].token_ids) == 24 for o in a)
         assert all(o.outputs[0].logprobs[0] for o in a)
     finally:

@@ -130,3 +130,18 @@ def test_valid_with_dp_and_ep(ref, tiny_ckpt):
         )
     finally:
         llm.shutdown()
+
+
+def test_default_token_budget_chunks_prefill_to_fit_the_gpu_pool(ref, tiny_ckpt):
+    """With the default 2048-token budget a 1,500-token prompt needs more pages than the 14-block GPU
+    pool holds: prefill chunks are capped to what fits next to a hot buffer instead of waiting."""
+    llm = LLM(
+        tiny_ckpt,
+        attention_config={"hisparse_config": {"host_pool_gib": 0.05}},
+        num_gpu_blocks_override=14,
+    )
+    try:
+        prompts = _prompts([1500, 200], salt=21)
+        assert _greedy(llm, prompts) == _greedy(ref, prompts)
+    finally:
+        llm.shutdown()

@@ -35,7 +35,9 @@ def test_kernel_matches_reference_with_pinned_host_source():
     masked_row_copy_ref(ref, src, dest, sidx, mask)
     pinned = src.pin_memory()
     out = dst.cuda()
-    masked_row_copy(out, device_view(pinned, torch.device("cuda")), dest.cuda(), sidx.cuda(), mask.cuda())
+    masked_row_copy(
+        out, device_view(pinned, torch.device("cuda")), dest.cuda(), sidx.cuda(), mask.cuda()
+    )
     assert torch.equal(out.cpu(), ref)
     bf = torch.randn(40, 576, dtype=torch.bfloat16)
     out2 = torch.zeros(20, 576, dtype=torch.bfloat16, device="cuda")

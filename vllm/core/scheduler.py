@@ -53,6 +53,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_ids: list[str] = []  # to tell the workers
+        self._stuck: list[Request] = []  # requests that can never be allocated (reported as errors)
+        # HiSparse: a prefill chunk's pages must fit in the GPU pool next to the hot buffer
+        self.max_chunk = getattr(self.kv, "max_chunk_tokens", lambda: 1 << 62)()
         self.step = 0
         self._stats = SchedulerStats()
         self._worker_stats: dict[str, float] = {}
@@ -107,7 +110,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
             assert n > 0, f"running request {req.request_id} has nothing to compute"
             if not self.chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
                 i += 1
@@ -137,8 +140,14 @@ class Scheduler:
                 if not self.chunked_prefill:
                     break
                 n = budget
+            n = min(n, self.max_chunk)
             new_blocks = self.kv.allocate_slots(req, n, hit_blocks)
             if new_blocks is None:
+                if (
+                    not self.running
+                ):  # nothing will ever free room for it: fail, do not wait forever
+                    self.waiting.popleft()
+                    self._stuck.append(req)
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
@@ -195,6 +204,24 @@ class Scheduler:
         self.finished_ids.append(req.request_id)  # the workers drop their state for it
 
     # ---- results ------------------------------------------------------------------------------
+    def take_stuck(self) -> list[EngineCoreOutput]:
+        out = []
+        for req in self._stuck:
+            out.append(
+                EngineCoreOutput(
+                    req.request_id,
+                    finish_reason="error",
+                    error=(
+                        f"request {req.request_id} cannot be placed in the KV cache even with nothing else "
+                        f"running ({req.num_tokens} tokens, {self.kv.pool.num_blocks} blocks of {self.block_size})"
+                    ),
+                )
+            )
+            self.requests.pop(req.request_id, None)
+            self.kv.free(req)
+        self._stuck = []
+        return out
+
     def update_from_output(
         self, so: SchedulerOutput, ro: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:

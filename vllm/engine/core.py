@@ -45,7 +45,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         so.dummy = lockstep and so.total_num_scheduled_tokens == 0
         ro = self.executor.execute(so)
-        outs = self.scheduler.update_from_output(so, ro)
+        outs = self.scheduler.take_stuck() + self.scheduler.update_from_output(so, ro)
         return EngineCoreOutputs(
             engine_index=self.dp_rank, outputs=outs, stats=self.scheduler.stats()
         )

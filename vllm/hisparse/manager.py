@@ -53,6 +53,16 @@ class HiSparseKVManager(KVCacheManager):
         self.req_blocks = {}  # unused (base-class API)
         self.stats_dropped = 0
 
+    def max_chunk_tokens(self) -> int:
+        """Largest prefill chunk whose pages fit in the GPU pool beside one hot-buffer lease."""
+        pages = self.pool.num_blocks - self.hot_blocks - 1
+        if pages < 1:
+            raise ValueError(
+                f"HiSparse needs at least {self.hot_blocks + 2} GPU KV blocks (a hot buffer of "
+                f"{self.hot_blocks} blocks, a tail page and a page to prefill into); got {self.pool.num_blocks}"
+            )
+        return pages * self.block_size
+
     @property
     def capacity_tokens(self) -> int:
         return min(self.host.num_blocks, self.idx.num_blocks) * self.block_size
