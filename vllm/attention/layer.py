@@ -197,7 +197,12 @@ class SparseMLAAttention(nn.Module):
             if iq is not None:
                 sel = self._all_positions(meta, pos)
                 score = self._needs_scoring(meta, pos)
-                if bool(score.any()):
+                # decided on the host when positions are known there (no device sync)
+                if meta.positions_cpu is not None:
+                    any_score = bool((meta.positions_cpu[lo:hi] + 1 > meta.index_topk).any())
+                else:
+                    any_score = bool(score.any())
+                if any_score:
                     chosen = self._prefill_topk(meta, iq, ikeys, lo, hi, pos)
                     sel = torch.where(score.unsqueeze(1), chosen, sel)
                 topk[lo:hi] = sel
