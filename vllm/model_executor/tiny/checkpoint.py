@@ -11,7 +11,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from vllm.config.arch import ModelArch
+from vllm.config.arch import GLM_5_3, ModelArch
 from vllm.model_executor.layers.linear import quant_block_fp8_ref
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
@@ -64,27 +64,30 @@ TINY_CONFIG = dict(
 # A GLM-5.3-shaped slice for GPU checks and benchmarks: the real attention and indexer dimensions
 # (64 heads, 576/512 MLA, indexer 32×128, top-k 2048, IndexShare 4/3), few layers and experts,
 # hidden 1024. Overlay it on TINY_CONFIG (and override what a use needs, e.g. the vocabulary).
-GLM_SLICE = dict(
-    hidden_size=1024,
-    intermediate_size=1024,
-    moe_intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=64,
-    num_key_value_heads=64,
-    q_lora_rank=2048,
-    kv_lora_rank=512,
-    qk_nope_head_dim=192,
-    qk_rope_head_dim=64,
-    v_head_dim=256,
-    index_n_heads=32,
-    index_head_dim=128,
-    index_topk=2048,
-    index_topk_freq=4,
-    index_skip_topk_offset=3,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    num_nextn_predict_layers=0,
+_REAL_ATTENTION = (
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "index_topk_freq",
+    "index_skip_topk_offset",
 )
+GLM_SLICE = {
+    **{k: GLM_5_3[k] for k in _REAL_ATTENTION},
+    "num_key_value_heads": GLM_5_3["num_attention_heads"],
+    "hidden_size": 1024,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "num_nextn_predict_layers": 0,
+}
 
 CHAT_TEMPLATE = (
     "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n"
