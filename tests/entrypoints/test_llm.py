@@ -155,3 +155,17 @@ def test_llm_equals_server(llm, tiny_ckpt):
                 SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
             )[0].outputs[0]
             assert server_text == offline.text
+
+
+def test_skip_tokenizer_init_serves_token_ids(tiny_ckpt):
+    m = LLM(tiny_ckpt, skip_tokenizer_init=True)
+    try:
+        assert m.get_tokenizer() is None
+        out = m.generate(
+            {"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=5)
+        )[0]
+        assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""
+        with pytest.raises(ValueError, match="skip-tokenizer-init"):
+            m.generate("a text prompt")
+    finally:
+        m.shutdown()

@@ -145,3 +145,36 @@ def test_default_token_budget_chunks_prefill_to_fit_the_gpu_pool(ref, tiny_ckpt)
         assert _greedy(llm, prompts) == _greedy(ref, prompts)
     finally:
         llm.shutdown()
+
+
+def test_metrics_endpoint_reports_hisparse(tiny_ckpt):
+    import requests
+
+    from tests.utils import RemoteServer
+
+    with RemoteServer(
+        [
+            tiny_ckpt,
+            "--attention-config",
+            '{"hisparse_config": {"host_pool_gib": 0.05}}',
+            "--num-gpu-blocks-override",
+            "12",
+        ]
+    ) as s:
+        r = requests.post(
+            s.base_url + "/completions",
+            json={"prompt": _prompts([1200], salt=3)[0], "max_tokens": 8, "temperature": 0},
+        )
+        assert r.status_code == 200
+        text = requests.get(s.url + "/metrics").text
+        values = {
+            line.split("{")[0]: float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("vllm:hisparse")
+        }
+        assert values["vllm:hisparse_pages_dropped_total"] > 0
+        assert 0 <= values["vllm:hisparse_hot_hit_rate"] <= 1
+        assert (
+            "vllm:hisparse_h2d_bytes_per_step" in values
+            and "vllm:hisparse_host_pool_usage_perc" in values
+        )
