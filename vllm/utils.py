@@ -68,3 +68,31 @@ def send_nonblocking(sock, data: bytes, check_alive, timeout_s: float = 30.0) ->
             if time.monotonic() > deadline:
                 raise EngineDeadError("timed out sending to the engine") from None
             time.sleep(0.001)
+
+
+def stop_processes(procs, sockets, message: bytes, grace_s: float) -> None:
+    """Ask each process to stop over its socket, wait up to `grace_s`, then kill stragglers."""
+    import time
+
+    import zmq
+
+    for s in sockets:
+        try:
+            s.send(message, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    kill_processes(procs)
+
+
+def kill_processes(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            logger.warning("terminating %s", p.name)
+            p.terminate()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(2)

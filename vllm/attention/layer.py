@@ -240,7 +240,10 @@ class SparseMLAAttention(nn.Module):
         if not dec:
             return
         q = meta.query_start_loc_cpu
-        tok = torch.cat([torch.arange(q[r], q[r + 1]) for r in dec]).to(q_abs.device)
+        tok = meta.extras.get("decode_tokens")
+        if tok is None:  # same for every layer of the step: build (and copy to the device) once
+            tok = torch.cat([torch.arange(q[r], q[r + 1]) for r in dec]).to(q_abs.device)
+            meta.extras["decode_tokens"] = tok
         # under DCP the gathered queries of other ranks are scored too: always call (collective)
         if iq is not None:
             pos = meta.positions[tok]

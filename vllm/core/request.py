@@ -41,9 +41,6 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
-        # the worker knows this many tokens of the request (sent explicitly); later tokens it
-        # sampled itself
-        self.worker_known_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

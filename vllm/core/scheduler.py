@@ -8,7 +8,6 @@ recently admitted one is preempted: its blocks are freed and it is recomputed la
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from vllm.config import VllmConfig
@@ -155,7 +154,6 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            req.worker_known_tokens = req.num_tokens
             updates.append((req, True, None, num_hit))
             num_sched[req.request_id] = n
             budget -= n
@@ -314,6 +312,3 @@ class Scheduler:
         self._worker_stats = {}
         self._stats = SchedulerStats()
         return s
-
-    def now(self) -> float:
-        return time.time()

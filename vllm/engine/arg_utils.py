@@ -7,7 +7,6 @@ validates everything once and names the offending flag.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from dataclasses import dataclass, fields
 
@@ -270,4 +269,4 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-__all__ = ["EngineArgs", "add_engine_args", "DEFAULT_MODEL", "dataclasses"]
+__all__ = ["EngineArgs", "add_engine_args", "DEFAULT_MODEL"]

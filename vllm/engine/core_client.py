@@ -16,7 +16,15 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, decoder, encoder
-from vllm.utils import EngineDeadError, free_port, ipc_addr, ipc_dir, logger, send_nonblocking
+from vllm.utils import (
+    EngineDeadError,
+    free_port,
+    ipc_addr,
+    ipc_dir,
+    kill_processes,
+    send_nonblocking,
+    stop_processes,
+)
 
 STARTUP_TIMEOUT_S = 1800.0
 
@@ -162,26 +170,11 @@ class EngineCoreClient:
 
     # ---- shutdown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        for s in self.inputs:
-            try:
-                s.send(b"shutdown|", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        deadline = time.monotonic() + 10
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        self._kill()
+        stop_processes(self.procs, self.inputs, b"shutdown|", 10.0)
         for s in self.inputs:
             s.close(linger=0)
         self.outputs.close(linger=0)
         self.ctx.term()
 
     def _kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                logger.warning("terminating %s", p.name)
-                p.terminate()
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join(2)
+        kill_processes(self.procs)

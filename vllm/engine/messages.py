@@ -62,8 +62,6 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int = 0  # deltas since the last report
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
     extra: dict = {}
 
 

@@ -14,7 +14,7 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerMessage, decoder, encoder
-from vllm.utils import EngineDeadError, ipc_addr, ipc_dir, logger, send_nonblocking
+from vllm.utils import EngineDeadError, ipc_addr, ipc_dir, send_nonblocking, stop_processes
 
 STARTUP_TIMEOUT_S = 1800.0
 
@@ -105,19 +105,7 @@ class MultiprocExecutor:
             raise
 
     def shutdown(self) -> None:
-        for s in self.socks:
-            try:
-                s.send(b"SHUTDOWN", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-        deadline = time.monotonic() + 5
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if p.is_alive():
-                logger.warning("terminating worker %s", p.name)
-                p.kill()
-                p.join(2)
+        stop_processes(self.procs, self.socks, b"SHUTDOWN", 5.0)
         for s in self.socks:
             s.close(linger=0)
         self.results.close(linger=0)

@@ -69,6 +69,7 @@ class HiSparseWorker:
             self.group_of.append(len(self.groups) - 1)
         for i, attn in enumerate(self.layers):
             attn.hisparse_group = self.group_of[i]
+            attn.hisparse_index = i
         g, r = len(self.groups), max_reqs
         self.idx_table = torch.zeros(r, max_pages, dtype=torch.int32, device=device)
         self.host_table = torch.zeros(r, max_pages, dtype=torch.int64, device=device)
@@ -123,7 +124,7 @@ class HiSparseWorker:
             self.host_idx_dev.append(device_view(hi, self.device) if hi is not None else None)
 
     # ---- per-request tables ------------------------------------------------------------------
-    def on_add(self, slot: int, hs: dict, gpu_pages: list[int]) -> None:
+    def on_add(self, slot: int, hs: dict) -> None:
         self.num_pages[slot] = 0
         self.hot_pos[:, slot] = -1
         self.hot_lru[:, slot] = 0
@@ -227,7 +228,7 @@ class HiSparseContext(LocalContext):
         slot = meta.extras["req_slots"][r]
         gblk = meta.block_table[r, pos // bs].long()
         raw_g = attn.kv_cache.view(-1, attn.kv_cache.shape[-1])[(gblk * bs + pos % bs).clamp_min(0)]
-        i = self.hs.layers.index(attn)
+        i = attn.hisparse_index
         host = self.hs.host_mla_dev[i]
         hslot = self.hs.host_table[slot, pos // bs] * bs + pos % bs
         raw_h = host.view(-1, host.shape[-1])[hslot]

@@ -115,7 +115,7 @@ class ModelRunner:
             slot = self.states.add(r, self.eos_ids)
             start_of[r.req_id] = r.num_computed_tokens
             if r.hs is not None:
-                self.hisparse.on_add(slot, r.hs, r.block_ids)
+                self.hisparse.on_add(slot, r.hs)
         self.states.append_blocks([(c.req_id, c.new_block_ids) for c in so.cached_reqs])
         for c in so.cached_reqs:
             start_of[c.req_id] = c.num_computed_tokens
