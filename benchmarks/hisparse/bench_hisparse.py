@@ -1,17 +1,29 @@
-"""HiSparse decode attention against all-in-HBM, on one GPU, at GLM-5.3 attention shapes.
+"""HiSparse decode against all-in-HBM, on one GPU, at GLM-5.3 shapes.
 
     python benchmarks/hisparse/bench_hisparse.py                       # 32K and 128K, B=64
     python benchmarks/hisparse/bench_hisparse.py --million             # + one 1,048,576-token request
 
 One IndexShare group = 1 full layer + 3 shared layers (GLM-5.3 has 21 such groups, ~78 layers).
-Per decode step and group: the indexer (paged FP8 logits over the whole context + top-k; identical
-in both modes, keys stay on the GPU), then for each of the 4 layers sparse MLA decode over 2048
-rows (fp8_ds_mla). All-in-HBM reads every row in place. HiSparse keeps only each request's tail
-page on the GPU: the resolver maps the top-k to hot-buffer rows (2×topk per request), copying
-misses from the pinned host pool for all 4 layers (zero-copy reads). The benchmark sets the
-locality: each step keeps a fraction h of the previous step's positions (h = target hit rate) and
-draws the rest at random. Ceilings measured in the same run: HBM copy, and host→device for random
-656-byte rows (zero-copy gather) and for a pinned bulk copy.
+Two measurements per configuration, both modes doing identical work except for the KV access:
+
+* attention only: the indexer (paged FP8 logits over the whole context + top-k; identical in
+  both modes, keys stay on the GPU), then sparse MLA decode over 2048 rows (fp8_ds_mla) on each
+  of the 4 layers;
+* decode step: the same, with each layer's other work at GLM-5.3 dimensions around its attention
+  (q/kv projections and absorption, output projection, router, shared expert, and the routed
+  experts of one rank of an EP8 deployment serving B tokens per rank: 32 of the 256 experts,
+  B·8/8 token-expert pairs, 1.2 GB of FP8 expert weights per layer, modelled as 16 bf16 experts
+  of the same bytes; the indexer's projections on the full layer).
+
+All-in-HBM reads every row in place. HiSparse keeps only each request's tail page on the GPU:
+the resolver (`dispatch.hisparse_resolve`: one kernel on CUDA) maps the top-k to hot-buffer rows
+(2×topk per request), copying misses from the pinned host pool with zero-copy reads: the full
+layer's rows at once, the 3 shared layers' rows on a side stream (`resolver.prefetch`), each
+shared layer waiting for its own rows only — as the engine does. The benchmark sets the locality:
+each step keeps a fraction h of the previous step's positions (h = target hit rate) and draws the
+rest at random; the positions of every timed step are drawn before timing. Ceilings measured in
+the same run: HBM copy, and host→device for random 656-byte rows (zero-copy gather) and for a
+pinned bulk copy.
 """
 
 from __future__ import annotations
@@ -29,14 +41,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from vllm.attention.kv_cache import KVCacheLayout  # noqa: E402
 from vllm.attention.ops import dispatch  # noqa: E402
 from vllm.config.arch import GLM_5_3, ModelArch  # noqa: E402
-from vllm.hisparse.resolver import apply_copies, resolve  # noqa: E402
+from vllm.hisparse.resolver import apply_copies, prefetch  # noqa: E402
 from vllm.hisparse.worker import device_view  # noqa: E402
 
 TOPK, H, BS, LAYERS = 2048, 64, 64, 4
 
 
-def _time(fn, dev, reps):
-    for _ in range(2):
+def _time(fn, dev, reps, warmup=2):
+    for _ in range(warmup):
         fn()
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -103,13 +115,20 @@ class Setup:
         self.pos = torch.stack([torch.randperm(ctx, device=dev, generator=g)[:TOPK] for _ in range(b)])
         self.step = 0
 
-    def advance(self, keep: float):
-        """Next step's top-k: keep a fraction of the previous positions, draw the rest."""
-        g = torch.Generator(device=self.dev).manual_seed(self.step)
+        self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self.dense = None
+
+    def draw(self, keep: float, n: int):
+        """The positions of the next n steps: each keeps a fraction of the previous step's."""
+        g = torch.Generator(device=self.dev).manual_seed(self.step + 1000)
         n_new = int(round((1 - keep) * TOPK))
-        fresh = torch.randint(0, self.ctx - BS, (self.b, n_new), device=self.dev, generator=g)
-        self.pos = torch.cat([self.pos[:, n_new:], fresh], dim=1)
-        self.step += 1
+        out, pos = [], self.pos
+        for _ in range(n):
+            fresh = torch.randint(0, self.ctx - BS, (self.b, n_new), device=self.dev, generator=g)
+            pos = torch.cat([pos[:, n_new:], fresh], dim=1)
+            out.append(pos)
+        self.pos = pos
+        return out
 
     def indexer(self):
         ctx = torch.full((self.b,), self.ctx, device=self.dev)
@@ -118,42 +137,119 @@ class Setup:
                                                self.ctx)
         return dispatch.indexer_topk(logits, ctx, TOPK)
 
-    def attend_hbm(self):
+    def group_hbm(self, dense: bool):
+        if dense:
+            self.dense.indexer_proj()
+        self.indexer()
         slots = self.page_table_hbm.gather(1, (self.pos // BS)).long() * BS + self.pos % BS
         for _ in range(LAYERS):
+            if dense:
+                self.dense.pre()
             dispatch.sparse_mla_decode(self.q, self.hbm, slots, self.layout, 0.0625)
+            if dense:
+                self.dense.post()
 
-    def attend_hisparse(self):
-        res = resolve(self.pos, torch.arange(self.b, device=self.dev), self.page_table_hs, self.host_table,
-                      self.hot_slots, self.hot_pos, self.hot_lru, self.step, self.trash, BS)
-        apply_copies(res, self.gpu, self.host_dev)
+    def group_hisparse(self, dense: bool):
+        if dense:
+            self.dense.indexer_proj()
+        self.indexer()
+        self.step += 1
+        res = dispatch.hisparse_resolve(self.pos, torch.arange(self.b, device=self.dev), self.page_table_hs,
+                                        self.host_table, self.hot_slots, self.hot_pos, self.hot_lru, self.step,
+                                        self.trash, BS)
+        apply_copies(res, self.gpu[:1], self.host_dev[:1])
+        events = [None] + prefetch(res, self.gpu[1:], self.host_dev[1:], self.copy_stream)
         for i in range(LAYERS):
+            if dense:
+                self.dense.pre()
+            if events[i] is not None:
+                torch.cuda.current_stream(self.dev).wait_event(events[i])
             dispatch.sparse_mla_decode(self.q, self.gpu[i], res.slots, self.layout, 0.0625)
+            if dense:
+                self.dense.post()
         return res
 
 
-def run(b, ctx, hit_rates, dev, layout, reps):
+class DenseLayer:
+    """A decoder layer's non-attention work at GLM-5.3 dimensions, bf16 weights (one set, reused
+    by every layer: 1.6 GB, far above L2, so each layer reads it from HBM again)."""
+
+    def __init__(self, b, dev, experts_local=32, expert_bytes=1, topk_experts=8, ep=8):
+        a = ModelArch.from_dict(GLM_5_3)
+        d, hq = a.hidden_size, a.num_attention_heads
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        g = torch.Generator(device=dev).manual_seed(1)
+
+        def w(*shape):
+            return torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+
+        self.x = w(b, d)
+        self.wq_a, self.wq_b = w(d, a.q_lora_rank), w(a.q_lora_rank, hq * qk)
+        self.wkv_a = w(d, a.kv_lora_rank + a.qk_rope_head_dim)
+        self.w_uk = w(hq, a.qk_nope_head_dim, a.kv_lora_rank)
+        self.w_uv = w(hq, a.kv_lora_rank, a.v_head_dim)
+        self.wo = w(hq * a.v_head_dim, d)
+        self.o = w(b, hq, a.kv_lora_rank)
+        self.router = w(d, a.n_routed_experts)
+        inter = a.moe_intermediate_size
+        self.shared13, self.shared2 = w(d, 2 * inter), w(inter, d)
+        # routed experts of one EP rank: b·topk/ep·ep = b·topk pairs over experts_local experts;
+        # FP8 bytes modelled as fewer bf16 experts with the same bytes and the same pairs
+        e = max(1, experts_local * expert_bytes // 2)
+        m = max(1, b * topk_experts // e)
+        self.ex = w(e, m, d)
+        self.e13, self.e2 = w(e, d, 2 * inter), w(e, inter, d)
+        self.iq_b = w(a.q_lora_rank, a.index_n_heads * a.index_head_dim)
+        self.ik = w(d, a.index_head_dim + a.index_n_heads)
+        self.hq, self.qk, self.nope = hq, qk, a.qk_nope_head_dim
+        self.weight_bytes = sum(t.nbytes for t in (self.wq_a, self.wq_b, self.wkv_a, self.w_uk, self.w_uv,
+                                                   self.wo, self.router, self.shared13, self.shared2,
+                                                   self.e13, self.e2))
+
+    def indexer_proj(self):
+        cq = self.x @ self.wq_a
+        return cq @ self.iq_b, self.x @ self.ik
+
+    def pre(self):
+        q = (self.x @ self.wq_a) @ self.wq_b
+        q = q.view(-1, self.hq, self.qk)[..., : self.nope].transpose(0, 1)
+        torch.bmm(q, self.w_uk)
+        return self.x @ self.wkv_a
+
+    def post(self):
+        v = torch.bmm(self.o.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(self.x.shape[0], -1)
+        h = v @ self.wo
+        h @ self.router
+        torch.nn.functional.silu((h @ self.shared13)[:, : self.shared2.shape[0]]) @ self.shared2
+        y = torch.bmm(self.ex, self.e13)[..., : self.e2.shape[1]]
+        return torch.bmm(torch.nn.functional.silu(y), self.e2)
+
+
+def run(b, ctx, hit_rates, dev, layout, reps, dense_modes=(False, True)):
     s = Setup(b, ctx, dev, layout)
-    t_idx = _time(s.indexer, dev, reps)
-    t_hbm = _time(s.attend_hbm, dev, reps)
     rows = []
-    for h in hit_rates:
-        for _ in range(3):  # settle the hot buffers at this locality
-            s.advance(h)
-            s.attend_hisparse()
-        misses = []
+    for dense in dense_modes:
+        if dense and s.dense is None:
+            s.dense = DenseLayer(b, dev)
+        t_hbm = _time(lambda dense=dense: s.group_hbm(dense), dev, reps)
+        for h in hit_rates:
+            for pos in s.draw(h, 3):  # settle the hot buffers at this locality
+                s.pos = pos
+                s.group_hisparse(dense)
+            steps = iter(s.draw(h, reps + 2))
+            misses = []
 
-        def step(h=h, misses=misses):
-            s.advance(h)
-            misses.append(s.attend_hisparse().num_miss)
+            def step(dense=dense, misses=misses, steps=steps):
+                s.pos = next(steps)
+                misses.append(s.group_hisparse(dense).num_miss)
 
-        t_hs = _time(step, dev, reps)
-        miss = float(torch.stack(misses[-reps:]).float().mean())
-        moved = miss * LAYERS * layout.mla_bytes_per_token
-        rows.append({"batch": b, "context": ctx, "target_hit": h, "hit": 1 - miss / (b * TOPK),
-                     "hbm_ms": t_idx + t_hbm, "hisparse_ms": t_idx + t_hs, "ratio": (t_idx + t_hs) / (t_idx + t_hbm),
-                     "h2d_MB_per_step": moved / 1e6, "h2d_GBps": moved / (t_hs * 1e-3) / 1e9,
-                     "indexer_ms": t_idx})
+            t_hs = _time(step, dev, reps)
+            miss = float(torch.stack(misses[-reps:]).float().mean())
+            moved = miss * LAYERS * layout.mla_bytes_per_token
+            rows.append({"batch": b, "context": ctx, "mode": "decode step" if dense else "attention",
+                         "target_hit": h, "hit": 1 - miss / (b * TOPK), "hbm_ms": t_hbm, "hisparse_ms": t_hs,
+                         "ratio": t_hs / t_hbm, "h2d_MB_per_step": moved / 1e6,
+                         "h2d_GBps": moved / (t_hs * 1e-3) / 1e9})
     return rows, s
 
 
@@ -180,17 +276,19 @@ def main() -> int:
     for ctx in args.contexts:
         rows += run(args.batch, ctx, args.hit_rates, dev, layout, args.reps)[0]
     if args.million:
-        r, s = run(1, 1 << 20, [0.9], dev, layout, args.reps)
+        r, s = run(1, 1 << 20, [0.9], dev, layout, args.reps, dense_modes=(False,))
         host_gib = sum(h.nbytes for h in s.host) / 2**30
         for x in r:
             x["host_pool_GiB_4_layers"] = host_gib
             x["host_pool_GiB_glm53"] = (1 << 20) * 54728 / 2**30
             x["tok_s_glm53_attention"] = 1e3 / (x["hisparse_ms"] * 21)  # 21 IndexShare groups
         rows += r
-    print(f"decode attention per IndexShare group (1 full + 3 shared layers), fp8_ds_mla, top-k {TOPK}, {dev}")
-    print(f"{'B':>3} {'ctx':>8} {'hit':>6} {'HBM ms':>8} {'HiSp ms':>8} {'ratio':>6} {'H2D MB':>8} {'GB/s':>7}")
+    print(f"per IndexShare group (1 full + 3 shared layers), fp8_ds_mla, top-k {TOPK}, {dev}")
+    print(f"{'mode':>12} {'B':>3} {'ctx':>8} {'hit':>6} {'HBM ms':>8} {'HiSp ms':>8} {'ratio':>6} {'H2D MB':>8}"
+          f" {'GB/s':>7}")
     for r in rows:
-        print(f"{r['batch']:>3} {r['context']:>8} {r['hit']:>6.3f} {r['hbm_ms']:>8.3f} {r['hisparse_ms']:>8.3f}"
+        print(f"{r['mode']:>12} {r['batch']:>3} {r['context']:>8} {r['hit']:>6.3f} {r['hbm_ms']:>8.3f}"
+              f" {r['hisparse_ms']:>8.3f}"
               f" {r['ratio']:>6.2f} {r['h2d_MB_per_step']:>8.2f} {r['h2d_GBps']:>7.2f}")
     for r in rows:
         if "tok_s_glm53_attention" in r:

@@ -8,13 +8,14 @@ import torch
 
 from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms
 from vllm.attention.kv_cache import KVCacheLayout, write_indexer_cache_ref, write_mla_cache_ref
+from vllm.kernels import kv_write
 from vllm.kernels.kv_write import kv_write_cost, write_indexer_cache, write_mla_cache
 
 SLOTS = 1 << 20
 SHAPES = [16384, 131072]
 
 
-def bench(n, what):
+def bench(n, what, tag=""):
     g = torch.Generator(device="cuda").manual_seed(0)
     cache_dtype = "auto" if what == "mla_auto" else "fp8_ds_mla"
     layout = KVCacheLayout(cache_dtype, torch.bfloat16, 512, 64, 128)
@@ -35,13 +36,21 @@ def bench(n, what):
         flops, nbytes = kv_write_cost(n, 1152, layout.mla_bytes_per_token)
     ms = time_ms(fn)
     ref_ms = time_ms(ref, rep_ms=100)
-    return row(f"kv_write_{what}", f"N={n} into {SLOTS} slots", ms, flops, nbytes, "bf16", ref_ms)
+    return row(f"kv_write_{what}", f"N={n} into {SLOTS} slots{tag}", ms, flops, nbytes, "bf16", ref_ms)
 
 
 def main():
     args = parser(__doc__).parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = [bench(n, w) for w in ("mla_fp8", "mla_auto", "indexer") for n in shapes]
+    if args.sweep:  # (rows per program, warps) of the FP8 writers
+        default = dict(kv_write.TUNE)
+        for what in ("mla_fp8", "indexer"):
+            for block_r in (8, 16, 32, 64):
+                for warps in (2, 4, 8):
+                    kv_write.TUNE[what] = (block_r, warps)
+                    rows += [bench(n, what, f" BR{block_r} w{warps}") for n in shapes[-1:]]
+            kv_write.TUNE[what] = default[what]
     print_rows(rows)
     dump_json(rows, args.json)
 

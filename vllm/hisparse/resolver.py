@@ -99,3 +99,30 @@ def apply_copies(
             from vllm.kernels.row_copy import masked_row_copy_ref
 
             masked_row_copy_ref(gpu, host, res.dest, res.src, res.miss)
+
+
+def prefetch(
+    res: ResolveResult,
+    gpu_caches: list[torch.Tensor],
+    host_pools: list[torch.Tensor],
+    stream: torch.cuda.Stream | None,
+) -> list:
+    """Start the copies of `res`'s missing rows for the given layers on `stream` (after the work
+    queued so far on the current stream) and return one event per layer, recorded when that
+    layer's rows have landed: the caller makes the current stream wait on it just before the
+    layer reads its cache. Without a stream (CPU) the copies run now and the events are None."""
+    if stream is None:
+        apply_copies(res, gpu_caches, host_pools)
+        return [None] * len(gpu_caches)
+    cur = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(cur)
+    for t in (res.src, res.dest, res.miss):
+        t.record_stream(stream)  # keep them alive for the allocator until the copies finish
+    events = []
+    with torch.cuda.stream(stream):
+        for gpu, host in zip(gpu_caches, host_pools, strict=True):
+            apply_copies(res, [gpu], [host])
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+    return events

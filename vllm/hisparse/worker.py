@@ -16,7 +16,7 @@ from vllm.attention.kv_cache import KVCacheLayout, read_indexer_cache_ref, read_
 from vllm.attention.layer import LocalContext, context_dtype
 from vllm.attention.metadata import MLAMetadata
 from vllm.attention.ops import dispatch
-from vllm.hisparse.resolver import apply_copies, resolve
+from vllm.hisparse.resolver import apply_copies, prefetch
 
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -244,9 +244,10 @@ class HiSparseContext(LocalContext):
         hs = self.hs
         g = attn.hisparse_group
         key = ("hisparse_slots", g)
+        ready = ("hisparse_ready", attn.hisparse_index)
         if attn.has_indexer or key not in meta.extras:
             req_slot = meta.extras["req_slots_t"][meta.token_req[tok]]
-            res = resolve(
+            res = dispatch.hisparse_resolve(
                 topk_pos,
                 req_slot,
                 meta.block_table_full,
@@ -259,11 +260,27 @@ class HiSparseContext(LocalContext):
                 meta.layout.block_size,
             )
             group = hs.groups[g]
-            apply_copies(
-                res, [hs.layers[i].kv_cache for i in group], [hs.host_mla_dev[i] for i in group]
-            )
+            me = attn.hisparse_index
+            # this layer's missing rows now; the shared layers' on the copy stream, so that the
+            # PCIe-bound fetch overlaps this layer's attention and MLP (each shared layer waits
+            # for its own rows only)
+            apply_copies(res, [hs.layers[me].kv_cache], [hs.host_mla_dev[me]])
+            rest = [i for i in group if i != me]
+            if rest:
+                events = prefetch(
+                    res,
+                    [hs.layers[i].kv_cache for i in rest],
+                    [hs.host_mla_dev[i] for i in rest],
+                    hs.copy_stream,
+                )
+                for i, ev in zip(rest, events, strict=True):
+                    meta.extras[("hisparse_ready", i)] = ev
             hs.stats += torch.stack([res.hits, res.num_miss * len(group), res.num_resident])
             meta.extras[key] = res.slots
+        else:
+            ev = meta.extras.pop(ready, None)
+            if ev is not None:
+                torch.cuda.current_stream(q_abs.device).wait_event(ev)
         out, _ = dispatch.sparse_mla_decode(
             q_abs, attn.kv_cache, meta.extras[key], meta.layout, attn.scale
         )

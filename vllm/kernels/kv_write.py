@@ -45,6 +45,19 @@ else:  # the interpreter has no libdevice; tl.log2 is numpy's there
 
 INV_448 = float(torch.tensor(1.0, dtype=torch.float32) / 448.0)  # fl32(1/448), as torch uses
 
+# (rows per program, warps) of the FP8 writers; measured on an H200 with
+# `benchmarks/kernels/bench_kv_write.py --sweep` (the sweep rewrites these)
+TUNE = {"mla_fp8": (16, 4), "indexer": (32, 4)}
+
+
+@triton.jit
+def _pack4(b, BLOCK_R: tl.constexpr, N: tl.constexpr):
+    """uint8 [BLOCK_R, N] -> int32 [BLOCK_R, N // 4], little-endian: whole-word (vector) stores
+    instead of byte stores."""
+    v = tl.reshape(b.to(tl.int32) & 0xFF, (BLOCK_R, N // 4, 4))
+    sh = tl.arange(0, 4) * 8
+    return tl.sum(v << sh[None, None, :], axis=2)  # disjoint bits: the sum is the OR
+
 
 @triton.jit
 def _div_448(x, RECIP_DIV: tl.constexpr):
@@ -87,8 +100,9 @@ def _write_mla_fp8_kernel(
     scale = _div_448(amax, RECIP_DIV)
     y = tl.math.div_rn(x3, scale[:, :, None])
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    vals = tl.reshape(e4m3_bits(y, SOFT_FP8), (BLOCK_R, R))
-    tl.store(base[:, None] + cols[None, :], vals, mask=ok[:, None])
+    vals = _pack4(tl.reshape(e4m3_bits(y, SOFT_FP8), (BLOCK_R, R)), BLOCK_R, R)
+    words = tl.arange(0, R // 4)
+    tl.store(base.to(tl.pointer_type(tl.int32))[:, None] + words[None, :], vals, mask=ok[:, None])
     scale_ptr = (base + R).to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr[:, None] + tl.arange(0, NT)[None, :], scale, mask=ok[:, None])
     pc = tl.arange(0, BLOCK_P)
@@ -153,9 +167,10 @@ def _write_indexer_fp8_kernel(
     page = slot // PAGE_TOKENS
     off = slot % PAGE_TOKENS
     page_base = cache_ptr + page * (PAGE_TOKENS * (D + 4))
-    tl.store(
-        (page_base + off * D)[:, None] + cols[None, :], e4m3_bits(y, SOFT_FP8), mask=ok[:, None]
-    )
+    words = tl.arange(0, D // 4)
+    vals = _pack4(e4m3_bits(y, SOFT_FP8), BLOCK_R, D)
+    val_ptr = (page_base + off * D).to(tl.pointer_type(tl.int32))
+    tl.store(val_ptr[:, None] + words[None, :], vals, mask=ok[:, None])
     scale_ptr = (page_base + PAGE_TOKENS * D + off * 4).to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr, scale, mask=ok)
 
@@ -193,12 +208,12 @@ def write_mla_cache(
     if layout.is_fp8:
         if cache.dtype != torch.uint8 or cache.shape[-1] != layout.mla_bytes_per_token:
             raise ValueError("fp8_ds_mla cache must be uint8 [..., mla_bytes_per_token]")
-        block_r = 16
+        block_r, warps = TUNE["mla_fp8"]
         _write_mla_fp8_kernel[_rows_grid(n, block_r)](
             kv_c, k_pe, slot_mapping, flat, n, kv_c.stride(0), k_pe.stride(0),
             R=layout.kv_lora_rank, P=layout.rope_dim, BLOCK_P=next_pow2(layout.rope_dim),
             TILE=MLA_TILE, ROW_BYTES=layout.mla_bytes_per_token, AMAX_FLOOR=MLA_AMAX_FLOOR,
-            BLOCK_R=block_r, SOFT_FP8=interpreting(), RECIP_DIV=cache.is_cuda, num_warps=4,
+            BLOCK_R=block_r, SOFT_FP8=interpreting(), RECIP_DIV=cache.is_cuda, num_warps=warps,
         )  # fmt: skip
         return
     if kv_c.dtype != cache.dtype:
@@ -234,12 +249,12 @@ def write_indexer_cache(
     if layout.is_fp8:
         if d != next_pow2(d):
             raise ValueError(f"index_head_dim must be a power of two, got {d}")
-        block_r = 32
+        block_r, warps = TUNE["indexer"]
         _write_indexer_fp8_kernel[_rows_grid(n, block_r)](
             k, slot_mapping, cache, n, k.stride(0),
             D=d, PAGE_TOKENS=layout.block_size, AMAX_FLOOR=INDEXER_AMAX_FLOOR, BLOCK_R=block_r,
             SOFT_FP8=interpreting(), USE_LIBDEVICE=not interpreting(), RECIP_DIV=cache.is_cuda,
-            num_warps=4,
+            num_warps=warps,
         )  # fmt: skip
         return
     if k.dtype != cache.dtype:

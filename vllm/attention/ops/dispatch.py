@@ -153,3 +153,26 @@ def merge_attn_states(outs, lses):
     if fast is not None:
         return fast.merge_attn_states(outs, lses)
     return merge_attn_states_ref(outs, lses)
+
+
+def hisparse_resolve(
+    positions, req_slot, page_table, host_page_table, hot_slots, hot_pos, hot_lru, step,
+    trash_slot: int, block_size: int,
+):  # fmt: skip
+    """Selected positions -> cache slots for HiSparse decode (see `vllm.hisparse.resolver`):
+    one fused kernel on CUDA, the torch reference elsewhere; identical results and state updates.
+    `step` is an int or a 1-element int64 device tensor."""
+    from vllm.hisparse import resolver
+
+    fast = _kernel("hisparse_resolve", positions)
+    if fast is not None:
+        return fast.resolve_fused(
+            positions, req_slot, page_table, host_page_table, hot_slots, hot_pos, hot_lru, step,
+            trash_slot, block_size,
+        )  # fmt: skip
+    if isinstance(step, torch.Tensor):
+        step = int(step.reshape(-1)[0])
+    return resolver.resolve(
+        positions, req_slot, page_table, host_page_table, hot_slots, hot_pos, hot_lru, step,
+        trash_slot, block_size,
+    )  # fmt: skip
