@@ -13,8 +13,14 @@ run() {  # name timeout cmd...
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-run gpu_tests "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/hisparse tests/entrypoints/test_engine_gpu.py}
-run step_overhead 150 python3 benchmarks/engine/bench_step_overhead.py --device cuda --model glm-slice --json "$OUT/results.jsonl"
-run pcp_share 200 python3 benchmarks/parallel/bench_pcp_share.py --lengths 32768 131072 --pcp 8 --json "$OUT/results.jsonl"
-run hisparse 240 python3 benchmarks/hisparse/bench_hisparse.py ${HISPARSE_ARGS:---million} --json "$OUT/results.jsonl"
+# STEPS picks what runs (default: the tests and the engine/PCP/HiSparse benchmarks)
+for step in ${STEPS:-gpu_tests step_overhead pcp_share hisparse}; do
+  case $step in
+    gpu_tests) run gpu_tests "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/hisparse tests/entrypoints/test_engine_gpu.py} ;;
+    step_overhead) run step_overhead 150 python3 benchmarks/engine/bench_step_overhead.py --device cuda --model glm-slice --json "$OUT/results.jsonl" ;;
+    pcp_share) run pcp_share 200 python3 benchmarks/parallel/bench_pcp_share.py --lengths 32768 131072 --pcp 8 --json "$OUT/results.jsonl" ;;
+    hisparse) run hisparse "${HISPARSE_TIMEOUT:-240}" python3 benchmarks/hisparse/bench_hisparse.py ${HISPARSE_ARGS:---million} --json "$OUT/results.jsonl" ;;
+    *) run "$step" "${BENCH_TIMEOUT:-150}" python3 "benchmarks/kernels/bench_$step.py" ${BENCH_ARGS:-} --json "$OUT/results.jsonl" ;;
+  esac
+done
 printf '%s\n' "${summary[@]}"

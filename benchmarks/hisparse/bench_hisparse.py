@@ -83,9 +83,13 @@ class Setup:
         self.pages = pages
         g = torch.Generator(device=dev).manual_seed(0)
         row = layout.mla_bytes_per_token
-        # HBM copy of every row (all-in-HBM mode) for one layer, reused for the 4 layers' reads
-        self.hbm = torch.randint(0, 255, (b * pages + 1, BS, row), dtype=torch.uint8, device=dev, generator=g)
-        self.hbm.view(-1, row)[:, 512:528] = 0  # finite scales
+        # all-in-HBM mode: every row of every layer on the GPU (one cache per layer, so no layer
+        # reads another's rows from L2)
+        self.hbm = []
+        for _ in range(LAYERS):
+            c = torch.randint(0, 255, (b * pages + 1, BS, row), dtype=torch.uint8, device=dev, generator=g)
+            c.view(-1, row)[:, 512:528] = 0  # finite scales
+            self.hbm.append(c)
         self.page_table_hbm = torch.arange(b * pages, device=dev, dtype=torch.int32).view(b, pages)
         # HiSparse: GPU holds the hot buffers (2 blocks·TOPK/64 per request) + tail pages
         self.hot_rows = 2 * TOPK
@@ -142,10 +146,10 @@ class Setup:
             self.dense.indexer_proj()
         self.indexer()
         slots = self.page_table_hbm.gather(1, (self.pos // BS)).long() * BS + self.pos % BS
-        for _ in range(LAYERS):
+        for i in range(LAYERS):
             if dense:
                 self.dense.pre()
-            dispatch.sparse_mla_decode(self.q, self.hbm, slots, self.layout, 0.0625)
+            dispatch.sparse_mla_decode(self.q, self.hbm[i], slots, self.layout, 0.0625)
             if dense:
                 self.dense.post()
 

@@ -15,12 +15,19 @@ SLOTS = 1 << 20
 SHAPES = [16384, 131072]
 
 
-def bench(n, what, tag=""):
+def bench(n, what, tag="", paged=False):
+    """paged=False: n distinct slots drawn at random (decode-like scatter, the worst case);
+    paged=True: n/64 whole pages in random block order (what a prefill chunk's slot mapping is)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     cache_dtype = "auto" if what == "mla_auto" else "fp8_ds_mla"
     layout = KVCacheLayout(cache_dtype, torch.bfloat16, 512, 64, 128)
     nb = SLOTS // 64
-    slots = torch.randperm(SLOTS, device="cuda", generator=g)[:n]
+    if paged:
+        blocks = torch.randperm(nb, device="cuda", generator=g)[: n // 64]
+        slots = (blocks.unsqueeze(1) * 64 + torch.arange(64, device="cuda")).flatten()
+        tag += " paged"
+    else:
+        slots = torch.randperm(SLOTS, device="cuda", generator=g)[:n]
     kv_c = torch.randn(n, 512, device="cuda", generator=g).to(torch.bfloat16)
     k_pe = torch.randn(n, 64, device="cuda", generator=g).to(torch.bfloat16)
     k = torch.randn(n, 128, device="cuda", generator=g).to(torch.bfloat16)
@@ -43,13 +50,15 @@ def main():
     args = parser(__doc__).parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = [bench(n, w) for w in ("mla_fp8", "mla_auto", "indexer") for n in shapes]
+    rows += [bench(n, w, paged=True) for w in ("mla_fp8", "mla_auto", "indexer") for n in shapes]
     if args.sweep:  # (rows per program, warps) of the FP8 writers
         default = dict(kv_write.TUNE)
         for what in ("mla_fp8", "indexer"):
-            for block_r in (8, 16, 32, 64):
-                for warps in (2, 4, 8):
+            for block_r in (4, 8, 16, 32):
+                for warps in (1, 2, 4, 8):
                     kv_write.TUNE[what] = (block_r, warps)
-                    rows += [bench(n, what, f" BR{block_r} w{warps}") for n in shapes[-1:]]
+                    for paged in (False, True):
+                        rows += [bench(n, what, f" BR{block_r} w{warps}", paged) for n in shapes[-1:]]
             kv_write.TUNE[what] = default[what]
     print_rows(rows)
     dump_json(rows, args.json)

@@ -47,16 +47,7 @@ INV_448 = float(torch.tensor(1.0, dtype=torch.float32) / 448.0)  # fl32(1/448), 
 
 # (rows per program, warps) of the FP8 writers; measured on an H200 with
 # `benchmarks/kernels/bench_kv_write.py --sweep` (the sweep rewrites these)
-TUNE = {"mla_fp8": (16, 4), "indexer": (32, 4)}
-
-
-@triton.jit
-def _pack4(b, BLOCK_R: tl.constexpr, N: tl.constexpr):
-    """uint8 [BLOCK_R, N] -> int32 [BLOCK_R, N // 4], little-endian: whole-word (vector) stores
-    instead of byte stores."""
-    v = tl.reshape(b.to(tl.int32) & 0xFF, (BLOCK_R, N // 4, 4))
-    sh = tl.arange(0, 4) * 8
-    return tl.sum(v << sh[None, None, :], axis=2)  # disjoint bits: the sum is the OR
+TUNE = {"mla_fp8": (8, 4), "indexer": (16, 4)}
 
 
 @triton.jit
@@ -100,9 +91,8 @@ def _write_mla_fp8_kernel(
     scale = _div_448(amax, RECIP_DIV)
     y = tl.math.div_rn(x3, scale[:, :, None])
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    vals = _pack4(tl.reshape(e4m3_bits(y, SOFT_FP8), (BLOCK_R, R)), BLOCK_R, R)
-    words = tl.arange(0, R // 4)
-    tl.store(base.to(tl.pointer_type(tl.int32))[:, None] + words[None, :], vals, mask=ok[:, None])
+    vals = tl.reshape(e4m3_bits(y, SOFT_FP8), (BLOCK_R, R))
+    tl.store(base[:, None] + cols[None, :], vals, mask=ok[:, None])
     scale_ptr = (base + R).to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr[:, None] + tl.arange(0, NT)[None, :], scale, mask=ok[:, None])
     pc = tl.arange(0, BLOCK_P)
@@ -167,10 +157,9 @@ def _write_indexer_fp8_kernel(
     page = slot // PAGE_TOKENS
     off = slot % PAGE_TOKENS
     page_base = cache_ptr + page * (PAGE_TOKENS * (D + 4))
-    words = tl.arange(0, D // 4)
-    vals = _pack4(e4m3_bits(y, SOFT_FP8), BLOCK_R, D)
-    val_ptr = (page_base + off * D).to(tl.pointer_type(tl.int32))
-    tl.store(val_ptr[:, None] + words[None, :], vals, mask=ok[:, None])
+    tl.store(
+        (page_base + off * D)[:, None] + cols[None, :], e4m3_bits(y, SOFT_FP8), mask=ok[:, None]
+    )
     scale_ptr = (page_base + PAGE_TOKENS * D + off * 4).to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr, scale, mask=ok)
 
