@@ -67,18 +67,41 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", default="fp8_ds_mla")
     ap.add_argument("--kv-gib-per-gpu", type=float, default=15.0, help="per-GPU KV budget for the capacity test")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", default="correctness,scaling,dcp,capacity,decode",
+                    help="comma-separated parts to run (default: all)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="PCP scaling prompt lengths")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="DCP overhead cached contexts")
     args = ap.parse_args()
+    parts = set(args.only.split(","))
     n, rows = args.ngpu, []
     ckpt = checkpoint(args.small)
-    lens = [300, 700] if args.small else [32768, 131072]
+    lens = args.lengths or ([300, 700] if args.small else [32768, 131072])
     chunk = 64 if args.small else 2048
-    ctxs = [256, 512] if args.small else [16384, 65536, 131072, 253952]
+    ctxs = args.contexts or ([256, 512] if args.small else [16384, 65536, 131072, 253952])
 
     def record(**r):
         rows.append(r)
         print(json.dumps(r), flush=True)
 
     # 1. correctness with NCCL
+    if "correctness" in parts:
+        correctness(ckpt, args, n, record)
+    if "scaling" in parts:
+        scaling(ckpt, args, n, lens, record)
+    if "dcp" in parts:
+        dcp_overhead(ckpt, args, n, ctxs, chunk, record)
+    if "capacity" in parts:
+        capacity(ckpt, args, n, record)
+    if "decode" in parts:
+        decode(ckpt, args, n, record)
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return 0 if all(r.get("same_greedy_as_1gpu", True) for r in rows) else 1
+
+
+def correctness(ckpt, args, n, record):
     probe = [prompt(x, s) for s, x in enumerate([37, 400 if args.small else 5000])]
     ref = greedy(ckpt, args, probe, 16)
     for name, kw in {
@@ -90,14 +113,20 @@ def main() -> int:
         f"DP{n}+EP{n}": dict(data_parallel_size=n, enable_expert_parallel=True),
     }.items():
         record(test="correctness", config=name, same_greedy_as_1gpu=greedy(ckpt, args, probe, 16, **kw) == ref)
-    # 2. PCP scaling (TTFT)
+
+
+def scaling(ckpt, args, n, lens, record):
+    """PCP scaling (TTFT)."""
     for length in lens:
         base = None
         for p in [x for x in (1, 2, 4, 8) if x <= n]:
             t, _ = ttft(ckpt, args, length, prefill_context_parallel_size=p, max_num_batched_tokens=length)
             base = base or t
             record(test="pcp_scaling", prompt=length, pcp=p, ttft_s=t, efficiency=base / (t * p))
-    # 3. DCP overhead: one chunk after a cached context
+
+
+def dcp_overhead(ckpt, args, n, ctxs, chunk, record):
+    """One chunk after a cached context, DCP n against DCP 1."""
     for ctx in ctxs:
         for dcp in (1, n):
             llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, prefill_context_parallel_size=n,
@@ -110,7 +139,10 @@ def main() -> int:
                 record(test="dcp_overhead", context=ctx, dcp=dcp, chunk_s=time.perf_counter() - t0)
             finally:
                 llm.shutdown()
-    # 4. capacity with the per-GPU KV budget GLM-5.3 leaves on an H200
+
+
+def capacity(ckpt, args, n, record):
+    """The longest prompt with the per-GPU KV budget GLM-5.3 leaves on an H200."""
     budget = int(args.kv_gib_per_gpu * 2**30) if not args.small else 8 << 20
     for dcp in (1, n):
         llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, prefill_context_parallel_size=n,
@@ -124,7 +156,10 @@ def main() -> int:
                    prefill_s=time.perf_counter() - t0, million_ok=target >= (1 << 20))
         finally:
             llm.shutdown()
-    # 5. decode: DP + EP + HiSparse at long context
+
+
+def decode(ckpt, args, n, record):
+    """DP + EP + HiSparse at long context."""
     llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, data_parallel_size=n,
               enable_expert_parallel=True, attention_config={"hisparse_config": {"host_pool_gib": 0.05 if args.small else 48}})
     try:
@@ -139,11 +174,6 @@ def main() -> int:
                tok_s_per_request=64 / dt)
     finally:
         llm.shutdown()
-    if args.json:
-        with open(args.json, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    return 0 if all(r.get("same_greedy_as_1gpu", True) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -52,11 +52,14 @@ class GroupCoordinator:
         x = x.contiguous()
         if x.dim() == 0:
             x = x.view(1)
+        dtype = x.dtype
+        if dtype.itemsize == 1 and dtype not in (torch.uint8, torch.int8):
+            x = x.view(torch.uint8)  # FP8 / bool: gloo has no such types; bytes gather the same
         out = torch.empty(
             (self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device
         )
         dist.all_gather_into_tensor(out, x, group=self.group)
-        return out.view((self.world_size,) + tuple(x.shape))
+        return out.view((self.world_size,) + tuple(x.shape)).view(dtype)
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks of x [world·n, ...] and keep this rank's [n, ...] slice."""
