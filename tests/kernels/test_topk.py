@@ -1,5 +1,7 @@
-"""Top-k selection: identical to topk_ref (same positions, same order), including ties, −0.0,
-−inf scores, limits shorter than k (−1 padding), limit 0 and rows longer than one chunk."""
+"""Top-k selection: the same set as topk_ref in every row (ties to the lowest positions, the
+same −1 count, padding last; the order within a row is unspecified), including ties, −0.0, −inf
+scores, limits shorter than k, limit 0, rows longer than one chunk, and every path of the kernel
+(sampled pivot, whole row as candidates, the whole-row fallback when the pivot misses)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,13 @@ def _logits(t, s, g, ties=True):
     return x
 
 
+def _as_set(idx: torch.Tensor) -> torch.Tensor:
+    """Each row's positions in ascending order, −1 padding last."""
+    big = torch.iinfo(torch.int32).max
+    srt = torch.where(idx < 0, big, idx).sort(dim=1).values
+    return torch.where(srt == big, -1, srt)
+
+
 def _check(mod, t, s, topk, device, seed, ties=True, limits=None, **kw):
     g = torch.Generator().manual_seed(seed)
     logits = _logits(t, s, g, ties)
@@ -30,20 +39,50 @@ def _check(mod, t, s, topk, device, seed, ties=True, limits=None, **kw):
     got = mod.indexer_topk(logits, limits, topk, **kw)
     ref = topk_ref(logits, limits, topk)
     assert got.dtype == torch.int32 and got.shape == (t, topk)
-    assert torch.equal(got.cpu(), ref.cpu())
+    n = limits.cpu().clamp(0, min(s, topk))
+    assert torch.equal(got.cpu() >= 0, torch.arange(topk) < n[:, None])  # winners, then −1
+    assert torch.equal(_as_set(got.cpu()), _as_set(ref.cpu()))
 
 
 # ---- CPU: Triton interpreter, tiny shapes ----------------------------------------------------
-# cap 256: the sampled candidate list holds every row's candidates; cap 16 (< 1.5·k): every row
-# falls back to the whole-row radix select; sampled=False: no pre-filter at all
-@pytest.mark.parametrize("kw", [dict(cap=256), dict(cap=16), dict(sampled=False)])
-@pytest.mark.parametrize("t,s,topk,chunk", [(5, 300, 16, 64), (3, 40, 64, 16), (4, 129, 7, 32)])
+# z=2: the sampled pivot usually lands in [k, cap] candidates (and a few rows miss); z=-9: the
+# pivot is the sample's maximum, too few candidates, every long row falls back; z=99: the sample's
+# minimum, too many; cap=512: every row fits in its candidate list (no sample); rows2: two rows
+# per collect program (the second prefetched), a row count not a multiple of it; regs1: the
+# select holds 32 keys in registers and reads the others again
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(z=2.0),
+        dict(z=-9.0),
+        dict(z=99.0),
+        dict(cap=512),
+        dict(z=2.0, rows_per_program=2),
+        dict(cap=512, select_regs=1),
+    ],
+    ids=["z2", "few", "many", "all", "rows2", "regs1"],
+)
+@pytest.mark.parametrize("t,s,topk,chunk", [(5, 300, 16, 64), (3, 40, 8, 32), (4, 129, 7, 64)])
 def test_topk_interpreter(interp, t, s, topk, chunk, kw):
-    _check(interp("topk"), t, s, topk, "cpu", seed=s, chunk=chunk, num_warps=4, sample=64, **kw)
+    kw = dict(cap=4 * topk if topk > 7 else 32, sample_stride=4) | kw
+    _check(interp("topk"), t, s, topk, "cpu", seed=s, chunk=chunk, num_warps=1, select_warps=1,
+           block=32, **kw)  # fmt: skip
 
 
 def test_topk_interpreter_distinct_scores(interp):
-    _check(interp("topk"), 3, 200, 32, "cpu", seed=9, ties=False, chunk=64, num_warps=4, sample=64)
+    _check(interp("topk"), 3, 200, 16, "cpu", seed=9, ties=False, chunk=64, num_warps=1,
+           select_warps=1, sample_stride=4, cap=64, z=2.0, block=64, rows_per_program=3)  # fmt: skip
+
+
+def test_topk_interpreter_select_tiles(interp):
+    """Whole rows as candidates (cap >= S) with k = 100: the select's bisection and output scan
+    run over several tiles re-read from memory beyond its 32 register-held keys."""
+    _check(interp("topk"), 3, 500, 100, "cpu", seed=5, chunk=128, num_warps=1, select_warps=1,
+           cap=512, select_regs=1)  # fmt: skip
+
+
+def test_topk_interpreter_k_above_columns(interp):
+    _check(interp("topk"), 3, 40, 64, "cpu", seed=4, chunk=32, num_warps=1, select_warps=1)
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -52,11 +91,40 @@ def test_topk_interpreter_distinct_scores(interp):
     "t,s,topk", [(7, 1000, 2048), (64, 131072, 2048), (300, 5000, 2048), (16, 70000, 100)]
 )
 @pytest.mark.parametrize("ties", [True, False])
-@pytest.mark.parametrize("sampled", [True, False])
-def test_topk_gpu(t, s, topk, ties, sampled):
+@pytest.mark.parametrize("z", [6.0, -9.0])  # -9: every long row takes the whole-row fallback
+def test_topk_gpu(t, s, topk, ties, z):
     from vllm.kernels import topk as mod
 
-    _check(mod, t, s, topk, "cuda", seed=t + s, ties=ties, sampled=sampled)
+    _check(mod, t, s, topk, "cuda", seed=t + s, ties=ties, z=z)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(chunk=1024, num_warps=4),
+        dict(chunk=4096, num_warps=16),
+        dict(rows_per_program=1),
+        dict(rows_per_program=16),
+        dict(select_warps=2),
+        dict(select_warps=8),
+        dict(select_regs=1),  # 128 keys in registers, the rest re-read
+        dict(sample_stride=128, cap=16384),
+    ],
+)
+def test_topk_gpu_configs(kw):
+    from vllm.kernels import topk as mod
+
+    _check(mod, 300, 40000, 2048, "cuda", seed=3, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [32768, 131072])
+def test_topk_gpu_causal_chunk(s):
+    from vllm.kernels import topk as mod
+
+    t = 1024  # the last rows of an 8192-token prefill chunk, causal limits
+    _check(mod, t, s, 2048, "cuda", seed=s, ties=False, limits=torch.arange(s - t + 1, s + 1))
 
 
 @pytest.mark.gpu

@@ -1,26 +1,34 @@
-"""Exact top-k selection over indexer logits: sampled pre-filter, radix select, sort of the winners.
+"""Exact top-k selection over indexer logits: sampled pivot, one streaming pass, small select.
 
-One program per row. Scores become order-preserving int32 keys (−0.0 folded onto +0.0, positions
-at or past the row's limit below every score). Then:
+Scores are compared as order-preserving int32 keys (−0.0 folded onto +0.0; positions at or past
+the row's limit below every score). Four launches:
 
-  1. pivot (``SAMPLED``): SAMPLE evenly strided keys of the eligible prefix; a 16-step bisection
-     on the top key bits finds a value whose sample rank sits a few standard deviations past k,
-     so that about 1.5·k elements of the row are at or above it;
-  2. one pass over the row compacts the positions at or above the pivot (in position order) into
-     a per-row scratch list of CAP entries. If fewer than k or more than CAP land there (a bad
-     sample, ~0.1–2 % of random rows), the row falls back to working on the whole row;
-  3. radix select on the candidates (four 8-bit histogram passes) finds the exact k-th key and
-     how many of its ties to keep — the lowest positions, as the stable reference sort keeps;
-  4. a compaction pass writes each winner as one int64 key (score descending, position
-     ascending); ``torch.sort`` of those [T, k] keys after the kernel (a segmented radix sort,
-     far cheaper than Triton's in-program bitonic ``tl.sort``) makes the output equal
-     :func:`topk_ref` exactly, −1 padded.
+  1. pivot, one program per row: a jittered sample of every SAMPLE_STRIDE-th eligible score and
+     a bisection give a key whose sample rank is about e + Z·√e (e = k·m/limit, the sample count
+     expected above the true k-th score), so that about k + Z·√(k·stride) eligible scores of the
+     row are at or above it — at least k and at most CAP (4·k) except with probability ~1e-7 per
+     row on i.i.d. scores. Rows with limit <= k are answered here (0..limit−1, then −1).
+  2. collect, one program per CHUNK of a group of up to 8 rows (many programs per row: 64 rows
+     of 128K or 1M candidates fill the GPU), the group's rows one after the other, each row's
+     chunk loaded while the previous one is compacted: the scores at or above the pivot are
+     appended to the row's candidate list (position << 32 | score bits) at an offset that is the
+     sum of the candidate counts of the row's earlier chunks (decoupled look-back: a program
+     publishes its count, then waits until every earlier chunk of the row has; those belong to
+     programs with lower ids, which start first and never wait for later ones). The list is thus
+     deterministic; within a chunk it is in thread-major order, so the compaction scan is
+     in-thread but for one scan across threads.
+  3. select, one program per row: the exact k-th largest candidate key `thr` by bisection (~15
+     steps: it stops once exactly k keys are >= the probe) over 4096 keys held in registers and
+     the rest (~200) re-read from L1; a second bisection for the position cut among the ties at
+     `thr` (only when some ties lose); then one scan over the list writes the winners.
+  4. fallback, one program per row, for rows whose candidate count fell outside [k, CAP] (a bad
+     sample, or masses of tied scores): a four-pass 8-bit radix select over the whole row. Exact,
+     slow, rare.
 
-HBM traffic: the row once (sample and compaction; the candidates and the final gathers hit L2).
-Per-element work on the full row is a key, a compare and a prefix sum; the histogram passes (Triton
-lowers ``tl.histogram`` to warp ballots, ~50 instructions per element at 256 bins) only see the
-~1.5·k candidates. Rows are independent: a single 1M-candidate row runs on one SM.
-NaN scores are not supported (a NaN's key sorts above +inf or below −inf by its sign bit).
+HBM traffic: the eligible logits once, plus the sample (one 32-byte sector per 64 scores) and the
+candidate lists (~2·k · 8 bytes per row written and read; T·CAP·8 bytes allocated). The order of
+the positions within an output row is unspecified (deterministic for one configuration); −1
+padding comes last. NaN scores are not supported (a NaN's key sorts above +inf or below −inf).
 """
 
 from __future__ import annotations
@@ -32,138 +40,342 @@ import triton.language as tl
 from vllm.attention.ops.indexer import topk_ref
 from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record
 
-__all__ = ["indexer_topk", "topk_ref", "topk_cost"]
+__all__ = ["indexer_topk", "topk_ref", "topk_cost", "topk_stages"]
+
+INT32_MIN = -2147483648
+MAX_SAMPLE = 16384  # pivot sample held in registers (16 warps × 32 per thread)
+
+
+@triton.jit
+def _key_of(bits):
+    """int32 float bits -> signed int32 key with the float order (−0.0 folded onto +0.0)."""
+    bits = tl.where(bits == -2147483648, 0, bits)  # −0.0 ties with +0.0, as in the reference sort
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
 def _keys(logit_row_ptr, pos, mask):
-    """Signed int32 keys with the float order; masked-off positions get INT32_MIN."""
+    """Keys of the scores at ``pos``; masked-off positions get INT32_MIN (below every score)."""
     x = tl.load(logit_row_ptr + pos, mask=mask, other=0.0)
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(x == 0.0, 0, bits)  # −0.0 ties with +0.0, as in the reference sort
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return tl.where(mask, key, -2147483648)
+    return tl.where(mask, _key_of(x.to(tl.int32, bitcast=True)), -2147483648)
 
 
 @triton.jit
-def _sample_pivot(lrow, limit, n, SAMPLE: tl.constexpr):
-    """A key with about n·(1 + 3/√r) elements of the row at or above it (r = n·SAMPLE/limit)."""
-    si = tl.arange(0, SAMPLE)
-    spos = ((si.to(tl.int64) * limit) // SAMPLE).to(tl.int32)
-    skey = _keys(lrow, spos, spos < limit)  # [SAMPLE]
-    r = (n.to(tl.int64) * SAMPLE // limit).to(tl.int32)
-    rank = r + (3.0 * tl.sqrt((r + 1).to(tl.float32))).to(tl.int32) + 4
-    rank = tl.minimum(rank, SAMPLE - 1)
-    # bisection over the top 16 unsigned key bits, MSB first: the largest such u with
-    # #{sample >= u} > rank (a pivot needs no more resolution: 2^-7 relative in the score)
-    u = tl.zeros((), tl.int32)
-    for b in tl.static_range(16):
-        if b == 0:
-            cand = u | -2147483648
-        else:
-            cand = u | (1 << (31 - b))
-        cnt = tl.sum((skey >= (cand ^ -2147483648)).to(tl.int32))
-        u = tl.where(cnt > rank, cand, u)
-    return u ^ -2147483648
+def _kth_largest(key, k, lo):
+    """The largest int32 u with #{keys >= u} >= k, given #{keys >= lo} >= k >= 1 (INT32_MIN =
+    no key). Bisection on [lo, max key]; it stops early once exactly k keys are >= u (selecting
+    the keys >= u, ties included, is then the answer), so continuous scores take ~15 steps."""
+    hi = tl.max(key).to(tl.int64) + 1  # #{keys >= hi} = 0 < k
+    cnt = tl.sum((key >= lo).to(tl.int32))
+    lo = lo.to(tl.int64)
+    while (hi - lo > 1) & (cnt != k):
+        mid = (lo + hi) >> 1  # in (lo, hi), so > INT32_MIN: padding never counts
+        c = tl.sum((key >= mid.to(tl.int32)).to(tl.int32))
+        up = c >= k
+        lo = tl.where(up, mid, lo)
+        cnt = tl.where(up, c, cnt)
+        hi = tl.where(up, hi, mid)
+    return lo.to(tl.int32)
 
 
 @triton.jit
-def _item_keys(lrow, srow, c0, offs, src_len, limit, from_list):
-    """Positions and keys of items [c0, c0 + CHUNK): candidate-list entries or row positions."""
-    idx = c0 + offs
-    valid = idx < src_len
-    listed = tl.load(srow + idx, mask=valid & from_list, other=0)
-    pos = tl.where(from_list, listed, idx)
-    mask = valid & (pos < limit)
-    return pos, mask, _keys(lrow, pos, mask)
+def _emit(orow, key, pos, valid, thr, need, n_gt, n_tie):
+    """Write the winners of one position-ordered block: keys > thr, and ties (key == thr) while
+    fewer than ``need`` ties were seen before. Returns the running (n_gt, n_tie)."""
+    gt = valid & (key > thr)
+    tie = valid & (key == thr)
+    packed = gt.to(tl.int32) + (tie.to(tl.int32) << 16)  # one scan for both (blocks < 2^16)
+    before = tl.cumsum(packed, 0) - packed
+    gt_before = n_gt + (before & 0xFFFF)
+    tie_before = n_tie + (before >> 16)
+    sel = gt | (tie & (tie_before < need))
+    tl.store(orow + gt_before + tl.minimum(tie_before, need), pos, mask=sel)
+    return n_gt + tl.sum(gt.to(tl.int32)), n_tie + tl.sum(tie.to(tl.int32))
 
 
 @triton.jit
-def _topk_kernel(
+def _pivot_kernel(
     logits_ptr,  # [T, S] fp32, strides (stride_lt, 1)
     limit_ptr,  # [T] int, positions < limit are eligible
-    keys_ptr,  # [T, TOPK_PAD] int64 composite sort keys of the winners, then padding
-    scratch_ptr,  # [T, CAP] int32 candidate positions
+    out_ptr,  # [T, TOPK] int32; rows with limit <= TOPK are written here
+    pivot_ptr,  # [T] int32 key: candidates are the eligible keys >= pivot
+    tab_ptr,  # [T, num_chunks] int32 per-chunk candidate counts + 1, zeroed here
+    num_cols,
+    num_chunks,
+    stride_lt,
+    z,  # fp32 margin in standard deviations of the sample count
+    TOPK: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
+    CAP: tl.constexpr,
+    SAMPLE_STRIDE: tl.constexpr,
+    SAMPLE_PAD: tl.constexpr,
+    NUM_CHUNKS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    limit = tl.minimum(tl.maximum(tl.load(limit_ptr + row).to(tl.int32), 0), num_cols)
+    c = tl.arange(0, NUM_CHUNKS_PAD)
+    tl.store(tab_ptr + row * num_chunks + c, tl.zeros_like(c), mask=c < num_chunks)
+    if limit <= TOPK:  # everything eligible is selected
+        i = tl.arange(0, TOPK_PAD)
+        tl.store(out_ptr + row * TOPK + i, tl.where(i < limit, i, -1), mask=i < TOPK)
+    elif limit <= CAP:  # the whole row fits in the candidate list
+        tl.store(pivot_ptr + row, -2147483648)
+    else:
+        m = tl.minimum(tl.cdiv(limit, SAMPLE_STRIDE), SAMPLE_PAD)
+        i = tl.arange(0, SAMPLE_PAD)
+        jitter = ((i * -1640531535) >> 20) & 1023  # Fibonacci hash: no aliasing with periodic rows
+        spos = (((i.to(tl.int64) * 1024 + jitter) * limit) // (m.to(tl.int64) * 1024)).to(tl.int32)
+        skey = _keys(logits_ptr + row * stride_lt, spos, i < m)
+        e = (TOPK * m).to(tl.float32) / limit.to(tl.float32)
+        r = tl.minimum(tl.maximum((e + z * tl.sqrt(e)).to(tl.int32) + 1, 1), m)
+        lo = tl.full((), -2147483648, tl.int32)
+        tl.store(pivot_ptr + row, _kth_largest(skey, r, lo))
+
+
+@triton.jit
+def _collect_kernel(
+    logits_ptr,  # [T, S] fp32, strides (stride_lt, 1)
+    limit_ptr,  # [T] int
+    pivot_ptr,  # [T] int32
+    tab_ptr,  # [T, num_chunks] int32: each chunk's candidate count + 1 once known, else 0
+    count_ptr,  # [T] int32: the row's candidate count (may exceed CAP)
+    list_ptr,  # [T, CAP] int64 candidates: position << 32 | fp32 score bits
+    num_rows,
+    num_cols,
+    num_chunks,
+    stride_lt,
+    TOPK: tl.constexpr,
+    CAP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    THREADS: tl.constexpr,  # 32 · num_warps: one row of the [THREADS, CHUNK / THREADS] tile each
+    ROWS: tl.constexpr,  # rows per program, one after the other (same chunk of each)
+    NUM_CHUNKS_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    c = pid % num_chunks
+    row0 = (pid // num_chunks) * ROWS
+    # [THREADS, R] tile, element (t, r) at c·CHUNK + r·THREADS + t: each warp load reads 128
+    # contiguous bytes and row t lies in thread t. No vector loads: the scatter below is scalar,
+    # and one layout for both saves a shared-memory transpose (with no contiguity, Triton puts
+    # the lanes along axis 0)
+    t = tl.arange(0, THREADS)[:, None]
+    pos = c * CHUNK + tl.arange(0, CHUNK // THREADS)[None, :] * THREADS + t
+    lpos = tl.max_contiguous(pos, [1, 1])
+    end = tl.minimum(num_rows, row0 + ROWS)
+    lim = _limit(limit_ptr, row0, end, num_cols)
+    lim1 = _limit(limit_ptr, row0 + 1, end, num_cols)
+    piv = tl.load(pivot_ptr + row0, mask=row0 < end, other=0)
+    x = tl.load(logits_ptr + row0.to(tl.int64) * stride_lt + lpos, mask=(pos < lim) & (lim > TOPK))
+    for i in range(ROWS):
+        row = row0 + i
+        # the next row's chunk is loaded while this one is compacted (its look-back waits hide);
+        # limits are read two rows ahead so that this load need not wait for one
+        lim2 = _limit(limit_ptr, row + 2, end, num_cols)
+        npiv = tl.load(pivot_ptr + row + 1, mask=row + 1 < end, other=0)
+        nmask = (pos < lim1) & (lim1 > TOPK)
+        nx = tl.load(logits_ptr + (row + 1).to(tl.int64) * stride_lt + lpos, mask=nmask)
+        if (lim > TOPK) & (c * CHUNK < lim):
+            _collect_chunk(x, pos, lim, piv, tab_ptr + row.to(tl.int64) * num_chunks, c,
+                           count_ptr + row, list_ptr + row.to(tl.int64) * CAP, CAP, CHUNK,
+                           NUM_CHUNKS_PAD)  # fmt: skip
+        x = nx
+        lim = lim1
+        lim1 = lim2
+        piv = npiv
+
+
+@triton.jit
+def _limit(limit_ptr, row, num_rows, num_cols):
+    """The row's limit clamped to [0, num_cols]; 0 for rows >= num_rows."""
+    lim = tl.load(limit_ptr + row, mask=row < num_rows, other=0).to(tl.int32)
+    return tl.minimum(tl.maximum(lim, 0), num_cols)
+
+
+@triton.jit
+def _collect_chunk(x, pos, limit, pivot, trow, c, count_ptr, lrow, CAP: tl.constexpr,
+                   CHUNK: tl.constexpr, NUM_CHUNKS_PAD: tl.constexpr):  # fmt: skip
+    """Append chunk c's scores >= pivot to the row's list after those of chunks 0..c−1."""
+    # key >= pivot as a float compare (the key order is the float order, −0.0 == +0.0)
+    pbits = tl.where(pivot < 0, pivot ^ 0x7FFFFFFF, pivot)
+    pivot_f = tl.where(pivot <= -2139095041, float("-inf"), pbits.to(tl.float32, bitcast=True))
+    sel = (pos < limit) & (x >= pivot_f)
+    sel_i = sel.to(tl.int32)
+    per_thread = tl.sum(sel_i, axis=1)  # [THREADS], in-thread sums
+    cnt = tl.sum(per_thread)
+    tl.store(trow + c, cnt + 1)
+    # offset = candidates of the chunks before (decoupled look-back over all of them); they
+    # belong to programs with lower ids, started before this one, which never wait for it
+    prev = tl.arange(0, NUM_CHUNKS_PAD)
+    pm = prev < c
+    v = tl.load(trow + prev, mask=pm, other=1, volatile=True)
+    while tl.min(v) == 0:
+        v = tl.load(trow + prev, mask=pm, other=1, volatile=True)
+    base = tl.sum(v - 1)
+    if (c + 1) * CHUNK >= limit:
+        tl.store(count_ptr, base + cnt)
+    # list order within the chunk is thread-major (t, then r): one scan across threads, the rest
+    # in-thread; the select resolves ties by position, not by list order
+    dst = base + (tl.cumsum(per_thread, 0) - per_thread)[:, None]
+    dst += tl.cumsum(sel_i, axis=1) - sel_i
+    item = (pos.to(tl.int64) << 32) | (x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    tl.store(lrow + dst, item, mask=sel & (dst < CAP))
+
+
+@triton.jit
+def _list_keys(lrow32, j, valid):
+    """Keys of list entries j (INT32_MIN where not valid); ``lrow32`` views the row's int64
+    entries as int32 pairs (score bits, position), little-endian."""
+    bits = tl.load(lrow32 + 2 * j, mask=valid, other=0)
+    return tl.where(valid, _key_of(bits), -2147483648)
+
+
+@triton.jit
+def _count_ge_list(ka, u, lrow32, jt, total, BLK: tl.constexpr, TILE: tl.constexpr):
+    """#{candidate keys >= u}: entries [0, BLK) held in registers (ka), the rest (usually a
+    few hundred, L1-resident) read again in [THREADS, SUB] tiles."""
+    c = tl.sum((ka >= u).to(tl.int32), axis=1)  # [THREADS]
+    for b0 in range(BLK, total, TILE):
+        kt = _list_keys(lrow32, b0 + jt, b0 + jt < total)
+        c += tl.sum((kt >= u).to(tl.int32), axis=1)
+    return tl.sum(c)
+
+
+@triton.jit
+def _max_list(ka, lrow32, jt, total, BLK: tl.constexpr, TILE: tl.constexpr):
+    m = tl.max(ka, axis=1)
+    for b0 in range(BLK, total, TILE):
+        m = tl.maximum(m, tl.max(_list_keys(lrow32, b0 + jt, b0 + jt < total), axis=1))
+    return tl.max(m)
+
+
+@triton.jit
+def _kth_largest_list(ka, lrow32, jt, total, k, lo, BLK: tl.constexpr, TILE: tl.constexpr):
+    """:func:`_kth_largest` over the row's `total` candidates (``_count_ge_list``)."""
+    hi = _max_list(ka, lrow32, jt, total, BLK, TILE).to(tl.int64) + 1
+    cnt = _count_ge_list(ka, lo, lrow32, jt, total, BLK, TILE)
+    lo = lo.to(tl.int64)
+    while (hi - lo > 1) & (cnt != k):
+        mid = (lo + hi) >> 1
+        c = _count_ge_list(ka, mid.to(tl.int32), lrow32, jt, total, BLK, TILE)
+        up = c >= k
+        lo = tl.where(up, mid, lo)
+        cnt = tl.where(up, c, cnt)
+        hi = tl.where(up, hi, mid)
+    return lo.to(tl.int32)
+
+
+@triton.jit
+def _select_kernel(
+    limit_ptr,  # [T] int
+    pivot_ptr,  # [T] int32
+    count_ptr,  # [T] int32
+    list_ptr,  # [T, CAP] int64
+    out_ptr,  # [T, TOPK] int32
+    num_cols,
+    TOPK: tl.constexpr,
+    CAP: tl.constexpr,
+    THREADS: tl.constexpr,  # 32 · num_warps
+    REGS: tl.constexpr,  # candidate keys per thread held in registers
+    SUB: tl.constexpr,  # per thread in the tiles read from memory
+):
+    """Rows whose candidate count is in [TOPK, CAP]: the TOPK-th largest key `thr` by bisection
+    (the first THREADS·REGS keys in registers, the rest re-read from L1); the ties at `thr` to
+    keep are those below a position cut (a bisection too, only when some ties lose); then the
+    winners are written tile by tile. Few registers, so that many rows are in flight per SM."""
+    BLK: tl.constexpr = THREADS * REGS
+    TILE: tl.constexpr = THREADS * SUB
+    row = tl.program_id(0).to(tl.int64)
+    limit = tl.minimum(tl.maximum(tl.load(limit_ptr + row).to(tl.int32), 0), num_cols)
+    total = tl.load(count_ptr + row)
+    if (limit > TOPK) & (total >= TOPK) & (total <= CAP):
+        lrow32 = (list_ptr + row * CAP).to(tl.pointer_type(tl.int32))
+        # [THREADS, n] tiles, entry r·THREADS + t in thread t: coalesced, scans in-thread
+        t = tl.arange(0, THREADS)[:, None]
+        ja = tl.max_contiguous(tl.arange(0, REGS)[None, :] * THREADS + t, [1, 1])
+        jt = tl.max_contiguous(tl.arange(0, SUB)[None, :] * THREADS + t, [1, 1])
+        ka = _list_keys(lrow32, ja, ja < total)
+        pivot = tl.load(pivot_ptr + row)
+        thr = _kth_largest_list(ka, lrow32, jt, total, TOPK, pivot, BLK, TILE)
+        n_gt = _count_ge_list(ka, thr + 1, lrow32, jt, total, BLK, TILE)  # thr <= key(+inf)
+        need = TOPK - n_gt
+        n_tie = _count_ge_list(ka, thr, lrow32, jt, total, BLK, TILE) - n_gt
+        # keep the ties at positions < cut: all of them, or the `need` lowest
+        cut = limit
+        if n_tie > need:
+            lo = tl.zeros((), tl.int32)  # #{ties at positions < lo} < need <= #{... < hi}
+            hi = limit
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                c = tl.zeros((), tl.int32)
+                for b0 in range(0, total, TILE):
+                    j = b0 + jt
+                    tie = _list_keys(lrow32, j, j < total) == thr
+                    pos = tl.load(lrow32 + 2 * j + 1, mask=tie, other=0)
+                    c += tl.sum((tie & (pos < mid)).to(tl.int32))
+                lo = tl.where(c < need, mid, lo)
+                hi = tl.where(c < need, hi, mid)
+            cut = hi
+        orow = out_ptr + row * TOPK
+        n_out = tl.zeros((), tl.int32)
+        for b0 in range(0, total, TILE):
+            j = b0 + jt
+            key = _list_keys(lrow32, j, j < total)
+            pos = tl.load(lrow32 + 2 * j + 1, mask=key >= thr, other=0)
+            sel = (key > thr) | ((key == thr) & (pos < cut))
+            sel_i = sel.to(tl.int32)
+            per_thread = tl.sum(sel_i, axis=1)
+            dst = n_out + (tl.cumsum(per_thread, 0) - per_thread)[:, None]
+            tl.store(orow + dst + tl.cumsum(sel_i, axis=1) - sel_i, pos, mask=sel)
+            n_out += tl.sum(per_thread)
+
+
+@triton.jit
+def _fallback_kernel(
+    logits_ptr,  # [T, S] fp32, strides (stride_lt, 1)
+    limit_ptr,  # [T] int
+    count_ptr,  # [T] int32
+    out_ptr,  # [T, TOPK] int32
     num_cols,
     stride_lt,
     TOPK: tl.constexpr,
-    TOPK_PAD: tl.constexpr,  # next power of two >= TOPK
-    CHUNK: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
-    SAMPLED: tl.constexpr,
-    SAMPLE: tl.constexpr,
     CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    NUM_BINS: tl.constexpr = 1 << RADIX_BITS
-    NUM_PASSES: tl.constexpr = 32 // RADIX_BITS
+    """Rows whose candidate count fell outside [TOPK, CAP]: the whole row, radix select (four
+    8-bit histogram passes), then one scan writes the winners. Slow, and rare."""
     row = tl.program_id(0).to(tl.int64)
-    lrow = logits_ptr + row * stride_lt
-    krow = keys_ptr + row * TOPK_PAD
-    srow = scratch_ptr + row * CAP
     limit = tl.minimum(tl.maximum(tl.load(limit_ptr + row).to(tl.int32), 0), num_cols)
-    n = tl.minimum(limit, TOPK)  # how many positions this row selects
-    bins = tl.arange(0, NUM_BINS)
-    offs = tl.arange(0, CHUNK)
-
-    # ---- 1-2. sampled pivot, candidates compacted in position order ---------------------------
-    count = tl.zeros((), tl.int32)
-    if SAMPLED:
-        if limit > TOPK:
-            pivot = _sample_pivot(lrow, limit, n, SAMPLE)
-            for c0 in range(0, limit, CHUNK):
+    total = tl.load(count_ptr + row)
+    if (limit > TOPK) & ((total < TOPK) | (total > CAP)):
+        lrow = logits_ptr + row * stride_lt
+        bins = tl.arange(0, 256)
+        offs = tl.arange(0, BLOCK)
+        prefix = tl.zeros((), tl.int32)  # unsigned key bits decided so far (key ^ INT32_MIN)
+        need = tl.zeros((), tl.int32) + TOPK
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            hist = tl.zeros((256,), tl.int32)
+            for c0 in range(0, limit, BLOCK):
                 pos = c0 + offs
-                key = _keys(lrow, pos, pos < limit)
-                sel = (pos < limit) & (key >= pivot)
-                sel_i = sel.to(tl.int32)
-                dst = count + tl.cumsum(sel_i, 0) - 1
-                tl.store(srow + dst, pos, mask=sel & (dst < CAP))
-                count += tl.sum(sel_i)
-    from_list = (count >= n) & (count <= CAP) & (limit > TOPK)
-    src_len = tl.where(from_list, count, limit)
-    tl.debug_barrier()  # the candidate list written above is read back by other threads
-
-    # ---- 3. radix select: the n-th largest key `prefix` and how many of its ties to keep -------
-    prefix = tl.zeros((), tl.int32)  # unsigned key bits decided so far (key ^ INT32_MIN)
-    need = n
-    for p in tl.static_range(NUM_PASSES):
-        shift = 32 - RADIX_BITS * (p + 1)  # compile-time: p is a static_range index
-        hist = tl.zeros((NUM_BINS,), tl.int32)
-        if limit > TOPK:
-            for c0 in range(0, src_len, CHUNK):
-                pos, mask, key = _item_keys(lrow, srow, c0, offs, src_len, limit, from_list)
-                u = key ^ -2147483648  # unsigned order as int32 bits
-                digit = (u >> shift) & (NUM_BINS - 1)
-                if p == 0:
-                    match = mask
-                else:
-                    high = (1 << (32 - shift - RADIX_BITS)) - 1
-                    match = mask & (((u >> (shift + RADIX_BITS)) & high) == prefix)
-                hist += tl.histogram(digit, NUM_BINS, mask=match)
-        # largest bin whose suffix count reaches `need`
-        above_incl = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # [NUM_BINS] count in bins >= b
-        b_star = tl.sum((above_incl >= need).to(tl.int32)) - 1
-        b_star = tl.maximum(b_star, 0)
-        need -= tl.sum(tl.where(bins > b_star, hist, 0))
-        prefix = (prefix << RADIX_BITS) | b_star
-
-    # ---- 4. winners in position order, then sorted ---------------------------------------------
-    thr = prefix ^ -2147483648  # signed key of the n-th largest
-    n_sel = tl.zeros((), tl.int32)
-    n_tie = tl.zeros((), tl.int32)
-    for c0 in range(0, src_len, CHUNK):
-        pos, mask, key = _item_keys(lrow, srow, c0, offs, src_len, limit, from_list)
-        tie = mask & (key == thr)
-        tie_rank = n_tie + tl.cumsum(tie.to(tl.int32), 0) - 1
-        sel = mask & ((limit <= TOPK) | (key > thr) | (tie & (tie_rank < need)))
-        sel_i = sel.to(tl.int32)
-        dst = n_sel + tl.cumsum(sel_i, 0) - 1
-        # one int64 whose ascending order is (score descending, position ascending)
-        inv = 2147483647 - key.to(tl.int64)  # in [0, 2^32)
-        tl.store(krow + dst, (inv << 31) | pos.to(tl.int64), mask=sel)  # < 2^63
-        n_sel += tl.sum(sel_i)
-        n_tie += tl.sum(tie.to(tl.int32))
-    i = tl.arange(0, TOPK_PAD)  # padding sorts last; winners filled [0, n) exactly
-    tl.store(krow + i, tl.full((TOPK_PAD,), 9223372036854775807, tl.int64), mask=i >= n)
+                mask = pos < limit
+                u = _keys(lrow, pos, mask) ^ -2147483648  # unsigned order as int32 bits
+                if p > 0:
+                    high = (1 << (8 * p)) - 1
+                    mask = mask & (((u >> (shift + 8)) & high) == prefix)
+                hist += tl.histogram((u >> shift) & 255, 256, mask=mask)
+            above_incl = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # [256] count in bins >= b
+            b_star = tl.maximum(tl.sum((above_incl >= need).to(tl.int32)) - 1, 0)
+            need -= tl.sum(tl.where(bins > b_star, hist, 0))
+            prefix = (prefix << 8) | b_star
+        thr = prefix ^ -2147483648
+        n_gt = tl.zeros((), tl.int32)
+        n_tie = tl.zeros((), tl.int32)
+        orow = out_ptr + row * TOPK
+        for c0 in range(0, limit, BLOCK):
+            pos = c0 + offs
+            mask = pos < limit
+            key = _keys(lrow, pos, mask)
+            n_gt, n_tie = _emit(orow, key, pos, mask, thr, need, n_gt, n_tie)
 
 
 def indexer_topk(
@@ -172,43 +384,122 @@ def indexer_topk(
     topk: int,
     chunk: int = 4096,
     num_warps: int = 8,
-    sampled: bool = True,
-    sample: int = 4096,
+    select_warps: int = 4,
+    sample_stride: int | None = None,
+    z: float = 6.0,
     cap: int | None = None,
+    block: int = 2048,
+    rows_per_program: int | None = None,
+    select_regs: int | None = None,
 ) -> torch.Tensor:
-    """Top-k positions per row.
+    """Top-k positions per row, as a set.
 
     logits: [T, S] fp32 (no NaN); limit: [T] int, positions >= limit[t] are not eligible (the
     causal limit); topk: k. Returns int32 [T, topk]: the min(topk, limit[t], S) eligible positions
-    with the largest scores, ordered by (score descending, position ascending) — ties go to the
-    lower position — then −1. Identical to :func:`topk_ref`. ``sampled``/``sample``/``cap`` tune
-    the pre-filter (results never depend on them).
+    with the largest scores — ties go to the lower position — then −1. The same set per row as
+    :func:`topk_ref`, but the order of the positions within a row is unspecified (deterministic
+    for a given configuration); callers that need score order sort them.
+
+    Tuning (the set never depends on it): ``chunk``/``num_warps``: the streaming pass's tile per
+    program; ``rows_per_program``: rows per collect program (default up to 8, keeping ~1000
+    programs); ``select_warps``/``select_regs``: the per-row select's warps and candidate keys
+    per thread held in registers (default 4096 per row); ``sample_stride`` (default k/32, at most
+    64) and ``z``: the pivot sample; ``cap`` (a power of two >= topk, default 4·k): candidate list
+    per row (T·cap·8 bytes); ``block``: the whole-row fallback.
     """
+    out, stages, _ = topk_stages(logits, limit, topk, chunk, num_warps, select_warps,
+                                 sample_stride, z, cap, block, rows_per_program,
+                                 select_regs)  # fmt: skip
+    for launch in stages:
+        launch()
+    return out
+
+
+def topk_stages(
+    logits,
+    limit,
+    topk,
+    chunk=4096,
+    num_warps=8,
+    select_warps=4,
+    sample_stride=None,
+    z=6.0,
+    cap=None,
+    block=2048,
+    rows_per_program=None,
+    select_regs=None,
+):
+    """(out, [pivot, collect, finish], count): the launches of :func:`indexer_topk` as closures
+    over freshly allocated buffers, for the benchmark's per-stage times (pivot and collect may be
+    repeated in that order; finish is the select and fallback launches), and the per-row
+    candidate counts they fill (rows with limit > topk; outside [topk, cap]: the fallback)."""
     if logits.dim() != 2 or limit.shape != (logits.shape[0],):
         raise ValueError(f"logits {tuple(logits.shape)} must be [T, S] with limit [T]")
     check_cuda_or_interpreter(logits, limit)
     t, s = logits.shape
+    dev = logits.device
+    out = torch.empty(t, topk, dtype=torch.int32, device=dev)
     if t == 0 or topk == 0:
-        return torch.empty(t, topk, dtype=torch.int32, device=logits.device)
+        return out, [], None
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         logits = logits.float().contiguous()
     cap = cap or 4 * next_pow2(topk)
-    sampled = sampled and s > topk
-    scratch = torch.empty(t if sampled else 1, cap, dtype=torch.int32, device=logits.device)
-    chunk = min(chunk, max(16, next_pow2(s)))
-    keys = torch.empty(t, next_pow2(topk), dtype=torch.int64, device=logits.device)
-    k = _topk_kernel[(t,)](
-        logits, limit.contiguous(), keys, scratch, s, logits.stride(0),
-        TOPK=topk, TOPK_PAD=next_pow2(topk), CHUNK=chunk, RADIX_BITS=8,
-        SAMPLED=sampled, SAMPLE=sample, CAP=cap, num_warps=num_warps,
-    )  # fmt: skip
-    record("topk", k)
-    # Triton's tl.sort of 2048 keys per program costs more than the whole selection; torch's
-    # segmented sort of the [T, k] composite keys is a few µs
-    keys = torch.sort(keys, dim=1).values[:, :topk]
-    return torch.where(keys == torch.iinfo(torch.int64).max, -1, keys & 0x7FFFFFFF).to(torch.int32)
+    if cap != next_pow2(cap) or cap < max(topk, 2):
+        raise ValueError(f"cap {cap} must be a power of two >= topk {topk}")
+    threads = 32 * num_warps
+    chunk = max(threads, min(chunk, next_pow2(s)))
+    num_chunks = triton.cdiv(s, chunk)
+    chunks_pad = next_pow2(num_chunks)
+    # several rows per collect program (each prefetched while the last is compacted), while
+    # keeping ~1000 programs or more
+    rows = rows_per_program or max(1, min(8, t * num_chunks // 1024))
+    sthreads = min(32 * select_warps, cap)
+    # the margin needs e = k / stride >~ 32 sample hits above the k-th score (see the top)
+    sample_stride = sample_stride or max(1, min(64, next_pow2(topk) // 32))
+    sample_pad = min(next_pow2(triton.cdiv(s, sample_stride)), MAX_SAMPLE)
+    limit = limit.contiguous()
+    i32 = dict(dtype=torch.int32, device=dev)
+    pivot, count = torch.empty(2, t, **i32)
+    tab = torch.empty(t, num_chunks, **i32)
+    cand = torch.empty(t, cap, dtype=torch.int64, device=dev)
+    stride_lt = logits.stride(0)
+
+    def pivot_launch():
+        k = _pivot_kernel[(t,)](
+            logits, limit, out, pivot, tab, s, num_chunks, stride_lt, float(z),
+            TOPK=topk, TOPK_PAD=next_pow2(topk), CAP=cap, SAMPLE_STRIDE=sample_stride,
+            SAMPLE_PAD=sample_pad, NUM_CHUNKS_PAD=chunks_pad,
+            num_warps=max(4, min(16, sample_pad // 1024)),
+        )  # fmt: skip
+        record("topk_pivot", k)
+
+    def collect_launch():
+        k = _collect_kernel[(triton.cdiv(t, rows) * num_chunks,)](
+            logits, limit, pivot, tab, count, cand, t, s, num_chunks, stride_lt,
+            TOPK=topk, CAP=cap, CHUNK=chunk, THREADS=threads, ROWS=rows,
+            NUM_CHUNKS_PAD=chunks_pad, num_warps=num_warps,
+        )  # fmt: skip
+        record("topk", k)
+
+    def finish_launch():
+        k = _select_kernel[(t,)](
+            limit, pivot, count, cand, out, s, TOPK=topk, CAP=cap, THREADS=sthreads,
+            REGS=select_regs or max(1, min(cap, 4096) // sthreads),
+            SUB=max(1, min(8, cap // sthreads)),
+            num_warps=select_warps,
+        )  # fmt: skip
+        record("topk_select", k)
+        k = _fallback_kernel[(t,)](
+            logits, limit, count, out, s, stride_lt,
+            TOPK=topk, CAP=cap, BLOCK=min(block, max(16, next_pow2(s))), num_warps=4,
+        )  # fmt: skip
+        record("topk_fallback", k)
+
+    return out, [pivot_launch, collect_launch, finish_launch], count
 
 
-def topk_cost(num_rows: int, num_cols: int, topk: int = 2048) -> tuple[int, int]:
-    """(flops, bytes): no matrix work; the logits read once from HBM, the indices written."""
-    return 0, num_rows * (num_cols * 4 + topk * 4 + 8)
+def topk_cost(num_rows: int, num_cols: int, topk: int = 2048, causal: bool = False):
+    """(flops, bytes): no matrix work; the eligible logits read once from HBM, the indices written.
+    ``causal``: the rows are the last num_rows queries of a num_cols context (limits S−T+1..S)."""
+    eligible = num_rows * num_cols - (num_rows * (num_rows - 1) // 2 if causal else 0)
+    return 0, eligible * 4 + num_rows * (topk * 4 + 4)

@@ -140,7 +140,8 @@ def indexer_logits_paged_ref(
 
 
 def indexer_topk(logits, limit, topk: int):
-    """logits [T, S], limit [T] -> int32 [T, topk] (score desc, position asc; −1 padded)."""
+    """logits [T, S], limit [T] -> int32 [T, topk]: the top-k set (ties to the lower position),
+    −1 padded at the end; the order within a row is unspecified (the reference's is by score)."""
     fast = _kernel("topk", logits)
     if fast is not None:
         return fast.indexer_topk(logits, limit, topk)
