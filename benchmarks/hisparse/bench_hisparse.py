@@ -128,8 +128,13 @@ class Setup:
         n_new = int(round((1 - keep) * TOPK))
         out, pos = [], self.pos
         for _ in range(n):
-            fresh = torch.randint(0, self.ctx - BS, (self.b, n_new), device=self.dev, generator=g)
-            pos = torch.cat([pos[:, n_new:], fresh], dim=1)
+            # fresh positions outside the kept ones (a top-k list never repeats a position):
+            # random scores, the kept positions pushed last, the first n_new taken
+            kept = pos[:, n_new:]
+            score = torch.rand(self.b, self.ctx, device=self.dev, generator=g)
+            score.scatter_(1, kept, 2.0)
+            fresh = score.topk(n_new, dim=1, largest=False).indices
+            pos = torch.cat([kept, fresh], dim=1)
             out.append(pos)
         self.pos = pos
         return out

@@ -45,3 +45,14 @@ def test_kernel_matches_reference_with_pinned_host_source():
     masked_row_copy_ref(ref2, bf, dest, sidx % 40, mask)
     masked_row_copy(out2, bf.cuda(), dest.cuda(), (sidx % 40).cuda(), mask.cuda())
     assert torch.equal(out2.cpu(), ref2)
+
+
+@pytest.mark.parametrize("block_m", [1, 8, 16])
+def test_kernel_interpreter(interp, block_m):
+    """The kernel itself (CPU interpreter), entries not a multiple of the block, int64 indices."""
+    mod = interp("row_copy")
+    src, dst, dest, sidx, mask = _case()
+    ref = dst.clone()
+    masked_row_copy_ref(ref, src, dest, sidx, mask)
+    mod.masked_row_copy(dst, src, dest, sidx, mask, block_m=block_m)
+    assert torch.equal(dst, ref)
