@@ -99,8 +99,11 @@ class Setup:
         self.trash = (n_gpu - 1) * BS
         pin = dev.type == "cuda"
         self.host = [torch.zeros((b * pages, BS, row), dtype=torch.uint8, pin_memory=pin) for _ in range(LAYERS)]
-        for h in self.host:
-            h.view(-1, row)[:, :512].random_(0, 120)
+        for h in self.host:  # random e4m3 values (drawn on the GPU: a CPU fill of 20+ GB is slow)
+            tmp = torch.zeros(h.shape, dtype=torch.uint8, device=dev)
+            tmp.view(-1, row)[:, :512].random_(0, 120, generator=g)
+            h.copy_(tmp)
+            del tmp
         self.host_dev = [device_view(h, dev) for h in self.host]
         self.page_table_hs = torch.full((b, pages), -1, dtype=torch.int32, device=dev)
         self.page_table_hs[:, -1] = torch.arange(b, device=dev, dtype=torch.int32) * (hot_blocks + 1) + hot_blocks
@@ -259,6 +262,7 @@ def run(b, ctx, hit_rates, dev, layout, reps, dense_modes=(False, True)):
                          "target_hit": h, "hit": 1 - miss / (b * TOPK), "hbm_ms": t_hbm, "hisparse_ms": t_hs,
                          "ratio": t_hs / t_hbm, "h2d_MB_per_step": moved / 1e6,
                          "h2d_GBps": moved / (t_hs * 1e-3) / 1e9})
+            print("row:", json.dumps(rows[-1]), flush=True)
     return rows, s
 
 
