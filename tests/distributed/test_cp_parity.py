@@ -131,14 +131,26 @@ def reference_fp8(tiny_ckpt):
     return _run(tiny_ckpt, kv_cache_dtype="fp8_ds_mla")
 
 
+FP8_CONFIGS = {
+    "pcp2-dcp2-ep": dict(
+        prefill_context_parallel_size=2, decode_context_parallel_size=2, enable_expert_parallel=True
+    ),
+    "tp2-dcp2-a2a": dict(
+        tensor_parallel_size=2, decode_context_parallel_size=2, dcp_comm_backend="a2a"
+    ),
+    "dp2-ep": dict(data_parallel_size=2, enable_expert_parallel=True),
+}
+
+
 @pytest.mark.timeout(300)
-def test_fp8_cache_pcp2_dcp2_ep_matches_single_rank(tiny_ckpt, reference_fp8):
-    """The FP8 cache under DCP: FP8 indexer queries and uint8 cache rows cross the DCP group
-    (gloo has no FP8 type: they travel as bytes). Same greedy tokens; logprobs within 1e-3, not
+@pytest.mark.parametrize("name", list(FP8_CONFIGS))
+def test_fp8_cache_matches_single_rank(tiny_ckpt, reference_fp8, name):
+    """The FP8 cache in parallel layouts: under DCP the FP8 indexer queries and uint8 cache rows
+    cross the DCP group (gloo has no FP8 type: they travel as bytes); TP splits the heads that
+    read dequantised rows; DP+EP runs the FP8 cache beside the expert all-to-all. Same greedy tokens; logprobs within 1e-3, not
     1e-4: the new rows are computed in other batch shapes on other ranks, and an fp32 rounding
     difference that lands on an e4m3 rounding boundary moves that value by one FP8 step."""
-    kw = dict(prefill_context_parallel_size=2, decode_context_parallel_size=2)
-    got = _run(tiny_ckpt, kv_cache_dtype="fp8_ds_mla", enable_expert_parallel=True, **kw)
+    got = _run(tiny_ckpt, kv_cache_dtype="fp8_ds_mla", **FP8_CONFIGS[name])
     assert got["tokens"] == reference_fp8["tokens"]
     for a, b in zip(got["sample_lp"], reference_fp8["sample_lp"], strict=True):
         assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 1e-3

@@ -178,3 +178,20 @@ def test_metrics_endpoint_reports_hisparse(tiny_ckpt):
             "vllm:hisparse_h2d_bytes_per_step" in values
             and "vllm:hisparse_host_pool_usage_perc" in values
         )
+
+
+def test_fp8_cache_identity(tiny_ckpt):
+    """The host pool holds rows in the cache's own format: with fp8_ds_mla (656-byte-layout rows,
+    FP8 indexer keys) HiSparse gives the same greedy tokens as the FP8 cache without it."""
+    prompts = _prompts([1200, 300], salt=11)
+    outs = []
+    for extra in ({}, dict(attention_config={"hisparse_config": {"host_pool_gib": 0.05}},
+                           num_gpu_blocks_override=14)):  # fmt: skip
+        llm = LLM(tiny_ckpt, kv_cache_dtype="fp8_ds_mla", max_num_batched_tokens=256, **extra)
+        try:
+            outs.append(_greedy(llm, prompts))
+            if extra:
+                assert _sum(llm, "hisparse_h2d_bytes_per_step") > 0  # rows came from the host
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1]
