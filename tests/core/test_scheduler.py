@@ -76,6 +76,19 @@ def test_prefix_cache_hits_whole_blocks_and_keeps_one_token(config):
     assert s2.schedule().new_reqs[0].num_computed_tokens == 64
 
 
+def test_blocks_completed_during_decode_are_published_once(config):
+    """A block filled by generated tokens is published to the prefix cache the step it completes
+    (only the new blocks are published per step: long contexts cost nothing extra per step), and
+    a follow-up request whose prompt is the whole first conversation hits it."""
+    s = Scheduler(config, 100)
+    s.add_request(_req("a", 100, max_tokens=40))  # 140 tokens: block 1 fills during decode
+    out = _run(s)["a"]
+    assert s.kv.published == {}  # forgotten with the request's blocks
+    prompt = list(range(10, 110)) + out + [9] * 10
+    s.add_request(EngineCoreRequest("b", prompt, SamplingOptions(max_tokens=1), [0]))
+    assert s.schedule().new_reqs[0].num_computed_tokens == 128  # both full blocks hit
+
+
 def test_preemption_recomputes_and_finishes(config):
     s = Scheduler(config, 5)
     for i, n in enumerate((5, 40, 70, 130)):

@@ -20,6 +20,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[int]] = {}
+        # blocks of each request already published to the prefix cache: a step publishes only
+        # the ones completed since, not the whole context again
+        self.published: dict[str, int] = {}
 
     @property
     def capacity_tokens(self) -> int:
@@ -28,13 +31,17 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
-    def _hashes(self, req: Request, num_full: int) -> list[bytes]:
+    def _extend_hashes(self, req: Request, num_full: int) -> None:
+        """Chain-hash the request's full blocks up to num_full (kept on the request)."""
         bs, toks = self.block_size, None
         while len(req.block_hashes) < num_full:
             toks = toks or req.all_token_ids
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
             req.block_hashes.append(hash_block(parent, toks[i * bs : (i + 1) * bs]))
+
+    def _hashes(self, req: Request, num_full: int) -> list[bytes]:
+        self._extend_hashes(req, num_full)
         return req.block_hashes[:num_full]
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
@@ -74,11 +81,18 @@ class KVCacheManager:
         if not self.pool.enable_caching or not req.use_prefix_cache:
             return
         n = min(num_computed, req.num_tokens) // self.block_size
+        start = self.published.get(req.request_id, 0)
+        if n <= start:
+            return
         blocks = self.req_blocks.get(req.request_id, [])
-        for b, h in zip(blocks[:n], self._hashes(req, n), strict=False):
-            self.pool.cache_block(b, h)
+        self._extend_hashes(req, n)
+        hashes = req.block_hashes
+        for i in range(start, min(n, len(blocks))):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self.published[req.request_id] = n
 
     def free(self, req: Request) -> None:
+        self.published.pop(req.request_id, None)
         blocks = self.req_blocks.pop(req.request_id, None)
         if blocks:
             self.pool.release(blocks)

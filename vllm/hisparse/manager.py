@@ -161,10 +161,12 @@ class HiSparseKVManager(KVCacheManager):
         if st is None:
             return
         n = min(num_computed, req.num_tokens) // self.block_size
+        start = st.backed  # pages before it were published at an earlier step
         st.backed = max(st.backed, n)
-        if self.host.enable_caching and req.use_prefix_cache:
-            for b, h in zip(st.host[:n], self._hashes(req, n), strict=False):
-                self.host.cache_block(b, h)
+        if n > start and self.host.enable_caching and req.use_prefix_cache:
+            self._extend_hashes(req, n)
+            for i in range(start, min(n, len(st.host))):
+                self.host.cache_block(st.host[i], req.block_hashes[i])
 
     def free(self, req: Request) -> None:
         st = self.pages.pop(req.request_id, None)
