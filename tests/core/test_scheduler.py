@@ -130,3 +130,14 @@ def test_block_pool_evicts_least_recently_freed():
 def test_hash_chain_depends_on_parent():
     assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [0]), [1, 2])
     assert hash_block(None, [1, 2]) == hash_block(None, [1, 2])
+
+
+def test_token_slice_matches_all_token_ids():
+    from vllm.core.request import Request
+
+    r = Request(_req("a", 10))
+    r.output_token_ids += [100, 101, 102, 103]
+    full = r.all_token_ids
+    for a in range(0, 15):
+        for b in range(a, 15):
+            assert r.token_slice(a, b) == full[a:b]

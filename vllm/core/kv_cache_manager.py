@@ -33,12 +33,11 @@ class KVCacheManager:
 
     def _extend_hashes(self, req: Request, num_full: int) -> None:
         """Chain-hash the request's full blocks up to num_full (kept on the request)."""
-        bs, toks = self.block_size, None
+        bs = self.block_size
         while len(req.block_hashes) < num_full:
-            toks = toks or req.all_token_ids
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(hash_block(parent, toks[i * bs : (i + 1) * bs]))
+            req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
 
     def _hashes(self, req: Request, num_full: int) -> list[bytes]:
         self._extend_hashes(req, num_full)
@@ -64,16 +63,19 @@ class KVCacheManager:
     ) -> list[int] | None:
         """Blocks for `num_new_tokens` more tokens (after the computed prefix). Returns the newly
         allocated block ids, or None (nothing changed) if the pool is short."""
-        blocks = self.req_blocks.get(req.request_id, [])
+        blocks = self.req_blocks.get(req.request_id)
         computed = computed or []
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        need = cdiv(total, self.block_size) - len(blocks) - len(computed)
+        need = cdiv(total, self.block_size) - len(blocks or ()) - len(computed)
         self.pool.touch(computed)
         new = self.pool.allocate(max(need, 0))
         if new is None:
             self.pool.release(computed)
             return None
-        self.req_blocks[req.request_id] = blocks + computed + new
+        if blocks is None:  # grown in place: no per-step copy of a long request's block list
+            blocks = self.req_blocks[req.request_id] = []
+        blocks += computed
+        blocks += new
         return new
 
     def cache_full_blocks(self, req: Request, num_computed: int) -> None:
@@ -98,4 +100,5 @@ class KVCacheManager:
             self.pool.release(blocks)
 
     def blocks_of(self, req: Request) -> list[int]:
-        return self.req_blocks.get(req.request_id, [])
+        """A copy (the manager's own list keeps growing in place)."""
+        return list(self.req_blocks.get(req.request_id, ()))

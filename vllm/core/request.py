@@ -54,6 +54,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, a: int, b: int) -> list[int]:
+        """all_token_ids[a:b] without building the whole list (a block's tokens, every 64 steps
+        of a long request)."""
+        n = len(self.prompt_token_ids)
+        if b <= n:
+            return self.prompt_token_ids[a:b]
+        if a >= n:
+            return self.output_token_ids[a - n : b - n]
+        return self.prompt_token_ids[a:] + self.output_token_ids[: b - n]
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished
