@@ -85,6 +85,11 @@ class LocalContext:
 
 LOCAL = LocalContext()
 
+# Prefill scores a run of queries against its keys as one [rows, keys] fp32 logits matrix; runs
+# are cut into row pieces so that matrix stays under this many bytes (2K queries at 1M keys would
+# otherwise take 8.6 GB)
+PREFILL_LOGITS_MAX_BYTES = 1 << 30
+
 
 class SparseMLAAttention(nn.Module):
     def __init__(
@@ -224,7 +229,15 @@ class SparseMLAAttention(nn.Module):
             cuts = (np.nonzero(np.diff(p) != 1)[0] + 1).tolist()
             runs = list(zip([0] + cuts, cuts + [hi - lo], strict=True))
             lasts = [int(p[b - 1]) + 1 for _, b in runs]
+        pieces = []
         for (a, b), last in zip(runs, lasts, strict=True):
+            rows = max(1, PREFILL_LOGITS_MAX_BYTES // (4 * max(last, 1)))
+            for a2 in range(a, b, rows):
+                b2 = min(b, a2 + rows)
+                # a piece of a run of consecutive positions scores keys up to its own last one
+                last2 = last if b2 == b or meta.positions_cpu is None else last - (b - b2)
+                pieces.append((a2, b2, last2))
+        for a, b, last in pieces:
             logits = dispatch.indexer_logits(
                 iq[0][lo + a : lo + b],
                 iq[1][lo + a : lo + b],

@@ -58,6 +58,7 @@ class SimpleKV:
             is_prefill_cpu=prefill,
             use_dense_cpu=dense,
             slot_mapping=torch.zeros(0, dtype=torch.long, device=dev),
+            positions_cpu=torch.cat(positions).numpy(),  # as the runner passes it
         )
         meta.slot_mapping = meta.slots_for(tr, pos)
         return meta, pos

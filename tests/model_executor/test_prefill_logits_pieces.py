@@ -1,0 +1,31 @@
+"""Prefill cuts a run's [queries, keys] indexer logits into row pieces under a byte cap (each
+piece scores keys up to its own last position): the selections and the logits are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.attention import layer as attn_layer
+from vllm.model_executor.model_loader import build_model
+from vllm.model_executor.simple_forward import prompt_logits
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_ds_mla"])
+def test_capped_logits_pieces_match_whole_runs(tiny_ckpt, monkeypatch, cache_dtype):
+    model = build_model(tiny_ckpt)
+    ids = [(7 * i) % 500 + 3 for i in range(200)]  # 200 tokens > index_topk 32: scored
+    whole = prompt_logits(model, ids, cache_dtype, chunk=96)
+    calls = []
+    real = attn_layer.dispatch.indexer_logits
+
+    def spy(q, *a):
+        calls.append((q.shape[0], a[-2].shape[0]))
+        return real(q, *a)
+
+    # 4 bytes · 40 keys · 7 rows: pieces of a few rows, each scoring fewer keys than the run
+    monkeypatch.setattr(attn_layer, "PREFILL_LOGITS_MAX_BYTES", 4 * 40 * 7)
+    monkeypatch.setattr(attn_layer.dispatch, "indexer_logits", spy)
+    pieces = prompt_logits(model, ids, cache_dtype, chunk=96)
+    assert torch.equal(pieces, whole)
+    assert max(r for r, _ in calls) < 96 and len({k for _, k in calls}) > 3
