@@ -83,7 +83,6 @@ def main() -> int:
         rows.append(r)
         print(json.dumps(r), flush=True)
 
-    # 1. correctness with NCCL
     if "correctness" in parts:
         correctness(ckpt, args, n, record)
     if "scaling" in parts:

@@ -45,8 +45,8 @@ else:  # the interpreter has no libdevice; tl.log2 is numpy's there
 
 INV_448 = float(torch.tensor(1.0, dtype=torch.float32) / 448.0)  # fl32(1/448), as torch uses
 
-# (rows per program, warps) of the FP8 writers; measured on an H200 with
-# `benchmarks/kernels/bench_kv_write.py --sweep` (the sweep rewrites these)
+# (rows per program, warps) of the FP8 writers: the best of `benchmarks/kernels/bench_kv_write.py
+# --sweep` on an H200 (the sweep overrides them in its own process to time the alternatives)
 TUNE = {"mla_fp8": (8, 4), "indexer": (16, 4)}
 
 
