@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.attention.kv_cache import kv_bytes_per_token  # noqa: E402
+from vllm.config.arch import GLM_5_3, ModelArch  # noqa: E402
 from vllm.model_executor.tiny import GLM_SLICE, TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
 
 SLICE = {**GLM_SLICE, "n_routed_experts": 8}  # 8 experts: one per EP rank at N = 8
@@ -51,7 +53,9 @@ def greedy(ckpt, args, prompts, max_tokens, **kw):
 def ttft(ckpt, args, n_tokens, **kw):
     llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, **kw)
     try:
-        llm.generate(prompt(256, 99), SamplingParams(max_tokens=1))  # warm-up (kernels, NCCL)
+        # warm-up at the same length with other tokens (no prefix hit): compiles the sparse
+        # path's kernels for these shapes and sets up NCCL, outside the timed prefill
+        llm.generate(prompt(n_tokens, 99), SamplingParams(max_tokens=1))
         t0 = time.perf_counter()
         llm.generate(prompt(n_tokens), SamplingParams(temperature=0, max_tokens=1))
         return time.perf_counter() - t0, llm.client.info
@@ -79,7 +83,10 @@ def main() -> int:
     chunk = 64 if args.small else 2048
     ctxs = args.contexts or ([256, 512] if args.small else [16384, 65536, 131072, 253952])
 
+    t_start = time.perf_counter()
+
     def record(**r):
+        r["elapsed_s"] = round(time.perf_counter() - t_start, 1)
         rows.append(r)
         print(json.dumps(r), flush=True)
 
@@ -142,16 +149,21 @@ def dcp_overhead(ckpt, args, n, ctxs, chunk, record):
 
 def capacity(ckpt, args, n, record):
     """The longest prompt with the per-GPU KV budget GLM-5.3 leaves on an H200."""
-    budget = int(args.kv_gib_per_gpu * 2**30) if not args.small else 8 << 20
+    # --kv-gib-per-gpu is GLM-5.3's budget: scaled by the slice's KV bytes per token against
+    # GLM-5.3's, so the slice holds as many tokens per GPU as the full model would
+    full = kv_bytes_per_token(ModelArch.from_dict(GLM_5_3), args.kv_cache_dtype)
+    part = kv_bytes_per_token(ModelArch.from_dict({**TINY_CONFIG, **SLICE}), args.kv_cache_dtype)
+    budget = int(args.kv_gib_per_gpu * 2**30 * part / full) if not args.small else 8 << 20
     for dcp in (1, n):
         llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, prefill_context_parallel_size=n,
-                  decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget)
+                  decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget,
+                  max_num_batched_tokens=64 if args.small else 8192)
         try:
             cap = llm.client.info["max_request_tokens"]
             target = min(cap - 1, 1 << 20) if not args.small else cap - 1
             t0 = time.perf_counter()
             llm.generate(prompt(target), SamplingParams(max_tokens=1))
-            record(test="capacity", pcp=n, dcp=dcp, longest_prompt=cap, prefilled=target,
+            record(test="capacity", pcp=n, dcp=dcp, kv_bytes_per_gpu=budget, longest_prompt=cap, prefilled=target,
                    prefill_s=time.perf_counter() - t0, million_ok=target >= (1 << 20))
         finally:
             llm.shutdown()

@@ -29,3 +29,24 @@ def test_capped_logits_pieces_match_whole_runs(tiny_ckpt, monkeypatch, cache_dty
     pieces = prompt_logits(model, ids, cache_dtype, chunk=96)
     assert torch.equal(pieces, whole)
     assert max(r for r, _ in calls) < 96 and len({k for _, k in calls}) > 3
+
+
+def test_attention_pieces_match_whole_chunk(tiny_ckpt, monkeypatch):
+    """Sparse prefill attention runs in PREFILL_ATTN_MAX_TOKENS pieces of a chunk (bounding the
+    fp32 absorbed queries): same logits as one call per chunk."""
+    model = build_model(tiny_ckpt)
+    ids = [(5 * i) % 500 + 3 for i in range(200)]
+    monkeypatch.setattr(attn_layer, "PREFILL_ATTN_MAX_TOKENS", 1 << 20)
+    whole = prompt_logits(model, ids, "auto", chunk=96)
+    sizes = []
+    real = attn_layer.dispatch.sparse_mla_prefill
+
+    def spy(q, *a):
+        sizes.append(q.shape[0])
+        return real(q, *a)
+
+    monkeypatch.setattr(attn_layer, "PREFILL_ATTN_MAX_TOKENS", 13)
+    monkeypatch.setattr(attn_layer.dispatch, "sparse_mla_prefill", spy)
+    pieces = prompt_logits(model, ids, "auto", chunk=96)
+    torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-5)
+    assert sizes and max(sizes) == 13 and min(sizes) < 13

@@ -89,6 +89,8 @@ LOCAL = LocalContext()
 # are cut into row pieces so that matrix stays under this many bytes (2K queries at 1M keys would
 # otherwise take 8.6 GB)
 PREFILL_LOGITS_MAX_BYTES = 1 << 30
+# prefill query tokens per sparse-attention call (bounds the fp32 absorbed queries and outputs)
+PREFILL_ATTN_MAX_TOKENS = 8192
 
 
 class SparseMLAAttention(nn.Module):
@@ -152,18 +154,25 @@ class SparseMLAAttention(nn.Module):
                     torch.ones(idx.q.shape[:2], device=idx.q.device),
                     idx.w.float(),
                 )
-        q_abs = torch.cat(
-            [torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk), q_pe.float()], -1
+        # in q's dtype: each row is computed in fp32 and rounded once, as a whole-batch fp32 buffer
+        # cast at the end would be, without holding T × H × 512 fp32 values
+        out = torch.zeros(
+            q_nope.shape[0], self.num_heads, self.v_dim, dtype=q_nope.dtype, device=q_nope.device
         )
-        out = torch.zeros(q_nope.shape[0], self.num_heads, self.v_dim, device=q_nope.device)
         topk = prev_topk
         if topk is None:
             topk = torch.full(
                 (q_nope.shape[0], meta.index_topk), -1, dtype=torch.int32, device=q_nope.device
             )
-        self._prefill(cp, meta, q_nope, q_pe, q_abs, iq, topk, out)
-        self._decode(cp, meta, q_abs, iq, topk, out)
-        return out.to(q_nope.dtype), topk
+        self._prefill(cp, meta, q_nope, q_pe, iq, topk, out)
+        self._decode(cp, meta, q_nope, q_pe, iq, topk, out)
+        return out, topk
+
+    def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """MQA query [T, H, kv_lora_rank + rope] in fp32: q_nope absorbed through W_UK, then q_pe."""
+        return torch.cat(
+            [torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk), q_pe.float()], -1
+        )
 
     def _write(self, cp, kv_c, k_pe, idx, meta):
         kv_c = cp.gather_new_rows(kv_c, meta)
@@ -184,7 +193,7 @@ class SparseMLAAttention(nn.Module):
         ar = torch.arange(meta.index_topk, device=pos.device)
         return torch.where(ar.unsqueeze(0) <= pos.unsqueeze(1), ar, -1).to(torch.int32)
 
-    def _prefill(self, cp, meta, q_nope, q_pe, q_abs, iq, topk, out):
+    def _prefill(self, cp, meta, q_nope, q_pe, iq, topk, out):
         for r in range(meta.num_reqs):
             if not meta.is_prefill_cpu[r]:
                 continue
@@ -211,10 +220,14 @@ class SparseMLAAttention(nn.Module):
                     chosen = self._prefill_topk(meta, iq, ikeys, lo, hi, pos)
                     sel = torch.where(score.unsqueeze(1), chosen, sel)
                 topk[lo:hi] = sel
-            o, _ = dispatch.sparse_mla_prefill(
-                q_abs[lo:hi], rows, topk[lo:hi], self.scale, self.kv_lora_rank
-            )
-            out[lo:hi] = torch.einsum("thr,hvr->thv", o, self.w_uv)
+            # in pieces: the fp32 absorbed queries and outputs take ~0.4 MB per token at 64 heads
+            for a in range(lo, hi, PREFILL_ATTN_MAX_TOKENS):
+                b = min(hi, a + PREFILL_ATTN_MAX_TOKENS)
+                o, _ = dispatch.sparse_mla_prefill(
+                    self._absorb(q_nope[a:b], q_pe[a:b]), rows, topk[a:b], self.scale,
+                    self.kv_lora_rank,
+                )
+                out[a:b] = torch.einsum("thr,hvr->thv", o, self.w_uv)
 
     def _prefill_topk(self, meta, iq, ikeys, lo, hi, pos):
         """Indexer top-k for query tokens [lo, hi) of one request. Each run of consecutive
@@ -248,14 +261,14 @@ class SparseMLAAttention(nn.Module):
             out[a:b] = dispatch.indexer_topk(logits, pos[a:b] + 1, meta.index_topk)
         return out
 
-    def _decode(self, cp, meta, q_abs, iq, topk, out):
+    def _decode(self, cp, meta, q_nope, q_pe, iq, topk, out):
         dec = [r for r in range(meta.num_reqs) if not meta.is_prefill_cpu[r]]
         if not dec:
             return
         q = meta.query_start_loc_cpu
         tok = meta.extras.get("decode_tokens")
         if tok is None:  # same for every layer of the step: build (and copy to the device) once
-            tok = torch.cat([torch.arange(q[r], q[r + 1]) for r in dec]).to(q_abs.device)
+            tok = torch.cat([torch.arange(q[r], q[r + 1]) for r in dec]).to(q_nope.device)
             meta.extras["decode_tokens"] = tok
         # under DCP the gathered queries of other ranks are scored too: always call (collective)
         if iq is not None:
@@ -264,7 +277,7 @@ class SparseMLAAttention(nn.Module):
             scored = cp.decode_topk(self, meta, iq, tok, dec)
             sel = torch.where(self._needs_scoring(meta, pos).unsqueeze(1), scored, sel)
             topk[tok] = sel
-        o = cp.decode_attend(self, meta, q_abs[tok], tok, topk[tok])
+        o = cp.decode_attend(self, meta, self._absorb(q_nope[tok], q_pe[tok]), tok, topk[tok])
         out[tok] = torch.einsum("thr,hvr->thv", o, self.w_uv)
 
     def _dense_attend(self, q_nope, q_pe, rows, pos):

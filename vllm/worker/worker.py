@@ -31,12 +31,16 @@ def _kv_plan(config: VllmConfig, runner, device: torch.device) -> dict:
     else:
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        budget = int(total * cc.gpu_memory_utilization - used - ACTIVATION_RESERVE_GIB * 2**30)
+        # the activations of a max_num_batched_tokens chunk, estimated from the model's shapes,
+        # plus a fixed reserve (CUDA context, allocator slack, sampler, collectives' buffers)
+        reserve = runner.activation_bytes() + ACTIVATION_RESERVE_GIB * 2**30
+        budget = int(total * cc.gpu_memory_utilization - used - reserve)
     plan = runner.plan_kv(budget)
     if plan["num_blocks"] < 1:
         raise RuntimeError(
             f"no room for the KV cache: {budget} bytes available, one block needs {runner.kv_bytes_per_block()} "
-            "(raise --gpu-memory-utilization or --kv-cache-memory-bytes)"
+            "(raise --gpu-memory-utilization or --kv-cache-memory-bytes, or lower "
+            "--max-num-batched-tokens, which sets the activation memory kept aside)"
         )
     return plan
 

@@ -75,6 +75,34 @@ class ModelRunner:
         )
         return per_token * self.layout.block_size
 
+    def activation_bytes(self) -> int:
+        """Estimated peak bytes of one step's activations on this rank, for a chunk of
+        max_num_batched_tokens: the per-token tensors live at once inside a layer (hidden states
+        and fp32 accumulators, MLP/expert intermediates with every token on one expert, queries,
+        attention output, top-k, indexer queries) times the tokens this rank computes, plus the
+        pieces bounded independently of the chunk (sparse attention in PREFILL_ATTN_MAX_TOKENS
+        pieces, indexer logits under PREFILL_LOGITS_MAX_BYTES). An estimate, not a profile: the
+        reserve the worker keeps on top of it absorbs the rest."""
+        from vllm.attention.layer import PREFILL_ATTN_MAX_TOKENS, PREFILL_LOGITS_MAX_BYTES
+
+        a = self.arch
+        el = torch.tensor([], dtype=self.config.model_config.dtype).element_size()
+        tp = max(1, self.pc.tp.world_size)
+        heads = max(1, a.num_attention_heads // tp)
+        inter = max(a.intermediate_size, a.moe_intermediate_size * max(1, a.n_shared_experts))
+        per_tok = (
+            a.hidden_size * (4 * el + 2 * 4 + el)  # residual/x/normed/out; fp32 expert sum and y
+            + 3 * max(inter // tp, a.moe_intermediate_size) * el  # gate, up, act
+            + heads * (2 * a.qk_head_dim + a.v_head_dim) * el  # q, its split, attention output
+            + 3 * a.index_topk * 4  # top-k and its selection temporaries
+            + a.index_n_heads * a.index_head_dim * (el + 1 + 4)  # indexer q, FP8 q, fp32 copy
+        )
+        tokens = self.config.scheduler_config.max_num_batched_tokens
+        local = -(-tokens // max(1, self.pc.pcp.world_size))
+        piece = min(local, PREFILL_ATTN_MAX_TOKENS) * heads * (a.kv_lora_rank + a.qk_rope_head_dim
+                                                   + a.kv_lora_rank + a.v_head_dim) * 4
+        return local * per_tok + piece + 2 * PREFILL_LOGITS_MAX_BYTES
+
     def plan_kv(self, budget_bytes: int) -> dict:
         """Blocks per pool for a KV budget (bytes of device memory on this rank)."""
         cc = self.config.cache_config
