@@ -278,7 +278,7 @@ class SparseMLAAttention(nn.Module):
             sel = torch.where(self._needs_scoring(meta, pos).unsqueeze(1), scored, sel)
             topk[tok] = sel
         o = cp.decode_attend(self, meta, self._absorb(q_nope[tok], q_pe[tok]), tok, topk[tok])
-        out[tok] = torch.einsum("thr,hvr->thv", o, self.w_uv)
+        out[tok] = torch.einsum("thr,hvr->thv", o, self.w_uv).to(out.dtype)
 
     def _dense_attend(self, q_nope, q_pe, rows, pos):
         """MHA form over the full context rows [S, R + rope]: expand K/V per head with W_UK/W_UV."""
