@@ -98,12 +98,64 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
     out.send(enc.encode(WorkerMessage(rank=global_rank, kind="ready", info=plan)))
     dec = decoder(SchedulerOutput)
     driver = rank_in_replica == 0
+    prof = _StepProfiler(global_rank)
     while True:
         raw = inp.recv()
         if raw == b"SHUTDOWN":
             break
         so = dec.decode(raw)
+        prof.before()
         ro = runner.execute(so)
+        prof.after(so)
         if driver:
             out.send(enc.encode(WorkerMessage(rank=global_rank, kind="output", output=ro)))
     pc.destroy()
+
+
+class _StepProfiler:
+    """VLLM_PROFILE_DIR=dir (and optionally VLLM_PROFILE_STEPS=first:last, default 20:40 of the
+    steps that run tokens): rank 0 records those steps with torch.profiler and writes dir/
+    profile_rank0.txt, the ops by total device time and by host time, plus the steps' wall times.
+    For finding where a step's time goes; off (no cost) without the variable."""
+
+    def __init__(self, rank: int):
+        self.dir = os.environ.get("VLLM_PROFILE_DIR") if rank == 0 else None
+        a, _, b = os.environ.get("VLLM_PROFILE_STEPS", "20:40").partition(":")
+        self.first, self.last = int(a), int(b)
+        self.n, self.prof, self.walls, self.t0 = 0, None, [], 0.0
+
+    def before(self) -> None:
+        if self.dir is None:
+            return
+        import time
+
+        if self.n == self.first and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def after(self, so) -> None:
+        if self.dir is None or so.total_num_scheduled_tokens == 0:
+            return
+        import time
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if self.prof is not None:
+            self.walls.append((time.perf_counter() - self.t0, so.total_num_scheduled_tokens))
+        self.n += 1
+        if self.prof is not None and self.n > self.last:
+            self.prof.__exit__(None, None, None)
+            os.makedirs(self.dir, exist_ok=True)
+            ka = self.prof.key_averages()
+            with open(os.path.join(self.dir, "profile_rank0.txt"), "w") as f:
+                f.write(f"steps {self.first}..{self.last}: wall s, tokens = {self.walls}\n\n")
+                for key in ("cuda_time_total", "cpu_time_total", "self_cpu_time_total"):
+                    try:
+                        f.write(ka.table(sort_by=key, row_limit=30, max_name_column_width=60) + "\n")
+                    except Exception as e:  # noqa: BLE001  (no device column on CPU)
+                        f.write(f"{key}: {e}\n")
+            self.prof, self.dir = None, None
