@@ -1,5 +1,7 @@
 """Engine-level decode at long context, with and without HiSparse: prefill time of N requests of
-`--context` tokens, then decode tokens/s with the context cached. GLM-5.3-shaped slice (real
+`--context` tokens (the first run at a length includes Triton's compiles), then the decode step
+time with the context cached: the difference of two runs over the same prompts (2 and 2+tokens
+output tokens, after a warm-up run), divided by the extra tokens. GLM-5.3-shaped slice (real
 attention and indexer dimensions, 4 layers, random weights), fp8_ds_mla.
 
     python benchmarks/hisparse/bench_engine_decode.py --context 65536 --requests 2 --tokens 32
@@ -39,6 +41,8 @@ def run(ckpt, args, hisparse: bool) -> dict:
         t0 = time.perf_counter()
         llm.generate(reqs, SamplingParams(max_tokens=1))
         prefill_s = time.perf_counter() - t0
+        # compiles the decode path's kernels for this context (first decode at this length)
+        llm.generate(reqs, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         times = []
         for n in (2, args.tokens + 2):  # same prompts again: prefix hits, then decode
             t0 = time.perf_counter()
