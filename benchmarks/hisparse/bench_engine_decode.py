@@ -33,8 +33,14 @@ def run(ckpt, args, hisparse: bool) -> dict:
     if args.dp > 1:
         kw.update(data_parallel_size=args.dp, enable_expert_parallel=True)
     t0 = time.perf_counter()
-    llm = LLM(ckpt, device=args.device, kv_cache_dtype="fp8_ds_mla", skip_tokenizer_init=True,
-              max_num_batched_tokens=args.chunk, **kw)
+    llm = LLM(
+        ckpt,
+        device=args.device,
+        kv_cache_dtype="fp8_ds_mla",
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=args.chunk,
+        **kw,
+    )
     start_s = time.perf_counter() - t0
     try:
         reqs = [prompt(args.context, s) for s in range(args.requests)]
@@ -49,9 +55,17 @@ def run(ckpt, args, hisparse: bool) -> dict:
             llm.generate(reqs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             times.append(time.perf_counter() - t0)
         step_s = (times[1] - times[0]) / args.tokens
-        return {"hisparse": hisparse, "context": args.context, "requests": args.requests, "dp": args.dp,
-                "startup_s": start_s, "prefill_s": prefill_s, "rehit_2tok_s": times[0],
-                "decode_step_ms": step_s * 1e3, "tok_s_per_request": 1 / step_s}
+        return {
+            "hisparse": hisparse,
+            "context": args.context,
+            "requests": args.requests,
+            "dp": args.dp,
+            "startup_s": start_s,
+            "prefill_s": prefill_s,
+            "rehit_2tok_s": times[0],
+            "decode_step_ms": step_s * 1e3,
+            "tok_s_per_request": 1 / step_s,
+        }
     finally:
         llm.shutdown()
 

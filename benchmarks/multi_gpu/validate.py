@@ -42,16 +42,22 @@ def prompt(n: int, salt: int = 0) -> dict:
 
 
 def greedy(ckpt, args, prompts, max_tokens, **kw):
-    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, **kw)
+    llm = LLM(
+        ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, **kw
+    )
     try:
-        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        outs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        )
         return [o.outputs[0].token_ids for o in outs]
     finally:
         llm.shutdown()
 
 
 def ttft(ckpt, args, n_tokens, **kw):
-    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, **kw)
+    llm = LLM(
+        ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, **kw
+    )
     try:
         # warm-up at the same length with other tokens (no prefix hit): compiles the sparse
         # path's kernels for these shapes and sets up NCCL, outside the timed prefill
@@ -69,12 +75,21 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny model and lengths (CPU smoke test)")
     ap.add_argument("--kv-cache-dtype", default="fp8_ds_mla")
-    ap.add_argument("--kv-gib-per-gpu", type=float, default=15.0, help="per-GPU KV budget for the capacity test")
+    ap.add_argument(
+        "--kv-gib-per-gpu", type=float, default=15.0, help="per-GPU KV budget for the capacity test"
+    )
     ap.add_argument("--json", default=None)
-    ap.add_argument("--only", default="correctness,scaling,dcp,capacity,decode",
-                    help="comma-separated parts to run (default: all)")
-    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="PCP scaling prompt lengths")
-    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="DCP overhead cached contexts")
+    ap.add_argument(
+        "--only",
+        default="correctness,scaling,dcp,capacity,decode",
+        help="comma-separated parts to run (default: all)",
+    )
+    ap.add_argument(
+        "--lengths", type=int, nargs="+", default=None, help="PCP scaling prompt lengths"
+    )
+    ap.add_argument(
+        "--contexts", type=int, nargs="+", default=None, help="DCP overhead cached contexts"
+    )
     args = ap.parse_args()
     parts = set(args.only.split(","))
     n, rows = args.ngpu, []
@@ -111,14 +126,25 @@ def correctness(ckpt, args, n, record):
     probe = [prompt(x, s) for s, x in enumerate([37, 400 if args.small else 5000])]
     ref = greedy(ckpt, args, probe, 16)
     for name, kw in {
-        f"PCP{n}xDCP{n}xEP{n} ag_rs": dict(prefill_context_parallel_size=n, decode_context_parallel_size=n,
-                                         enable_expert_parallel=True),
-        f"PCP{n}xDCP{n}xEP{n} a2a": dict(prefill_context_parallel_size=n, decode_context_parallel_size=n,
-                                       enable_expert_parallel=True, dcp_comm_backend="a2a"),
+        f"PCP{n}xDCP{n}xEP{n} ag_rs": dict(
+            prefill_context_parallel_size=n,
+            decode_context_parallel_size=n,
+            enable_expert_parallel=True,
+        ),
+        f"PCP{n}xDCP{n}xEP{n} a2a": dict(
+            prefill_context_parallel_size=n,
+            decode_context_parallel_size=n,
+            enable_expert_parallel=True,
+            dcp_comm_backend="a2a",
+        ),
         f"PCP{n}": dict(prefill_context_parallel_size=n),
         f"DP{n}+EP{n}": dict(data_parallel_size=n, enable_expert_parallel=True),
     }.items():
-        record(test="correctness", config=name, same_greedy_as_1gpu=greedy(ckpt, args, probe, 16, **kw) == ref)
+        record(
+            test="correctness",
+            config=name,
+            same_greedy_as_1gpu=greedy(ckpt, args, probe, 16, **kw) == ref,
+        )
 
 
 def scaling(ckpt, args, n, lens, record):
@@ -126,7 +152,9 @@ def scaling(ckpt, args, n, lens, record):
     for length in lens:
         base = None
         for p in [x for x in (1, 2, 4, 8) if x <= n]:
-            t, _ = ttft(ckpt, args, length, prefill_context_parallel_size=p, max_num_batched_tokens=length)
+            t, _ = ttft(
+                ckpt, args, length, prefill_context_parallel_size=p, max_num_batched_tokens=length
+            )
             base = base or t
             record(test="pcp_scaling", prompt=length, pcp=p, ttft_s=t, efficiency=base / (t * p))
 
@@ -135,18 +163,32 @@ def dcp_overhead(ckpt, args, n, ctxs, chunk, record):
     """One chunk after a cached context, DCP n against DCP 1."""
     for ctx in ctxs:
         for dcp in (1, n):
-            llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, prefill_context_parallel_size=n,
-                      decode_context_parallel_size=dcp, max_num_batched_tokens=chunk)
+            llm = LLM(
+                ckpt,
+                device=args.device,
+                kv_cache_dtype=args.kv_cache_dtype,
+                skip_tokenizer_init=True,
+                prefill_context_parallel_size=n,
+                decode_context_parallel_size=dcp,
+                max_num_batched_tokens=chunk,
+            )
             try:
                 llm.generate(prompt(ctx), SamplingParams(max_tokens=1))  # caches the context
                 times = []
                 for fill in range(5, 9):  # the first is a warm-up (kernels for these shapes)
                     t0 = time.perf_counter()
-                    llm.generate({"prompt_token_ids": prompt(ctx)["prompt_token_ids"] + [fill] * chunk},
-                                 SamplingParams(max_tokens=1))
+                    llm.generate(
+                        {"prompt_token_ids": prompt(ctx)["prompt_token_ids"] + [fill] * chunk},
+                        SamplingParams(max_tokens=1),
+                    )
                     times.append(time.perf_counter() - t0)
-                record(test="dcp_overhead", context=ctx, dcp=dcp, chunk_s=min(times[1:]),
-                       chunk_s_all=[round(t, 4) for t in times])
+                record(
+                    test="dcp_overhead",
+                    context=ctx,
+                    dcp=dcp,
+                    chunk_s=min(times[1:]),
+                    chunk_s_all=[round(t, 4) for t in times],
+                )
             finally:
                 llm.shutdown()
 
@@ -159,24 +201,46 @@ def capacity(ckpt, args, n, record):
     part = kv_bytes_per_token(ModelArch.from_dict({**TINY_CONFIG, **SLICE}), args.kv_cache_dtype)
     budget = int(args.kv_gib_per_gpu * 2**30 * part / full) if not args.small else 8 << 20
     for dcp in (1, n):
-        llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, prefill_context_parallel_size=n,
-                  decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget,
-                  max_num_batched_tokens=64 if args.small else 8192)
+        llm = LLM(
+            ckpt,
+            device=args.device,
+            kv_cache_dtype=args.kv_cache_dtype,
+            skip_tokenizer_init=True,
+            prefill_context_parallel_size=n,
+            decode_context_parallel_size=dcp,
+            kv_cache_memory_bytes=budget,
+            max_num_batched_tokens=64 if args.small else 8192,
+        )
         try:
             cap = llm.client.info["max_request_tokens"]
             target = min(cap - 1, 1 << 20) if not args.small else cap - 1
             t0 = time.perf_counter()
             llm.generate(prompt(target), SamplingParams(max_tokens=1))
-            record(test="capacity", pcp=n, dcp=dcp, kv_bytes_per_gpu=budget, longest_prompt=cap, prefilled=target,
-                   prefill_s=time.perf_counter() - t0, million_ok=target >= (1 << 20))
+            record(
+                test="capacity",
+                pcp=n,
+                dcp=dcp,
+                kv_bytes_per_gpu=budget,
+                longest_prompt=cap,
+                prefilled=target,
+                prefill_s=time.perf_counter() - t0,
+                million_ok=target >= (1 << 20),
+            )
         finally:
             llm.shutdown()
 
 
 def decode(ckpt, args, n, record):
     """DP + EP + HiSparse at long context."""
-    llm = LLM(ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, data_parallel_size=n,
-              enable_expert_parallel=True, attention_config={"hisparse_config": {"host_pool_gib": 0.05 if args.small else 48}})
+    llm = LLM(
+        ckpt,
+        device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype,
+        skip_tokenizer_init=True,
+        data_parallel_size=n,
+        enable_expert_parallel=True,
+        attention_config={"hisparse_config": {"host_pool_gib": 0.05 if args.small else 48}},
+    )
     try:
         ctx = 1000 if args.small else 131072
         reqs = [prompt(ctx, s) for s in range(2 * n)]
@@ -192,8 +256,16 @@ def decode(ckpt, args, n, record):
             llm.generate(reqs, sp(m))
             times.append(time.perf_counter() - t0)
         step = (times[1] - times[0]) / 64
-        record(test="decode_hisparse", dp=n, context=ctx, requests=len(reqs), readmit_4tok_s=times[0],
-               decode_step_ms=step * 1e3, tok_s_per_gpu=len(reqs) / step / n, tok_s_per_request=1 / step)
+        record(
+            test="decode_hisparse",
+            dp=n,
+            context=ctx,
+            requests=len(reqs),
+            readmit_4tok_s=times[0],
+            decode_step_ms=step * 1e3,
+            tok_s_per_gpu=len(reqs) / step / n,
+            tok_s_per_request=1 / step,
+        )
     finally:
         llm.shutdown()
 

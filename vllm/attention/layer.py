@@ -224,7 +224,10 @@ class SparseMLAAttention(nn.Module):
             for a in range(lo, hi, PREFILL_ATTN_MAX_TOKENS):
                 b = min(hi, a + PREFILL_ATTN_MAX_TOKENS)
                 o, _ = dispatch.sparse_mla_prefill(
-                    self._absorb(q_nope[a:b], q_pe[a:b]), rows, topk[a:b], self.scale,
+                    self._absorb(q_nope[a:b], q_pe[a:b]),
+                    rows,
+                    topk[a:b],
+                    self.scale,
                     self.kv_lora_rank,
                 )
                 out[a:b] = torch.einsum("thr,hvr->thv", o, self.w_uv)

@@ -132,7 +132,9 @@ class _StepProfiler:
         if self.n == self.first and self.prof is None:
             from torch.profiler import ProfilerActivity, profile
 
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            acts = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            )
             self.prof = profile(activities=acts)
             self.prof.__enter__()
         self.t0 = time.perf_counter()
@@ -155,7 +157,9 @@ class _StepProfiler:
                 f.write(f"steps {self.first}..{self.last}: wall s, tokens = {self.walls}\n\n")
                 for key in ("cuda_time_total", "cpu_time_total", "self_cpu_time_total"):
                     try:
-                        f.write(ka.table(sort_by=key, row_limit=30, max_name_column_width=60) + "\n")
+                        f.write(
+                            ka.table(sort_by=key, row_limit=30, max_name_column_width=60) + "\n"
+                        )
                     except Exception as e:  # noqa: BLE001  (no device column on CPU)
                         f.write(f"{key}: {e}\n")
             self.prof, self.dir = None, None

@@ -19,7 +19,7 @@ from vllm.config.arch import ModelArch
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import Linear
-from vllm.model_executor.layers.moe import experts_ref, route_ref
+from vllm.model_executor.layers.moe import experts_forward, route_ref
 from vllm.model_executor.layers.rotary import apply_rope, rope_cos_sin
 
 
@@ -250,7 +250,7 @@ class Experts(nn.Module):
         return self._local(x, weights, ids)
 
     def _local(self, x, weights, ids):
-        return experts_ref(x, self.w13_weight, self.w2_weight, ids, weights, self.expert_start)
+        return experts_forward(x, self.w13_weight, self.w2_weight, ids, weights, self.expert_start)
 
 
 class MoE(nn.Module):

@@ -99,8 +99,12 @@ class ModelRunner:
         )
         tokens = self.config.scheduler_config.max_num_batched_tokens
         local = -(-tokens // max(1, self.pc.pcp.world_size))
-        piece = min(local, PREFILL_ATTN_MAX_TOKENS) * heads * (a.kv_lora_rank + a.qk_rope_head_dim
-                                                   + a.kv_lora_rank + a.v_head_dim) * 4
+        piece = (
+            min(local, PREFILL_ATTN_MAX_TOKENS)
+            * heads
+            * (a.kv_lora_rank + a.qk_rope_head_dim + a.kv_lora_rank + a.v_head_dim)
+            * 4
+        )
         return local * per_tok + piece + 2 * PREFILL_LOGITS_MAX_BYTES
 
     def plan_kv(self, budget_bytes: int) -> dict:
