@@ -19,6 +19,7 @@ for step in ${STEPS:-gpu_tests step_overhead pcp_share hisparse}; do
     gpu_tests) run gpu_tests "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/hisparse tests/entrypoints/test_engine_gpu.py} ;;
     step_overhead) run step_overhead 150 python3 benchmarks/engine/bench_step_overhead.py --device cuda --model glm-slice --json "$OUT/results.jsonl" ;;
     pcp_share) run pcp_share 200 python3 benchmarks/parallel/bench_pcp_share.py --lengths 32768 131072 --pcp 8 --json "$OUT/results.jsonl" ;;
+    engine_decode) run engine_decode "${ENGINE_DECODE_TIMEOUT:-240}" python3 benchmarks/hisparse/bench_engine_decode.py ${ENGINE_DECODE_ARGS:-} --json "$OUT/results.jsonl" ;;
     hisparse) run hisparse "${HISPARSE_TIMEOUT:-240}" python3 benchmarks/hisparse/bench_hisparse.py ${HISPARSE_ARGS:---million} --json "$OUT/results.jsonl" ;;
     *) run "$step" "${BENCH_TIMEOUT:-150}" python3 "benchmarks/kernels/bench_$step.py" ${BENCH_ARGS:-} --json "$OUT/results.jsonl" ;;
   esac
