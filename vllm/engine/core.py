@@ -131,6 +131,7 @@ class DPWave:
 def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
     dec = msgspec.msgpack.Decoder()
     req_dec = msgspec.msgpack.Decoder(EngineCoreRequest)
+    reqs_dec = msgspec.msgpack.Decoder(list[EngineCoreRequest])
     sched = core.scheduler
     idle_ms = 10 if wave.active else IDLE_POLL_MS
     shutdown = False
@@ -140,12 +141,11 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
             timeout = 0
             raw = inp.recv()
             kind, _, body = raw.partition(b"|")
-            if kind == b"add":
-                err = sched.add_request(req_dec.decode(body))
-                if err is not None:
-                    out.send(
-                        enc.encode(EngineCoreOutputs(engine_index=core.dp_rank, outputs=[err]))
-                    )
+            if kind in (b"add", b"adds"):
+                reqs = [req_dec.decode(body)] if kind == b"add" else reqs_dec.decode(body)
+                errs = [e for e in map(sched.add_request, reqs) if e is not None]
+                if errs:
+                    out.send(enc.encode(EngineCoreOutputs(engine_index=core.dp_rank, outputs=errs)))
             elif kind == b"abort":
                 sched.abort(dec.decode(body))
             elif kind == b"utility":

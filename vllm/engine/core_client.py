@@ -102,6 +102,20 @@ class EngineCoreClient:
         self.load[i] += 1
         send_nonblocking(self.inputs[i], b"add|" + self.enc.encode(req), self.check_alive)
 
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """Several requests, each engine's share in one message: an engine core admits them in
+        the same loop iteration, so an offline batch's step composition does not depend on how
+        fast the messages arrive."""
+        self._raise_if_dead()
+        by_engine: dict[int, list[EngineCoreRequest]] = {}
+        for req in reqs:
+            i = min(range(len(self.load)), key=self.load.__getitem__)
+            self.owner[req.request_id] = i
+            self.load[i] += 1
+            by_engine.setdefault(i, []).append(req)
+        for i, batch in by_engine.items():
+            send_nonblocking(self.inputs[i], b"adds|" + self.enc.encode(batch), self.check_alive)
+
     def abort(self, request_ids: list[str]) -> None:
         if self.dead:
             return

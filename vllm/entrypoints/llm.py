@@ -50,7 +50,7 @@ class LLM:
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("sampling_params must be one SamplingParams or one per prompt")
-        order, groups = [], {}
+        order, groups, reqs = [], {}, []
         for prompt, sp in zip(prompts, plist, strict=True):
             rid = str(next(self._ids))
             p = self.inputs.tokenize(prompt)
@@ -60,8 +60,10 @@ class LLM:
             for i, (cid, csp, ecr) in enumerate(children):
                 st = RequestState(cid, p.prompt, p.prompt_token_ids, csp, self.tokenizer, index=i)
                 groups[rid].append(st)
-                self.client.add_request(ecr)
+                reqs.append(ecr)
             order.append(rid)
+        # all at once: the engine admits the whole batch in one iteration (reproducible steps)
+        self.client.add_requests(reqs)
         self._run({st.request_id: st for sts in groups.values() for st in sts}, use_tqdm)
         results = []
         for rid in order:
