@@ -10,8 +10,10 @@ One module per op, each with a public wrapper whose docstring is the spec, a pri
   * ``merge_attn``         LSE merge of partial attentions (DCP combine, split-K combine)
   * ``indexer_logits``     lightning-indexer scores (prefill over flat keys, decode over pages)
   * ``topk``               exact top-k selection by radix select (score desc, position asc)
+  * ``moe_grouped``        routed experts as two grouped GEMMs, no host sync (opt-in)
 
 Nothing outside ``vllm/attention/ops/dispatch.py`` should import these modules: it decides when the
-fast kernels run (CUDA tensors) and when the references do (CPU, VLLM_USE_REF_KERNELS=1). Importing
-this package does not import Triton; the op modules do.
+fast kernels run (CUDA tensors) and when the references do (CPU, VLLM_USE_REF_KERNELS=1). The one
+exception is ``moe_grouped``, which ``vllm/model_executor/layers/moe.py`` imports when
+VLLM_MOE_BACKEND=grouped. Importing this package does not import Triton; the op modules do.
 """

@@ -8,6 +8,8 @@ to 1 (if `norm_topk_prob`), times `routed_scaling_factor`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -111,8 +113,16 @@ def experts_forward(
 ) -> torch.Tensor:
     """Routed experts: :func:`experts_dense` for decode-sized batches on CUDA where most local
     experts are chosen (T <= DENSE_MAX_TOKENS and T·k >= 2·E_loc: the grouped form would cost a
-    host sync per chosen expert and read about the same weights), else :func:`experts_ref`."""
+    host sync per chosen expert and read about the same weights), else :func:`experts_ref`.
+
+    ``VLLM_MOE_BACKEND=grouped`` (read per call; default ``ref``) sends every CUDA batch, decode
+    sizes included, to the sync-free Triton grouped GEMM (:mod:`vllm.kernels.moe_grouped`). It is
+    opt-in until it has been measured on the GPU; CPU tensors are unaffected."""
     t = x.shape[0]
+    if x.is_cuda and os.environ.get("VLLM_MOE_BACKEND", "ref") == "grouped":
+        from vllm.kernels.moe_grouped import experts_grouped  # imports Triton
+
+        return experts_grouped(x, w13, w2, ids, weights, expert_offset)
     if x.is_cuda and 0 < t <= DENSE_MAX_TOKENS and ids.numel() >= 2 * w13.shape[0]:
         return experts_dense(x, w13, w2, ids, weights, expert_offset)
     return experts_ref(x, w13, w2, ids, weights, expert_offset)

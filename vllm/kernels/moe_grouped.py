@@ -1,0 +1,226 @@
+"""Routed SwiGLU experts as two grouped GEMMs, with no host synchronisation.
+
+    experts_grouped(x, w13, w2, ids, weights, expert_offset) == experts_ref(...)
+
+x [T, H]; w13 [E_loc, 2I, H] (gate rows first, then up); w2 [E_loc, H, I] (all one dtype);
+ids [T, k] global expert ids; weights [T, k] fp32. A (token, slot) pair p = t·k + j whose expert
+lies outside [expert_offset, expert_offset + E_loc) belongs to another rank and contributes 0.
+Returns [T, H] in x.dtype:
+
+    out[t] = Σ_j weights[t, j] · (silu(x[t]·gateᵀ) * (x[t]·upᵀ)) · w2ᵀ   (local experts; fp32 sum)
+
+How: the P = T·k pairs are sorted by local expert (invalid pairs last) and each expert's run is
+padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted slots has one expert
+(``block_expert``; −1 past the last expert's end) and empty slots hold P. Everything is sized by
+the worst case, NB = min(cdiv(P, BLOCK_M) + E_loc, P) blocks, and built from torch ops that never
+read a device value on the host (no .item(), nonzero, unique, boolean indexing), so the whole
+forward is one fixed sequence of launches, CUDA-graph capturable. GEMM 1 gathers token rows of x
+and writes [P, 2I] rows at their pair index; SiLU·up in torch (x.dtype, as the reference rounds);
+GEMM 2 scales each row by its routing weight and writes fp32 [P, H]; the k slots of a token are
+summed in a fixed order (deterministic, no atomics). Rows of invalid pairs are never loaded and
+their output rows stay zero, so garbage there cannot reach the result.
+
+Traffic: each chosen expert's weights are read once per BLOCK_M-row block of its pairs (once for
+decode batches); the reference reads them once but syncs and launches six ops per chosen expert.
+bf16 operands go to ``tl.dot`` as bf16 with fp32 accumulation; fp32 operands use IEEE dots. The
+CPU interpreter's bf16 arithmetic is wrong, so there operands are converted to fp32 after loading.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.kernels.triton_utils import check_cuda_or_interpreter, interpreting, record
+from vllm.model_executor.layers.moe import experts_ref
+
+__all__ = ["experts_grouped", "experts_ref", "moe_grouped_cost", "sort_pairs_by_expert", "TUNE"]
+
+# decided once, when the kernel is defined (Triton binds to the interpreter at import)
+_UPCAST = interpreting()
+
+# Tiles of both GEMMs (untuned: to be swept on the H200). Decode-sized batches (a few pairs per
+# expert) waste most of a 64-row block and may prefer block_m=16, the smallest tl.dot takes.
+TUNE = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [rows, K]: x (rows = tokens, GEMM 1) or h (rows = pairs, GEMM 2)
+    w_ptr,  # [E_loc, N, K], strides (stride_we, stride_wn, stride_wk)
+    out_ptr,  # [P, N], strides (stride_om, 1)
+    sorted_pairs_ptr,  # int32 [NB · BLOCK_M]: pair ids grouped by expert, P = empty slot
+    block_expert_ptr,  # int32 [NB]: local expert of each block, −1 = past the end
+    route_w_ptr,  # fp32 [P] routing weights (read only when MUL_WEIGHT)
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    PAIRS_PER_ROW: tl.constexpr,  # A row = pair // PAIRS_PER_ROW (top_k for GEMM 1, else 1)
+    MUL_WEIGHT: tl.constexpr,
+    UPCAST: tl.constexpr,  # interpreter: fp32 operands (its bf16 arithmetic is wrong)
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    pmask = pair < num_pairs
+    pair = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    # [BLOCK_M, BLOCK_K] and [BLOCK_K, BLOCK_N] tiles; int64 row offsets (P·N and E·N·K can
+    # pass 2^31)
+    a_ptrs = a_ptr + (pair // PAIRS_PER_ROW)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = (
+        w_ptr
+        + expert.to(tl.int64) * stride_we
+        + offs_n.to(tl.int64)[None, :] * stride_wn
+        + offs_k[:, None] * stride_wk
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if MUL_WEIGHT:
+        acc = acc * tl.load(route_w_ptr + pair, mask=pmask, other=0.0)[:, None]
+    o_ptrs = out_ptr + pair[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
+
+
+def sort_pairs_by_expert(
+    ids: torch.Tensor, expert_offset: int, num_local_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] global expert ids -> (sorted_pairs int32 [NB · block_m], block_expert int32
+    [NB]), NB = min(cdiv(P, block_m) + E_loc, P), P = T·k (P >= 1).
+
+    Each local expert e owns the slots [padded_start[e], padded_start[e] + cdiv(count_e, block_m)
+    · block_m): its pairs in ascending pair order, then P (empty). block_expert[b] = e for the
+    blocks of e, −1 past the last expert's end. Every op here is sync-free on CUDA (counts by
+    scatter_add: CUDA bincount reads the maximum on the host)."""
+    e_loc, dev = num_local_experts, ids.device
+    p = ids.numel()
+    # each block holds at least one pair, hence the P bound
+    nb = min(triton.cdiv(p, block_m) + e_loc, p)
+    local = ids.reshape(-1).long() - expert_offset
+    expert = torch.where((local >= 0) & (local < e_loc), local, e_loc)  # [P], e_loc = other rank
+    order = torch.argsort(expert, stable=True)  # [P] pair ids by expert, invalid last
+    counts = torch.zeros(e_loc + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, expert, torch.ones_like(expert))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[e_loc] = 0
+    padded_end = padded.cumsum(0)  # [E_loc + 1]
+    padded_start = padded_end - padded
+    sorted_expert = expert[order]
+    rank = torch.arange(p, device=dev) - (counts.cumsum(0) - counts)[sorted_expert]
+    # invalid pairs go to a spill slot past the end, dropped below
+    dest = torch.where(sorted_expert < e_loc, padded_start[sorted_expert] + rank, nb * block_m)
+    sorted_pairs = torch.full((nb * block_m + 1,), p, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(nb, device=dev) * block_m
+    block_expert = torch.searchsorted(padded_end[:e_loc], block_start, right=True)
+    block_expert = torch.where(block_expert < e_loc, block_expert, -1).to(torch.int32)
+    return sorted_pairs[:-1], block_expert
+
+
+def _grouped_gemm(a, w, out, sorted_pairs, block_expert, route_w, pairs_per_row, cfg) -> None:
+    """out[p] = (A[p // pairs_per_row] · W[e_p]ᵀ) (· route_w[p]) for every valid pair p."""
+    n, k = w.shape[1], w.shape[2]
+    grid = (block_expert.numel(), triton.cdiv(n, cfg["block_n"]))
+    compiled = _grouped_gemm_kernel[grid](
+        a, w, out, sorted_pairs, block_expert, route_w, out.shape[0], n, k,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        PAIRS_PER_ROW=pairs_per_row, MUL_WEIGHT=route_w is not None, UPCAST=_UPCAST,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    record("moe_grouped", compiled)
+
+
+def experts_grouped(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """:func:`experts_ref`'s result by two grouped GEMMs, without a host sync (module docstring).
+
+    x [T, H]; w13 [E_loc, 2I, H]; w2 [E_loc, H, I] (x's dtype; any strides, a contiguous last
+    dim is the fast case); ids [T, k] integer global expert ids; weights [T, k] float. Returns
+    [T, H] in x.dtype. Scratch: gate/up [T·k, 2I] in x.dtype and fp32 partial sums [T·k, H]."""
+    t, h = x.shape
+    e_loc, two_i = w13.shape[0], w13.shape[1]
+    inter = two_i // 2
+    if w13.shape != (e_loc, 2 * inter, h) or w2.shape != (e_loc, h, inter):
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x {(t, h)}")
+    if ids.dim() != 2 or ids.shape[0] != t or weights.shape != ids.shape:
+        raise ValueError(f"ids {tuple(ids.shape)} / weights {tuple(weights.shape)} mismatch")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}: one dtype expected")
+    check_cuda_or_interpreter(x, w13, w2, ids, weights)
+    top_k = ids.shape[1]
+    p = t * top_k
+    if p == 0 or e_loc == 0:
+        return torch.zeros_like(x)
+    cfg = dict(TUNE)
+    sorted_pairs, block_expert = sort_pairs_by_expert(ids, expert_offset, e_loc, cfg["block_m"])
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_up = torch.empty(p, two_i, dtype=x.dtype, device=x.device)  # [P, 2I]; invalid rows unset
+    _grouped_gemm(x, w13, gate_up, sorted_pairs, block_expert, None, top_k, cfg)
+    act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [P, I]
+    out = torch.zeros(p, h, dtype=torch.float32, device=x.device)  # [P, H]; invalid rows stay 0
+    route_w = weights.reshape(-1).float().contiguous()  # [P]
+    _grouped_gemm(act, w2, out, sorted_pairs, block_expert, route_w, 1, cfg)
+    return out.view(t, top_k, h).sum(1).to(x.dtype)
+
+
+def moe_grouped_cost(
+    num_tokens: int,
+    top_k: int,
+    num_local_experts: int,
+    hidden: int,
+    inter: int,
+    num_valid_pairs: int | None = None,
+    num_experts_hit: int | None = None,
+    elem_bytes: int = 2,
+) -> tuple[int, int]:
+    """(flops, bytes) of :func:`experts_grouped`. Flops: the valid pairs' three [H, I] products
+    (padding slots not counted). Bytes: each chosen expert's weights once (at most E_loc and the
+    number of valid pairs; read once per block, which is once for decode batches) plus the
+    activations: x rows per pair, gate/up and SiLU·up written and read back, the fp32 [P, H]
+    partial sums written and read back, the output written. Defaults: every pair local."""
+    pairs = num_tokens * top_k
+    valid = pairs if num_valid_pairs is None else num_valid_pairs
+    hit = min(num_local_experts, valid) if num_experts_hit is None else num_experts_hit
+    flops = 2 * valid * 3 * inter * hidden
+    weights = hit * 3 * inter * hidden * elem_bytes
+    acts = (
+        valid * hidden * elem_bytes  # x rows gathered by GEMM 1
+        + 2 * valid * 2 * inter * elem_bytes  # gate/up: written, read by the activation
+        + 2 * valid * inter * elem_bytes  # SiLU·up: written, read by GEMM 2
+        + 2 * pairs * hidden * 4  # fp32 partial sums: zeroed/written, summed over k
+        + num_tokens * hidden * elem_bytes  # output
+    )
+    return flops, weights + acts
