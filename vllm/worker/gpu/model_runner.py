@@ -76,36 +76,14 @@ class ModelRunner:
         return per_token * self.layout.block_size
 
     def activation_bytes(self) -> int:
-        """Estimated peak bytes of one step's activations on this rank, for a chunk of
-        max_num_batched_tokens: the per-token tensors live at once inside a layer (hidden states
-        and fp32 accumulators, MLP/expert intermediates with every token on one expert, queries,
-        attention output, top-k, indexer queries) times the tokens this rank computes, plus the
-        pieces bounded independently of the chunk (sparse attention in PREFILL_ATTN_MAX_TOKENS
-        pieces, indexer logits under PREFILL_LOGITS_MAX_BYTES). An estimate, not a profile: the
-        reserve the worker keeps on top of it absorbs the rest."""
-        from vllm.attention.layer import PREFILL_ATTN_MAX_TOKENS, PREFILL_LOGITS_MAX_BYTES
-
-        a = self.arch
-        el = torch.tensor([], dtype=self.config.model_config.dtype).element_size()
-        tp = max(1, self.pc.tp.world_size)
-        heads = max(1, a.num_attention_heads // tp)
-        inter = max(a.intermediate_size, a.moe_intermediate_size * max(1, a.n_shared_experts))
-        per_tok = (
-            a.hidden_size * (4 * el + 2 * 4 + el)  # residual/x/normed/out; fp32 expert sum and y
-            + 3 * max(inter // tp, a.moe_intermediate_size) * el  # gate, up, act
-            + heads * (2 * a.qk_head_dim + a.v_head_dim) * el  # q, its split, attention output
-            + 3 * a.index_topk * 4  # top-k and its selection temporaries
-            + a.index_n_heads * a.index_head_dim * (el + 1 + 4)  # indexer q, FP8 q, fp32 copy
+        """Estimated peak activation bytes of one step on this rank (:func:`activation_bytes`)."""
+        return activation_bytes(
+            self.arch,
+            self.config.model_config.dtype,
+            self.config.scheduler_config.max_num_batched_tokens,
+            tp_size=self.pc.tp.world_size,
+            pcp_size=self.pc.pcp.world_size,
         )
-        tokens = self.config.scheduler_config.max_num_batched_tokens
-        local = -(-tokens // max(1, self.pc.pcp.world_size))
-        piece = (
-            min(local, PREFILL_ATTN_MAX_TOKENS)
-            * heads
-            * (a.kv_lora_rank + a.qk_rope_head_dim + a.kv_lora_rank + a.v_head_dim)
-            * 4
-        )
-        return local * per_tok + piece + 2 * PREFILL_LOGITS_MAX_BYTES
 
     def plan_kv(self, budget_bytes: int) -> dict:
         """Blocks per pool for a KV budget (bytes of device memory on this rank)."""
@@ -354,3 +332,37 @@ def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {k: v.to("cpu", non_blocking=True) for k, v in tensors.items()}
     torch.cuda.current_stream().synchronize()
     return out
+
+
+def activation_bytes(
+    arch, dtype: torch.dtype, max_tokens: int, tp_size: int = 1, pcp_size: int = 1
+) -> int:
+    """Estimated peak bytes of one step's activations on a rank, for a chunk of ``max_tokens``:
+    the per-token tensors live at once inside a layer (hidden states and fp32 accumulators,
+    MLP/expert intermediates with every token on one expert, queries, attention output, top-k,
+    indexer queries) times the tokens this rank computes, plus the pieces bounded independently
+    of the chunk (sparse attention in PREFILL_ATTN_MAX_TOKENS pieces, indexer logits under
+    PREFILL_LOGITS_MAX_BYTES). An estimate, not a profile: the worker keeps a fixed reserve on top
+    of it (tests/worker/test_activation_estimate.py checks it against a measured peak on CUDA)."""
+    from vllm.attention.layer import PREFILL_ATTN_MAX_TOKENS, PREFILL_LOGITS_MAX_BYTES
+
+    a = arch
+    el = torch.tensor([], dtype=dtype).element_size()
+    tp = max(1, tp_size)
+    heads = max(1, a.num_attention_heads // tp)
+    inter = max(a.intermediate_size, a.moe_intermediate_size * max(1, a.n_shared_experts))
+    per_tok = (
+        a.hidden_size * (4 * el + 2 * 4 + el)  # residual/x/normed/out; fp32 expert sum and y
+        + 3 * max(inter // tp, a.moe_intermediate_size) * el  # gate, up, act
+        + heads * (2 * a.qk_head_dim + a.v_head_dim) * el  # q, its split, attention output
+        + 3 * a.index_topk * 4  # top-k and its selection temporaries
+        + a.index_n_heads * a.index_head_dim * (el + 1 + 4)  # indexer q, FP8 q, fp32 copy
+    )
+    local = -(-max_tokens // max(1, pcp_size))
+    piece = (
+        min(local, PREFILL_ATTN_MAX_TOKENS)
+        * heads
+        * (a.kv_lora_rank + a.qk_rope_head_dim + a.kv_lora_rank + a.v_head_dim)
+        * 4
+    )
+    return local * per_tok + piece + 2 * PREFILL_LOGITS_MAX_BYTES
