@@ -14,5 +14,7 @@ COPY vllm ./vllm
 RUN pip install --index-url https://download.pytorch.org/whl/cu130 "torch>=2.11" \
     && pip install -e '.[triton]'
 
+# compiled Triton kernels (mount a volume here to keep them across restarts)
+ENV TRITON_CACHE_DIR=/root/.cache/triton
 EXPOSE 8000
 ENTRYPOINT ["vllm", "serve", "--host", "0.0.0.0", "--port", "8000"]
