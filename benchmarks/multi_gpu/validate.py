@@ -41,10 +41,15 @@ def prompt(n: int, salt: int = 0) -> dict:
     return {"prompt_token_ids": [(7 * i + salt) % 1000 + 3 for i in range(n)]}
 
 
-def greedy(ckpt, args, prompts, max_tokens, **kw):
-    llm = LLM(
+def make_llm(ckpt, args, **kw) -> LLM:
+    """The slice on args.device with args.kv_cache_dtype, token-id prompts only."""
+    return LLM(
         ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, **kw
     )
+
+
+def greedy(ckpt, args, prompts, max_tokens, **kw):
+    llm = make_llm(ckpt, args, **kw)
     try:
         outs = llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -55,9 +60,7 @@ def greedy(ckpt, args, prompts, max_tokens, **kw):
 
 
 def ttft(ckpt, args, n_tokens, **kw):
-    llm = LLM(
-        ckpt, device=args.device, kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True, **kw
-    )
+    llm = make_llm(ckpt, args, **kw)
     try:
         # warm-up at the same length with other tokens (no prefix hit): compiles the sparse
         # path's kernels for these shapes and sets up NCCL, outside the timed prefill
@@ -163,11 +166,9 @@ def dcp_overhead(ckpt, args, n, ctxs, chunk, record):
     """One chunk after a cached context, DCP n against DCP 1."""
     for ctx in ctxs:
         for dcp in (1, n):
-            llm = LLM(
+            llm = make_llm(
                 ckpt,
-                device=args.device,
-                kv_cache_dtype=args.kv_cache_dtype,
-                skip_tokenizer_init=True,
+                args,
                 prefill_context_parallel_size=n,
                 decode_context_parallel_size=dcp,
                 max_num_batched_tokens=chunk,
@@ -201,11 +202,9 @@ def capacity(ckpt, args, n, record):
     part = kv_bytes_per_token(ModelArch.from_dict({**TINY_CONFIG, **SLICE}), args.kv_cache_dtype)
     budget = int(args.kv_gib_per_gpu * 2**30 * part / full) if not args.small else 8 << 20
     for dcp in (1, n):
-        llm = LLM(
+        llm = make_llm(
             ckpt,
-            device=args.device,
-            kv_cache_dtype=args.kv_cache_dtype,
-            skip_tokenizer_init=True,
+            args,
             prefill_context_parallel_size=n,
             decode_context_parallel_size=dcp,
             kv_cache_memory_bytes=budget,
@@ -232,11 +231,9 @@ def capacity(ckpt, args, n, record):
 
 def decode(ckpt, args, n, record):
     """DP + EP + HiSparse at long context."""
-    llm = LLM(
+    llm = make_llm(
         ckpt,
-        device=args.device,
-        kv_cache_dtype=args.kv_cache_dtype,
-        skip_tokenizer_init=True,
+        args,
         data_parallel_size=n,
         enable_expert_parallel=True,
         attention_config={"hisparse_config": {"host_pool_gib": 0.05 if args.small else 48}},

@@ -347,7 +347,7 @@ def activation_bytes(
     from vllm.attention.layer import PREFILL_ATTN_MAX_TOKENS, PREFILL_LOGITS_MAX_BYTES
 
     a = arch
-    el = torch.tensor([], dtype=dtype).element_size()
+    el = dtype.itemsize
     tp = max(1, tp_size)
     heads = max(1, a.num_attention_heads // tp)
     inter = max(a.intermediate_size, a.moe_intermediate_size * max(1, a.n_shared_experts))
