@@ -47,13 +47,16 @@ def bench(n, what, tag="", paged=False):
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--sweep-caches", nargs="+", default=["mla_fp8", "indexer"],
+                    choices=["mla_fp8", "indexer"], help="the writers --sweep tunes")
+    args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = [bench(n, w) for w in ("mla_fp8", "mla_auto", "indexer") for n in shapes]
     rows += [bench(n, w, paged=True) for w in ("mla_fp8", "mla_auto", "indexer") for n in shapes]
     if args.sweep:  # (rows per program, warps) of the FP8 writers
         default = dict(kv_write.TUNE)
-        for what in ("mla_fp8", "indexer"):
+        for what in args.sweep_caches:
             for block_r in (4, 8, 16, 32):
                 for warps in (1, 2, 4, 8):
                     kv_write.TUNE[what] = (block_r, warps)

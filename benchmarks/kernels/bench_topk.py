@@ -29,22 +29,21 @@ from vllm.kernels.triton_utils import resource_report
 TOPK = 2048
 SHAPES = [(64, 131072, False), (64, 1 << 20, False), (8192, 32768, True), (8192, 131072, True)]
 KERNELS = ("topk_pivot", "topk", "topk_select", "topk_fallback")
-# one knob at a time around the defaults (collect: chunk 4096, 8 warps, rows per program auto;
-# select: 4 warps, 4096 keys in registers; sample stride 64, z 6, cap 8192), on every shape but
-# the 1M-candidate rows
+# knobs around the defaults (collect: chunk 4096, 8 warps, up to 16 rows per program, no
+# prefetch, 64 registers; select: 4 warps, 4096 keys in registers; sample stride 64, z 6,
+# cap 8192), on every shape but the 1M-candidate rows (``--prefill-only``: the causal shapes)
 SWEEP = [
-    dict(chunk=1024, num_warps=4),
-    dict(chunk=2048, num_warps=4),
-    dict(chunk=2048, num_warps=8),
-    dict(chunk=4096, num_warps=16),
-    dict(rows_per_program=1),
-    dict(rows_per_program=2),
-    dict(rows_per_program=16),
-    dict(select_warps=2),
-    dict(select_warps=8),
-    dict(select_regs=16),
+    dict(collect_maxnreg=56),
+    dict(collect_maxnreg=48),
+    dict(collect_maxnreg=None),
+    dict(rows_per_program=8),
+    dict(rows_per_program=32),
+    dict(prefetch=True, collect_maxnreg=80),
     dict(sample_stride=32),
-    dict(sample_stride=128, cap=16384),
+    dict(z=5.0),
+    dict(sample_stride=32, z=5.0),
+    dict(select_warps=8, select_regs=32),
+    dict(select_warps=2),
 ]
 
 
@@ -98,8 +97,11 @@ def bench(t, s, causal, data, kw=None, ref_ms=None):
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--prefill-only", action="store_true", help="only the causal prefill shapes")
+    args = ap.parse_args()
     shapes = SHAPES[::2] if args.quick else SHAPES
+    shapes = [sh for sh in shapes if sh[2]] if args.prefill_only else shapes
     rows = []
     for sh in shapes:
         logits, limit, logit_ms = inputs(*sh)

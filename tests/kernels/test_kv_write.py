@@ -68,3 +68,34 @@ def test_kv_write_gpu(cache_dtype, dtype, n):
 
     layout = _layout(cache_dtype, 512, 64, 128)  # GLM-5.3: 656-byte rows, 132-byte keys
     _check_writes(kv_write, layout, n, 96, "cuda", dtype, seed=n)
+
+
+def _check_indexer_extremes(kv_write, device, dtype):
+    """Indexer keys whose amax spans the whole scale range (the floor 1e-4 up to ~1e35) and whose
+    values span 12 decades within a row (e4m3 subnormals and underflow to zero): byte-exact."""
+    layout = _layout("fp8_ds_mla", 128, 16, 32, block_size=16)
+    g = torch.Generator().manual_seed(7)
+    row_scale = torch.tensor([1e-30, 1e-6, 1e-4, 3e-3, 1.0, 447.9, 448.0, 1e3, 1e20, 1e35])
+    n = row_scale.numel()
+    spread = 10.0 ** (-12 * torch.rand(n, 32, generator=g))
+    k = (torch.randn(n, 32, generator=g) * spread * row_scale[:, None]).to(dtype)
+    slots = torch.randperm(3 * 16, generator=g)[:n]
+    cache = torch.randint(0, 255, layout.indexer_cache_shape(3), generator=g).to(torch.uint8)
+    cache, k, slots = cache.to(device), k.to(device), slots.to(device)
+    ref = cache.clone()
+    write_indexer_cache_ref(ref, k, slots, layout)  # on the same device (see kv_write's doc)
+    kv_write.write_indexer_cache(cache, k, slots, layout)
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_write_extreme_scales_interpreter(interp, dtype):
+    _check_indexer_extremes(interp("kv_write"), "cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_write_extreme_scales_gpu(dtype):
+    from vllm.kernels import kv_write
+
+    _check_indexer_extremes(kv_write, "cuda", dtype)

@@ -11,8 +11,22 @@ import torch
 from vllm.attention.ops.indexer import topk_ref
 
 
-def _logits(t, s, g, ties=True):
-    x = torch.randn(t, s, generator=g)
+def _logits(t, s, g, ties=True, dist="normal"):
+    """Scores: normal, or a distribution that is hard for the interpolation probes of the k-th
+    search (heavy tails, a narrow cluster, a point mass with a few outliers, a log-uniform
+    spread over many binades)."""
+    if dist == "cauchy":
+        x = torch.distributions.Cauchy(0.0, 1.0).sample((t, s))
+    elif dist == "narrow":
+        x = 1.0 + torch.rand(t, s, generator=g) * 1e-6
+    elif dist == "point":
+        x = torch.full((t, s), 0.5)
+        x[torch.rand(t, s, generator=g) < 0.05] = 3.0
+        x.view(-1)[torch.randperm(t * s, generator=g)[: t * 3]] = 1e30
+    elif dist == "logspread":
+        x = torch.exp(torch.rand(t, s, generator=g) * 160 - 80)
+    else:
+        x = torch.randn(t, s, generator=g)
     if ties:  # coarse values: many exact ties, zeros of both signs, a few −inf
         x = (x * 4).round() / 4
         x[x == 0] = torch.where(torch.rand(int((x == 0).sum()), generator=g) < 0.5, 0.0, -0.0)
@@ -27,9 +41,10 @@ def _as_set(idx: torch.Tensor) -> torch.Tensor:
     return torch.where(srt == big, -1, srt)
 
 
-def _check(mod, t, s, topk, device, seed, ties=True, limits=None, **kw):
+def _check(mod, t, s, topk, device, seed, ties=True, limits=None, dist="normal", **kw):
     g = torch.Generator().manual_seed(seed)
-    logits = _logits(t, s, g, ties)
+    torch.manual_seed(seed)  # the Cauchy sampler draws from the global generator
+    logits = _logits(t, s, g, ties, dist)
     if limits is None:
         limits = torch.randint(0, s + 3, (t,), generator=g)
         limits[0] = s
@@ -49,7 +64,8 @@ def _check(mod, t, s, topk, device, seed, ties=True, limits=None, **kw):
 # pivot is the sample's maximum, too few candidates, every long row falls back; z=99: the sample's
 # minimum, too many; cap=512: every row fits in its candidate list (no sample); rows2: two rows
 # per collect program (the second prefetched), a row count not a multiple of it; regs1: the
-# select holds 32 keys in registers and reads the others again
+# select holds 32 keys in registers and reads the others again; noprefetch: each row's chunk is
+# loaded in its own iteration
 @pytest.mark.parametrize(
     "kw",
     [
@@ -59,8 +75,9 @@ def _check(mod, t, s, topk, device, seed, ties=True, limits=None, **kw):
         dict(cap=512),
         dict(z=2.0, rows_per_program=2),
         dict(cap=512, select_regs=1),
+        dict(z=2.0, rows_per_program=2, prefetch=False),
     ],
-    ids=["z2", "few", "many", "all", "rows2", "regs1"],
+    ids=["z2", "few", "many", "all", "rows2", "regs1", "rows2-noprefetch"],
 )
 @pytest.mark.parametrize("t,s,topk,chunk", [(5, 300, 16, 64), (3, 40, 8, 32), (4, 129, 7, 64)])
 def test_topk_interpreter(interp, t, s, topk, chunk, kw):
@@ -79,6 +96,14 @@ def test_topk_interpreter_select_tiles(interp):
     run over several tiles re-read from memory beyond its 32 register-held keys."""
     _check(interp("topk"), 3, 500, 100, "cpu", seed=5, chunk=128, num_warps=1, select_warps=1,
            cap=512, select_regs=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("dist", ["cauchy", "narrow", "point", "logspread"])
+def test_topk_interpreter_score_distributions(interp, dist):
+    """The k-th search (interpolation probes with bisection steps) on skewed score
+    distributions, in the pivot sample and in the candidate list."""
+    _check(interp("topk"), 4, 600, 24, "cpu", seed=11, ties=False, dist=dist, chunk=128,
+           num_warps=1, select_warps=1, sample_stride=4, cap=128, z=3.0, block=64)  # fmt: skip
 
 
 def test_topk_interpreter_k_above_columns(interp):
@@ -110,12 +135,23 @@ def test_topk_gpu(t, s, topk, ties, z):
         dict(select_warps=8),
         dict(select_regs=1),  # 128 keys in registers, the rest re-read
         dict(sample_stride=128, cap=16384),
+        dict(prefetch=False),
+        dict(prefetch=False, collect_maxnreg=64),
+        dict(collect_maxnreg=80),
     ],
 )
 def test_topk_gpu_configs(kw):
     from vllm.kernels import topk as mod
 
     _check(mod, 300, 40000, 2048, "cuda", seed=3, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dist", ["cauchy", "narrow", "point", "logspread"])
+def test_topk_gpu_score_distributions(dist):
+    from vllm.kernels import topk as mod
+
+    _check(mod, 64, 50000, 2048, "cuda", seed=5, ties=False, dist=dist)
 
 
 @pytest.mark.gpu

@@ -4,23 +4,24 @@ Scores are compared as order-preserving int32 keys (−0.0 folded onto +0.0; pos
 the row's limit below every score). Four launches:
 
   1. pivot, one program per row: a jittered sample of every SAMPLE_STRIDE-th eligible score and
-     a bisection give a key whose sample rank is about e + Z·√e (e = k·m/limit, the sample count
-     expected above the true k-th score), so that about k + Z·√(k·stride) eligible scores of the
-     row are at or above it — at least k and at most CAP (4·k) except with probability ~1e-7 per
-     row on i.i.d. scores. Rows with limit <= k are answered here (0..limit−1, then −1).
-  2. collect, one program per CHUNK of a group of up to 8 rows (many programs per row: 64 rows
-     of 128K or 1M candidates fill the GPU), the group's rows one after the other, each row's
-     chunk loaded while the previous one is compacted: the scores at or above the pivot are
-     appended to the row's candidate list (position << 32 | score bits) at an offset that is the
-     sum of the candidate counts of the row's earlier chunks (decoupled look-back: a program
-     publishes its count, then waits until every earlier chunk of the row has; those belong to
-     programs with lower ids, which start first and never wait for later ones). The list is thus
-     deterministic; within a chunk it is in thread-major order, so the compaction scan is
-     in-thread but for one scan across threads.
-  3. select, one program per row: the exact k-th largest candidate key `thr` by bisection (~15
-     steps: it stops once exactly k keys are >= the probe) over 4096 keys held in registers and
-     the rest (~200) re-read from L1; a second bisection for the position cut among the ties at
-     `thr` (only when some ties lose); then one scan over the list writes the winners.
+     a search (:func:`_kth_largest`) give a key whose sample rank is about e + Z·√e (e = k·m/limit,
+     the sample count expected above the true k-th score), so that about k + Z·√(k·stride)
+     eligible scores of the row are at or above it — at least k and at most CAP (4·k) except with
+     probability ~1e-7 per row on i.i.d. scores. Rows with limit <= k are answered here
+     (0..limit−1, then −1).
+  2. collect, one program per CHUNK of a group of up to 16 rows (many programs per row: 64 rows
+     of 128K or 1M candidates fill the GPU), the group's rows one after the other: the scores at
+     or above the pivot are appended to the row's candidate list (position << 32 | score bits) at
+     an offset that is the sum of the candidate counts of the row's earlier chunks (decoupled
+     look-back: a program publishes its count, then waits until every earlier chunk of the row
+     has; those belong to programs with lower ids, which start first and never wait for later
+     ones). The list is thus deterministic; within a chunk it is in thread-major order, so the
+     compaction scan is in-thread but for one scan across threads.
+  3. select, one program per row: the exact k-th largest candidate key `thr` by the same search
+     (~10 probes for continuous scores; it stops once exactly k keys are >= the probe) over 4096
+     keys held in registers and the rest (~200) re-read from L1; a bisection for the position cut
+     among the ties at `thr` (only when some ties lose); then one scan over the list writes the
+     winners.
   4. fallback, one program per row, for rows whose candidate count fell outside [k, CAP] (a bad
      sample, or masses of tied scores): a four-pass 8-bit radix select over the whole row. Exact,
      slow, rare.
@@ -61,20 +62,52 @@ def _keys(logit_row_ptr, pos, mask):
 
 
 @triton.jit
+def _probe(lo, hi, e_lo, e_hi, k, interp):
+    """The next probe in (lo, hi), given #{keys >= lo} >= k > #{keys >= hi}: where the count
+    would reach k if it fell linearly from e_lo at lo to e_hi at hi (e_lo >= k > e_hi: the counts
+    there, Illinois-weighted by :func:`_search_step`), or the midpoint (``interp`` 0)."""
+    w = hi - lo  # int64, <= 2^32; the product below < 2^47
+    g = lo + (w * (2 * (e_lo - k) + 1)) // (2 * (e_lo - e_hi))
+    g = tl.minimum(tl.maximum(g, lo + 1), hi - 1)
+    return tl.where(interp != 0, g, (lo + hi) >> 1)
+
+
+@triton.jit
+def _search_step(mid, c, k, lo, hi, cnt, e_lo, e_hi, side):
+    """Update the bracket with probe ``mid`` (count c). Illinois rule: when the same end is kept
+    twice in a row, its interpolation count is pulled halfway to k (keeps e_lo >= k > e_hi).
+    Returns (lo, hi, cnt, e_lo, e_hi, side, interp): the next probe bisects when this one did not
+    halve the bracket, so the search takes at most twice the bisection's steps."""
+    w = hi - lo
+    up = c >= k
+    lo = tl.where(up, mid, lo)
+    cnt = tl.where(up, c, cnt)
+    hi = tl.where(up, hi, mid)
+    e_lo = tl.where(up, c, tl.where(side < 0, (e_lo + k + 1) // 2, e_lo))
+    e_hi = tl.where(up, tl.where(side > 0, (e_hi + k) // 2, e_hi), c)
+    side = tl.where(up, 1, -1)
+    return lo, hi, cnt, e_lo, e_hi, side, ((hi - lo) * 2 <= w).to(tl.int32)
+
+
+@triton.jit
 def _kth_largest(key, k, lo):
     """The largest int32 u with #{keys >= u} >= k, given #{keys >= lo} >= k >= 1 (INT32_MIN =
-    no key). Bisection on [lo, max key]; it stops early once exactly k keys are >= u (selecting
-    the keys >= u, ties included, is then the answer), so continuous scores take ~15 steps."""
+    no key). Search on [lo, max key] by interpolation probes (Illinois-weighted, with bisection
+    steps as a guard: :func:`_search_step`); it stops once exactly k keys are >= u (selecting
+    the keys >= u, ties included, is then the answer): ~10 probes for i.i.d. normal scores where
+    bisection takes ~13, at most twice the bisection's ~32 for mass ties."""
     hi = tl.max(key).to(tl.int64) + 1  # #{keys >= hi} = 0 < k
     cnt = tl.sum((key >= lo).to(tl.int32))
+    e_lo = cnt
+    e_hi = tl.zeros((), tl.int32)
+    side = tl.zeros((), tl.int32)
     lo = lo.to(tl.int64)
+    interp = tl.full((), 1, tl.int32)
     while (hi - lo > 1) & (cnt != k):
-        mid = (lo + hi) >> 1  # in (lo, hi), so > INT32_MIN: padding never counts
+        mid = _probe(lo, hi, e_lo, e_hi, k, interp)  # in (lo, hi), so > INT32_MIN: no padding
         c = tl.sum((key >= mid.to(tl.int32)).to(tl.int32))
-        up = c >= k
-        lo = tl.where(up, mid, lo)
-        cnt = tl.where(up, c, cnt)
-        hi = tl.where(up, hi, mid)
+        lo, hi, cnt, e_lo, e_hi, side, interp = _search_step(mid, c, k, lo, hi, cnt, e_lo, e_hi,
+                                                             side)  # fmt: skip
     return lo.to(tl.int32)
 
 
@@ -150,6 +183,7 @@ def _collect_kernel(
     THREADS: tl.constexpr,  # 32 · num_warps: one row of the [THREADS, CHUNK / THREADS] tile each
     ROWS: tl.constexpr,  # rows per program, one after the other (same chunk of each)
     NUM_CHUNKS_PAD: tl.constexpr,
+    PREFETCH: tl.constexpr,  # load the next row's chunk while this one is compacted
 ):
     pid = tl.program_id(0)
     c = pid % num_chunks
@@ -162,6 +196,17 @@ def _collect_kernel(
     pos = c * CHUNK + tl.arange(0, CHUNK // THREADS)[None, :] * THREADS + t
     lpos = tl.max_contiguous(pos, [1, 1])
     end = tl.minimum(num_rows, row0 + ROWS)
+    if not PREFETCH:  # fewer registers live: more programs per SM instead
+        for i in range(ROWS):
+            row = row0 + i
+            lim = _limit(limit_ptr, row, end, num_cols)
+            if (lim > TOPK) & (c * CHUNK < lim):
+                piv = tl.load(pivot_ptr + row)
+                x = tl.load(logits_ptr + row.to(tl.int64) * stride_lt + lpos, mask=pos < lim)
+                _collect_chunk(x, pos, lim, piv, tab_ptr + row.to(tl.int64) * num_chunks, c,
+                               count_ptr + row, list_ptr + row.to(tl.int64) * CAP, CAP, CHUNK,
+                               NUM_CHUNKS_PAD)  # fmt: skip
+        return
     lim = _limit(limit_ptr, row0, end, num_cols)
     lim1 = _limit(limit_ptr, row0 + 1, end, num_cols)
     piv = tl.load(pivot_ptr + row0, mask=row0 < end, other=0)
@@ -222,45 +267,47 @@ def _collect_chunk(x, pos, limit, pivot, trow, c, count_ptr, lrow, CAP: tl.const
 
 
 @triton.jit
-def _list_keys(lrow32, j, valid):
-    """Keys of list entries j (INT32_MIN where not valid); ``lrow32`` views the row's int64
-    entries as int32 pairs (score bits, position), little-endian."""
-    bits = tl.load(lrow32 + 2 * j, mask=valid, other=0)
-    return tl.where(valid, _key_of(bits), -2147483648)
+def _list_keys(lrow, j, valid):
+    """Keys of list entries j (INT32_MIN where not valid): the low words of the row's int64
+    entries (position << 32 | score bits), loaded whole so that a warp reads whole sectors."""
+    e = tl.load(lrow + j, mask=valid, other=0)
+    return tl.where(valid, _key_of(e.to(tl.int32)), -2147483648)
 
 
 @triton.jit
-def _count_ge_list(ka, u, lrow32, jt, total, BLK: tl.constexpr, TILE: tl.constexpr):
+def _count_ge_list(ka, u, lrow, jt, total, BLK: tl.constexpr, TILE: tl.constexpr):
     """#{candidate keys >= u}: entries [0, BLK) held in registers (ka), the rest (usually a
     few hundred, L1-resident) read again in [THREADS, SUB] tiles."""
     c = tl.sum((ka >= u).to(tl.int32), axis=1)  # [THREADS]
     for b0 in range(BLK, total, TILE):
-        kt = _list_keys(lrow32, b0 + jt, b0 + jt < total)
+        kt = _list_keys(lrow, b0 + jt, b0 + jt < total)
         c += tl.sum((kt >= u).to(tl.int32), axis=1)
     return tl.sum(c)
 
 
 @triton.jit
-def _max_list(ka, lrow32, jt, total, BLK: tl.constexpr, TILE: tl.constexpr):
+def _max_list(ka, lrow, jt, total, BLK: tl.constexpr, TILE: tl.constexpr):
     m = tl.max(ka, axis=1)
     for b0 in range(BLK, total, TILE):
-        m = tl.maximum(m, tl.max(_list_keys(lrow32, b0 + jt, b0 + jt < total), axis=1))
+        m = tl.maximum(m, tl.max(_list_keys(lrow, b0 + jt, b0 + jt < total), axis=1))
     return tl.max(m)
 
 
 @triton.jit
-def _kth_largest_list(ka, lrow32, jt, total, k, lo, BLK: tl.constexpr, TILE: tl.constexpr):
+def _kth_largest_list(ka, lrow, jt, total, k, lo, BLK: tl.constexpr, TILE: tl.constexpr):
     """:func:`_kth_largest` over the row's `total` candidates (``_count_ge_list``)."""
-    hi = _max_list(ka, lrow32, jt, total, BLK, TILE).to(tl.int64) + 1
-    cnt = _count_ge_list(ka, lo, lrow32, jt, total, BLK, TILE)
+    hi = _max_list(ka, lrow, jt, total, BLK, TILE).to(tl.int64) + 1
+    cnt = _count_ge_list(ka, lo, lrow, jt, total, BLK, TILE)
+    e_lo = cnt
+    e_hi = tl.zeros((), tl.int32)
+    side = tl.zeros((), tl.int32)
     lo = lo.to(tl.int64)
+    interp = tl.full((), 1, tl.int32)
     while (hi - lo > 1) & (cnt != k):
-        mid = (lo + hi) >> 1
-        c = _count_ge_list(ka, mid.to(tl.int32), lrow32, jt, total, BLK, TILE)
-        up = c >= k
-        lo = tl.where(up, mid, lo)
-        cnt = tl.where(up, c, cnt)
-        hi = tl.where(up, hi, mid)
+        mid = _probe(lo, hi, e_lo, e_hi, k, interp)
+        c = _count_ge_list(ka, mid.to(tl.int32), lrow, jt, total, BLK, TILE)
+        lo, hi, cnt, e_lo, e_hi, side, interp = _search_step(mid, c, k, lo, hi, cnt, e_lo, e_hi,
+                                                             side)  # fmt: skip
     return lo.to(tl.int32)
 
 
@@ -288,17 +335,17 @@ def _select_kernel(
     limit = tl.minimum(tl.maximum(tl.load(limit_ptr + row).to(tl.int32), 0), num_cols)
     total = tl.load(count_ptr + row)
     if (limit > TOPK) & (total >= TOPK) & (total <= CAP):
-        lrow32 = (list_ptr + row * CAP).to(tl.pointer_type(tl.int32))
+        lrow = list_ptr + row * CAP
         # [THREADS, n] tiles, entry r·THREADS + t in thread t: coalesced, scans in-thread
         t = tl.arange(0, THREADS)[:, None]
         ja = tl.max_contiguous(tl.arange(0, REGS)[None, :] * THREADS + t, [1, 1])
         jt = tl.max_contiguous(tl.arange(0, SUB)[None, :] * THREADS + t, [1, 1])
-        ka = _list_keys(lrow32, ja, ja < total)
+        ka = _list_keys(lrow, ja, ja < total)
         pivot = tl.load(pivot_ptr + row)
-        thr = _kth_largest_list(ka, lrow32, jt, total, TOPK, pivot, BLK, TILE)
-        n_gt = _count_ge_list(ka, thr + 1, lrow32, jt, total, BLK, TILE)  # thr <= key(+inf)
+        thr = _kth_largest_list(ka, lrow, jt, total, TOPK, pivot, BLK, TILE)
+        n_gt = _count_ge_list(ka, thr + 1, lrow, jt, total, BLK, TILE)  # thr <= key(+inf)
         need = TOPK - n_gt
-        n_tie = _count_ge_list(ka, thr, lrow32, jt, total, BLK, TILE) - n_gt
+        n_tie = _count_ge_list(ka, thr, lrow, jt, total, BLK, TILE) - n_gt
         # keep the ties at positions < cut: all of them, or the `need` lowest
         cut = limit
         if n_tie > need:
@@ -309,8 +356,9 @@ def _select_kernel(
                 c = tl.zeros((), tl.int32)
                 for b0 in range(0, total, TILE):
                     j = b0 + jt
-                    tie = _list_keys(lrow32, j, j < total) == thr
-                    pos = tl.load(lrow32 + 2 * j + 1, mask=tie, other=0)
+                    e = tl.load(lrow + j, mask=j < total, other=0)
+                    tie = (j < total) & (_key_of(e.to(tl.int32)) == thr)
+                    pos = (e >> 32).to(tl.int32)
                     c += tl.sum((tie & (pos < mid)).to(tl.int32))
                 lo = tl.where(c < need, mid, lo)
                 hi = tl.where(c < need, hi, mid)
@@ -319,8 +367,9 @@ def _select_kernel(
         n_out = tl.zeros((), tl.int32)
         for b0 in range(0, total, TILE):
             j = b0 + jt
-            key = _list_keys(lrow32, j, j < total)
-            pos = tl.load(lrow32 + 2 * j + 1, mask=key >= thr, other=0)
+            e = tl.load(lrow + j, mask=j < total, other=0)
+            key = tl.where(j < total, _key_of(e.to(tl.int32)), -2147483648)
+            pos = (e >> 32).to(tl.int32)
             sel = (key > thr) | ((key == thr) & (pos < cut))
             sel_i = sel.to(tl.int32)
             per_thread = tl.sum(sel_i, axis=1)
@@ -391,6 +440,8 @@ def indexer_topk(
     block: int = 2048,
     rows_per_program: int | None = None,
     select_regs: int | None = None,
+    prefetch: bool = False,
+    collect_maxnreg: int | None = 64,
 ) -> torch.Tensor:
     """Top-k positions per row, as a set.
 
@@ -401,15 +452,17 @@ def indexer_topk(
     for a given configuration); callers that need score order sort them.
 
     Tuning (the set never depends on it): ``chunk``/``num_warps``: the streaming pass's tile per
-    program; ``rows_per_program``: rows per collect program (default up to 8, keeping ~1000
+    program; ``rows_per_program``: rows per collect program (default up to 16, keeping ~1000
     programs); ``select_warps``/``select_regs``: the per-row select's warps and candidate keys
-    per thread held in registers (default 4096 per row); ``sample_stride`` (default k/32, at most
+    per thread held in registers (default 4096 per row); ``prefetch``: load a row's chunk while
+    the previous row's is compacted; ``collect_maxnreg``: a register cap for the streaming pass
+    (more programs per SM); ``sample_stride`` (default k/32, at most
     64) and ``z``: the pivot sample; ``cap`` (a power of two >= topk, default 4·k): candidate list
     per row (T·cap·8 bytes); ``block``: the whole-row fallback.
     """
     out, stages, _ = topk_stages(logits, limit, topk, chunk, num_warps, select_warps,
                                  sample_stride, z, cap, block, rows_per_program,
-                                 select_regs)  # fmt: skip
+                                 select_regs, prefetch, collect_maxnreg)  # fmt: skip
     for launch in stages:
         launch()
     return out
@@ -428,6 +481,8 @@ def topk_stages(
     block=2048,
     rows_per_program=None,
     select_regs=None,
+    prefetch=False,
+    collect_maxnreg=64,
 ):
     """(out, [pivot, collect, finish], count): the launches of :func:`indexer_topk` as closures
     over freshly allocated buffers, for the benchmark's per-stage times (pivot and collect may be
@@ -450,9 +505,9 @@ def topk_stages(
     chunk = max(threads, min(chunk, next_pow2(s)))
     num_chunks = triton.cdiv(s, chunk)
     chunks_pad = next_pow2(num_chunks)
-    # several rows per collect program (each prefetched while the last is compacted), while
-    # keeping ~1000 programs or more
-    rows = rows_per_program or max(1, min(8, t * num_chunks // 1024))
+    # several rows per collect program (fewer, longer programs: the look-back waits overlap with
+    # other programs' loads), while keeping ~1000 programs or more
+    rows = rows_per_program or max(1, min(16, t * num_chunks // 1024))
     sthreads = min(32 * select_warps, cap)
     # the margin needs e = k / stride >~ 32 sample hits above the k-th score (see the top)
     sample_stride = sample_stride or max(1, min(64, next_pow2(topk) // 32))
@@ -477,7 +532,8 @@ def topk_stages(
         k = _collect_kernel[(triton.cdiv(t, rows) * num_chunks,)](
             logits, limit, pivot, tab, count, cand, t, s, num_chunks, stride_lt,
             TOPK=topk, CAP=cap, CHUNK=chunk, THREADS=threads, ROWS=rows,
-            NUM_CHUNKS_PAD=chunks_pad, num_warps=num_warps,
+            NUM_CHUNKS_PAD=chunks_pad, PREFETCH=prefetch, num_warps=num_warps,
+            **({"maxnreg": collect_maxnreg} if collect_maxnreg and logits.is_cuda else {}),
         )  # fmt: skip
         record("topk", k)
 
