@@ -29,21 +29,19 @@ from vllm.kernels.triton_utils import resource_report
 TOPK = 2048
 SHAPES = [(64, 131072, False), (64, 1 << 20, False), (8192, 32768, True), (8192, 131072, True)]
 KERNELS = ("topk_pivot", "topk", "topk_select", "topk_fallback")
-# knobs around the defaults (collect: chunk 4096, 8 warps, up to 16 rows per program, no
-# prefetch, 64 registers; select: 4 warps, 4096 keys in registers; sample stride 64, z 6,
-# cap 8192), on every shape but the 1M-candidate rows (``--prefill-only``: the causal shapes)
+# knobs around the defaults (collect: chunk 4096, 8 warps, up to 32 rows per program, no
+# prefetch, 64 registers; select: 4 warps, 4096 keys in registers; sample stride 32 up to 64K
+# columns and 64 beyond, z 5, cap 8192; the first of the sweep's rows is the previous default
+# collect: 121 registers, next row prefetched), on every shape but the 1M-candidate rows (``--prefill-only``: the causal shapes)
 SWEEP = [
-    dict(collect_maxnreg=56),
-    dict(collect_maxnreg=48),
-    dict(collect_maxnreg=None),
-    dict(rows_per_program=8),
-    dict(rows_per_program=32),
-    dict(prefetch=True, collect_maxnreg=80),
+    dict(z=6.0),
+    dict(sample_stride=64),
     dict(sample_stride=32),
-    dict(z=5.0),
-    dict(sample_stride=32, z=5.0),
-    dict(select_warps=8, select_regs=32),
-    dict(select_warps=2),
+    dict(rows_per_program=16),
+    dict(collect_maxnreg=None, prefetch=True),
+    dict(select_regs=16),
+    dict(select_regs=64),
+    dict(select_warps=8),
 ]
 
 

@@ -7,9 +7,9 @@ the row's limit below every score). Four launches:
      a search (:func:`_kth_largest`) give a key whose sample rank is about e + Z·√e (e = k·m/limit,
      the sample count expected above the true k-th score), so that about k + Z·√(k·stride)
      eligible scores of the row are at or above it — at least k and at most CAP (4·k) except with
-     probability ~1e-7 per row on i.i.d. scores. Rows with limit <= k are answered here
+     probability ~3e-7 per row on i.i.d. scores (Z = 5). Rows with limit <= k are answered here
      (0..limit−1, then −1).
-  2. collect, one program per CHUNK of a group of up to 16 rows (many programs per row: 64 rows
+  2. collect, one program per CHUNK of a group of up to 32 rows (many programs per row: 64 rows
      of 128K or 1M candidates fill the GPU), the group's rows one after the other: the scores at
      or above the pivot are appended to the row's candidate list (position << 32 | score bits) at
      an offset that is the sum of the candidate counts of the row's earlier chunks (decoupled
@@ -66,8 +66,10 @@ def _probe(lo, hi, e_lo, e_hi, k, interp):
     """The next probe in (lo, hi), given #{keys >= lo} >= k > #{keys >= hi}: where the count
     would reach k if it fell linearly from e_lo at lo to e_hi at hi (e_lo >= k > e_hi: the counts
     there, Illinois-weighted by :func:`_search_step`), or the midpoint (``interp`` 0)."""
-    w = hi - lo  # int64, <= 2^32; the product below < 2^47
-    g = lo + (w * (2 * (e_lo - k) + 1)) // (2 * (e_lo - e_hi))
+    # in fp32 with a fast division (an int64 one is a long software routine, run once per probe
+    # by every thread): the probe only has to land in (lo, hi), the clamp sees to that
+    frac = tl.fdiv((2 * (e_lo - k) + 1).to(tl.float32), (2 * (e_lo - e_hi)).to(tl.float32))
+    g = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
     g = tl.minimum(tl.maximum(g, lo + 1), hi - 1)
     return tl.where(interp != 0, g, (lo + hi) >> 1)
 
@@ -435,7 +437,7 @@ def indexer_topk(
     num_warps: int = 8,
     select_warps: int = 4,
     sample_stride: int | None = None,
-    z: float = 6.0,
+    z: float = 5.0,
     cap: int | None = None,
     block: int = 2048,
     rows_per_program: int | None = None,
@@ -452,12 +454,14 @@ def indexer_topk(
     for a given configuration); callers that need score order sort them.
 
     Tuning (the set never depends on it): ``chunk``/``num_warps``: the streaming pass's tile per
-    program; ``rows_per_program``: rows per collect program (default up to 16, keeping ~1000
+    program; ``rows_per_program``: rows per collect program (default up to 32, keeping ~1000
     programs); ``select_warps``/``select_regs``: the per-row select's warps and candidate keys
     per thread held in registers (default 4096 per row); ``prefetch``: load a row's chunk while
-    the previous row's is compacted; ``collect_maxnreg``: a register cap for the streaming pass
-    (more programs per SM); ``sample_stride`` (default k/32, at most
-    64) and ``z``: the pivot sample; ``cap`` (a power of two >= topk, default 4·k): candidate list
+    the previous row's is compacted (off by default: it holds twice the registers);
+    ``collect_maxnreg``: a register cap for the streaming pass, so that 4 programs of 8 warps fit
+    on an SM (CUDA only; on an H200, 121 registers → 64 with 16 rows per program took the
+    8192 × 128K causal collect pass from 2.92 to 1.87 ms); ``sample_stride`` (default k/32, at
+    most 32 up to 64K columns and 64 beyond) and ``z`` (default 5): the pivot sample; ``cap`` (a power of two >= topk, default 4·k): candidate list
     per row (T·cap·8 bytes); ``block``: the whole-row fallback.
     """
     out, stages, _ = topk_stages(logits, limit, topk, chunk, num_warps, select_warps,
@@ -476,7 +480,7 @@ def topk_stages(
     num_warps=8,
     select_warps=4,
     sample_stride=None,
-    z=6.0,
+    z=5.0,
     cap=None,
     block=2048,
     rows_per_program=None,
@@ -507,10 +511,12 @@ def topk_stages(
     chunks_pad = next_pow2(num_chunks)
     # several rows per collect program (fewer, longer programs: the look-back waits overlap with
     # other programs' loads), while keeping ~1000 programs or more
-    rows = rows_per_program or max(1, min(16, t * num_chunks // 1024))
+    rows = rows_per_program or max(1, min(32, t * num_chunks // 1024))
     sthreads = min(32 * select_warps, cap)
     # the margin needs e = k / stride >~ 32 sample hits above the k-th score (see the top)
-    sample_stride = sample_stride or max(1, min(64, next_pow2(topk) // 32))
+    # (up to 64K columns a stride of 32: the larger sample's tighter pivot saves more in the
+    # collect and select passes than the sample costs, which is no longer true at 128K)
+    sample_stride = sample_stride or max(1, min(32 if s <= 65536 else 64, next_pow2(topk) // 32))
     sample_pad = min(next_pow2(triton.cdiv(s, sample_stride)), MAX_SAMPLE)
     limit = limit.contiguous()
     i32 = dict(dtype=torch.int32, device=dev)
