@@ -31,7 +31,7 @@ SHAPES = [(64, 131072, False), (64, 1 << 20, False), (8192, 32768, True), (8192,
 KERNELS = ("topk_pivot", "topk", "topk_select", "topk_fallback")
 # knobs around the defaults (collect: chunk 4096, 8 warps, up to 32 rows per program, no
 # prefetch, 64 registers; select: 4 warps, 4096 keys in registers; sample stride 32 up to 64K
-# columns and 64 beyond, z 5, cap 8192; the first of the sweep's rows is the previous default
+# columns and 64 beyond, z 5, cap 8192; `collect_maxnreg=None, prefetch=True` is the previous
 # collect: 121 registers, next row prefetched), on every shape but the 1M-candidate rows (``--prefill-only``: the causal shapes)
 SWEEP = [
     dict(z=6.0),
