@@ -216,7 +216,8 @@ def test_topk_gpu_given_sample_is_used():
 
 
 @pytest.mark.gpu
-def test_indexer_scores_topk_gpu():
+@pytest.mark.parametrize("fused_sample", [False, True])
+def test_indexer_scores_topk_gpu(fused_sample):
     """The dispatch point of the prefill indexer: logits kernel writing the sample, top-k reading
     it, against the references on the same inputs (FP8 q and keys, causal limits)."""
     from vllm.attention.kv_cache import quantize_indexer_fp8_ref
@@ -230,7 +231,7 @@ def test_indexer_scores_topk_gpu():
     w = torch.randn(t, h, generator=g) * (h * d) ** -0.5
     args = [x.cuda() for x in (q, qs, w, k, ks)]
     limit = torch.arange(s - t + 1, s + 1, device="cuda")
-    logits, got = dispatch.indexer_scores_topk(*args, limit, 2048)
+    logits, got = dispatch.indexer_scores_topk(*args, limit, 2048, fused_sample=fused_sample)
     assert torch.equal(_as_set(got.cpu()), _as_set(topk_ref(logits, limit, 2048).cpu()))
     ref_logits = indexer_logits_ref(*args)
     fin = ref_logits.isfinite()

@@ -477,7 +477,8 @@ def indexer_topk(
     ``sample``: fp32 [T, ⌈S / stride⌉], the logits at the columns ``sample_pos(j, stride)``
     (:func:`vllm.kernels.indexer_logits.indexer_logits` writes it with ``sample_out``), with
     stride = ``sample_stride`` or its default: the pivot then reads it instead of gathering one
-    64-byte DRAM block per sampled score (0.15 of 0.84 ms for 8192 rows of 32K on an H200).
+    64-byte DRAM block per sampled score (0.15 of 0.84 ms for 8192 rows of 32K on an H200; but
+    the sample store costs the logits kernel more than that: see ``indexer_scores_topk``).
     """
     out, stages, _ = topk_stages(logits, limit, topk, chunk, num_warps, select_warps,
                                  sample_stride, z, cap, block, rows_per_program,
