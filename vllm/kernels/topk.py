@@ -26,8 +26,9 @@ the row's limit below every score). Four launches:
      sample, or masses of tied scores): a four-pass 8-bit radix select over the whole row. Exact,
      slow, rare.
 
-HBM traffic: the eligible logits once, plus the sample (one 32-byte sector per 64 scores) and the
-candidate lists (~2·k · 8 bytes per row written and read; T·CAP·8 bytes allocated). The order of
+HBM traffic: the eligible logits once, plus the sample (a 64-byte DRAM block per sampled score,
+one score in 32 or 64; or the logits kernel's contiguous sample, ``sample``) and the candidate
+lists (~2·k · 8 bytes per row written and read; T·CAP·8 bytes allocated). The order of
 the positions within an output row is unspecified (deterministic for one configuration); −1
 padding comes last. NaN scores are not supported (a NaN's key sorts above +inf or below −inf).
 """
