@@ -23,7 +23,7 @@ from benchmarks.kernels.common import (
 )
 from vllm.attention.ops.indexer import topk_ref
 from vllm.kernels.indexer_logits import indexer_logits, indexer_logits_paged_cost
-from vllm.kernels.topk import indexer_topk, topk_cost, topk_sample_stride, topk_stages
+from vllm.kernels.topk import indexer_topk, topk_cost, topk_stages
 from vllm.kernels.triton_utils import resource_report
 
 TOPK = 2048
@@ -34,62 +34,46 @@ KERNELS = ("topk_pivot", "topk", "topk_select", "topk_fallback")
 # columns and 64 beyond, z 5, cap 8192; `collect_maxnreg=None, prefetch=True` is the previous
 # collect: 121 registers, next row prefetched), on every shape but the 1M-candidate rows (``--prefill-only``: the causal shapes)
 SWEEP = [
-    dict(fused_sample=True),
-    dict(sample_stride=64),
     dict(z=6.0),
+    dict(sample_stride=64),
+    dict(sample_stride=32),
     dict(rows_per_program=16),
     dict(collect_maxnreg=None, prefetch=True),
+    dict(select_regs=16),
+    dict(select_regs=64),
     dict(select_warps=8),
 ]
 
 
 def inputs(t, s, causal):
-    """(logits, limit, logits_ms, sample): for prefill shapes the logits kernel's output and time,
-    and the pivot's sample written by the same kernel with its time (``fused_sample``); random
-    decode rows, whose logits time is the paged-key bytes over the measured copy bandwidth, and
-    no sample."""
+    """(logits, limit, logits_ms): the logits kernel's output and time for prefill shapes; random
+    decode rows, whose logits time is the paged-key bytes over the measured copy bandwidth."""
     if causal:
         q, qs, w, k, ks = prefill_inputs(t, s)
-        stride = topk_sample_stride(s, TOPK)
-        sample = torch.empty(t, -(-s // stride), device="cuda")
-        kw = dict(sample_out=sample, sample_stride=stride)
-        logits = indexer_logits(q, qs, w, k, ks, **kw)
-        fused_ms = time_ms(lambda: indexer_logits(q, qs, w, k, ks, **kw))
-        plain_ms = time_ms(lambda: indexer_logits(q, qs, w, k, ks))
-        return logits, torch.arange(s - t + 1, s + 1, device="cuda"), plain_ms, (sample, fused_ms)
+        logits = indexer_logits(q, qs, w, k, ks)
+        logit_ms = time_ms(lambda: indexer_logits(q, qs, w, k, ks))
+        return logits, torch.arange(s - t + 1, s + 1, device="cuda"), logit_ms
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(t, s, device="cuda", generator=g)
     _, kb = indexer_logits_paged_cost(t, s)
-    ms = kb / (measure_peaks().copy_tbps * 1e12) * 1e3
-    return logits, torch.full((t,), s, device="cuda"), ms, None
+    return logits, torch.full((t,), s, device="cuda"), kb / (measure_peaks().copy_tbps * 1e12) * 1e3
 
 
 def bench(t, s, causal, data, kw=None, ref_ms=None):
     """One row: the whole top-k, checked against the reference set on every row; the per-stage
     times (pivot sample, streaming collect pass, select + fallback: differences of cumulative
-    timings), the candidate counts and the compiler's report per kernel. ``fused_sample=True``
-    (prefill rows): the pivot reads the sample the logits kernel wrote, and the ratio is to the
-    time of that logits kernel (with the sample store)."""
-    logits, limit, logit_ms, ref_set, fused = data
-    kw = dict(kw or {})
-    swept = bool(kw)
-    use_sample = kw.pop("fused_sample", False) and fused is not None
-    tkw = dict(kw)
-    logit_note = ""
-    if use_sample:
-        tkw.update(sample=fused[0], sample_stride=topk_sample_stride(s, TOPK))
-        logit_note = f" with the sample store; {logit_ms:.3f} ms without"
-        logit_ms = fused[1]
-    got, (pivot, collect, finish), count = topk_stages(logits, limit, TOPK, **tkw)
+    timings), the candidate counts and the compiler's report per kernel."""
+    logits, limit, logit_ms, ref_set = data
+    kw = kw or {}
+    got, (pivot, collect, finish), count = topk_stages(logits, limit, TOPK, **kw)
     pivot(), collect(), finish()
     ok = torch.equal(got.sort(1).values, ref_set)
     live = limit.clamp(max=s) > TOPK
     cap = kw.get("cap", 4 * TOPK)
     cnt = count[live].float()
     n_fallback = int(((count < TOPK) | (count > cap))[live].sum())
-    ms = time_ms(lambda: indexer_topk(logits, limit, TOPK, **tkw), rep_ms=100 if swept else 200)
-    note = f"{ms / logit_ms:.1%} of logits ({logit_ms:.3f} ms{'' if causal else ' at copy BW'}"
-    note += f"{logit_note})"
+    ms = time_ms(lambda: indexer_topk(logits, limit, TOPK, **kw), rep_ms=200 if not kw else 100)
+    note = f"{ms / logit_ms:.1%} of logits ({logit_ms:.3f} ms{'' if causal else ' at copy BW'})"
     note += f" cand mean {cnt.mean():.0f} max {cnt.max():.0f} fallback rows {n_fallback}"
     note += "" if ok else " MISMATCH"
     t_pivot = time_ms(pivot, rep_ms=100)
@@ -97,9 +81,8 @@ def bench(t, s, causal, data, kw=None, ref_ms=None):
     note += (
         f" stages pivot/collect/finish {t_pivot:.3f}/{t_collect - t_pivot:.3f}/{ms - t_collect:.3f}"
     )
-    if swept:
+    if kw:
         note += " " + " ".join(f"{a}={b}" for a, b in kw.items())
-        note += " fused_sample=True" if use_sample else ""
         note += f" | collect {resource_report('topk')} | select {resource_report('topk_select')}"
     else:
         note += " | " + " | ".join(f"{n}: {resource_report(n)}" for n in KERNELS)
@@ -108,8 +91,7 @@ def bench(t, s, causal, data, kw=None, ref_ms=None):
         ref_ms = scaled_ref_ms(lambda: topk_ref(logits[:n], limit[:n], TOPK), n, t)
     flops, nbytes = topk_cost(t, s, TOPK, causal)
     shape = f"T={t} S={s} k=2048{' causal' if causal else ''}"
-    name = "topk sweep" if swept else "topk"
-    return row(name, shape, ms, flops, nbytes, "fp8", ref_ms, note)
+    return row("topk" if not kw else "topk sweep", shape, ms, flops, nbytes, "fp8", ref_ms, note)
 
 
 def main():
@@ -120,8 +102,8 @@ def main():
     shapes = [sh for sh in shapes if sh[2]] if args.prefill_only else shapes
     rows = []
     for sh in shapes:
-        logits, limit, logit_ms, fused = inputs(*sh)
-        data = logits, limit, logit_ms, topk_ref(logits, limit, TOPK).sort(1).values, fused
+        logits, limit, logit_ms = inputs(*sh)
+        data = logits, limit, logit_ms, topk_ref(logits, limit, TOPK).sort(1).values
         rows.append(bench(*sh, data))
         print_rows(rows[-1:])
         if args.sweep and sh[1] < 1 << 20:

@@ -27,31 +27,6 @@ def _rel(a, b):
     return ((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30)).item()
 
 
-def _check_sample(mod, t, s, stride, device, seed, block_s=128):
-    """The logits kernel's top-k sample: column j holds the logits at sample_pos(j, stride)
-    exactly (the same stored values), for every j whose column is < S."""
-    from vllm.kernels.triton_utils import sample_pos_torch
-
-    g = torch.Generator().manual_seed(seed)
-    h, d = 4, 32
-    q, qs = quantize_indexer_fp8_ref(torch.randn(t, h, d, generator=g))
-    k, ks = quantize_indexer_fp8_ref(torch.randn(s, d, generator=g))
-    w = torch.randn(t, h, generator=g) * (h * d) ** -0.5
-    args = [x.to(device) for x in (q, qs, w, k, ks)]
-    n = -(-s // stride)
-    sample = torch.full((t, n), 7.0, device=device)
-    out = mod.indexer_logits(*args, sample_out=sample, sample_stride=stride, block_s=block_s)
-    pos = sample_pos_torch(n, stride)
-    ok = pos < s
-    assert torch.equal(sample[:, ok.to(device)], out[:, pos[ok].to(device)])
-    assert torch.all(sample[:, ~ok.to(device)] == 7.0)  # past the last column: untouched
-    assert torch.equal(out, mod.indexer_logits(*args, block_s=block_s))  # logits unchanged
-    # the positions: one per stride-wide window, spread over it
-    assert torch.equal(pos // stride, torch.arange(n))
-    if n >= 4 * stride:
-        assert len(set((pos % stride).tolist())) > stride // 2
-
-
 def _check_prefill(mod, t, s, h, d, device, fp8, tol, seed, **kw):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(t, h, d, generator=g)
@@ -110,11 +85,6 @@ def test_indexer_logits_interpreter(interp, fp8):
                    block_t=16, block_s=16, num_warps=4)  # fmt: skip
 
 
-@pytest.mark.parametrize("stride,s", [(4, 37), (8, 64), (1, 20)])
-def test_indexer_logits_sample_interpreter(interp, stride, s):
-    _check_sample(interp("indexer_logits"), 5, s, stride, "cpu", seed=stride, block_s=16)
-
-
 @pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
 @pytest.mark.parametrize("q_fp8", [True, False])
 def test_indexer_logits_paged_interpreter(interp, cache_dtype, q_fp8):
@@ -139,11 +109,3 @@ def test_indexer_logits_paged_gpu(cache_dtype, q_fp8):
     from vllm.kernels import indexer_logits as mod
 
     _check_paged(mod, cache_dtype, 9, 32, 128, 64, "cuda", q_fp8, 5e-3, seed=3)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stride,s", [(32, 32768 + 77), (64, 5000)])
-def test_indexer_logits_sample_gpu(stride, s):
-    from vllm.kernels import indexer_logits as mod
-
-    _check_sample(mod, 300, s, stride, "cuda", seed=stride)

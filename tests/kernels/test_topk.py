@@ -41,8 +41,7 @@ def _as_set(idx: torch.Tensor) -> torch.Tensor:
     return torch.where(srt == big, -1, srt)
 
 
-def _check(mod, t, s, topk, device, seed, ties=True, limits=None, dist="normal",
-           given_sample=False, **kw):  # fmt: skip
+def _check(mod, t, s, topk, device, seed, ties=True, limits=None, dist="normal", **kw):
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # the Cauchy sampler draws from the global generator
     logits = _logits(t, s, g, ties, dist)
@@ -52,12 +51,6 @@ def _check(mod, t, s, topk, device, seed, ties=True, limits=None, dist="normal",
         if t > 1:
             limits[1] = 0
     logits, limits = logits.to(device), limits.to(device)
-    if given_sample:  # what the logits kernel writes (columns past S: never read)
-        from vllm.kernels.triton_utils import sample_pos_torch
-
-        stride = kw.get("sample_stride") or mod.topk_sample_stride(s, topk)
-        pos = sample_pos_torch(-(-s // stride), stride).clamp_max(s - 1).to(device)
-        kw = kw | dict(sample=logits[:, pos].contiguous(), sample_stride=stride)
     got = mod.indexer_topk(logits, limits, topk, **kw)
     ref = topk_ref(logits, limits, topk)
     assert got.dtype == torch.int32 and got.shape == (t, topk)
@@ -113,16 +106,6 @@ def test_topk_interpreter_score_distributions(interp, dist):
            num_warps=1, select_warps=1, sample_stride=4, cap=128, z=3.0, block=64)  # fmt: skip
 
 
-@pytest.mark.parametrize("dist", ["normal", "point"])
-@pytest.mark.parametrize("stride", [4, 8])
-def test_topk_interpreter_given_sample(interp, dist, stride):
-    """The pivot reads the sample the logits kernel wrote (sample_pos columns below each row's
-    limit) instead of gathering its own: same sets, ragged and short limits included."""
-    _check(interp("topk"), 6, 700, 24, "cpu", seed=stride, ties=dist == "normal", dist=dist,
-           given_sample=True, chunk=128, num_warps=1, select_warps=1, sample_stride=stride,
-           cap=128, z=3.0, block=64)  # fmt: skip
-
-
 def test_topk_interpreter_k_above_columns(interp):
     _check(interp("topk"), 3, 40, 64, "cpu", seed=4, chunk=32, num_warps=1, select_warps=1)
 
@@ -172,71 +155,12 @@ def test_topk_gpu_score_distributions(dist):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("given_sample", [False, True])
 @pytest.mark.parametrize("s", [32768, 131072])
-def test_topk_gpu_causal_chunk(s, given_sample):
+def test_topk_gpu_causal_chunk(s):
     from vllm.kernels import topk as mod
 
     t = 1024  # the last rows of an 8192-token prefill chunk, causal limits
-    _check(mod, t, s, 2048, "cuda", seed=s, ties=False, limits=torch.arange(s - t + 1, s + 1),
-           given_sample=given_sample)  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ties", [True, False])
-def test_topk_gpu_given_sample_ragged(ties):
-    from vllm.kernels import topk as mod
-
-    _check(mod, 300, 40000, 2048, "cuda", seed=9, ties=ties, given_sample=True)
-
-
-@pytest.mark.gpu
-def test_topk_gpu_given_sample_is_used():
-    """Any sample gives the exact set (a bad pivot only sends rows to the whole-row fallback), so
-    check the pivot it yields: with the true logits' sample every row's candidate count lies in
-    [k, cap] (no fallback); with a constant sample every sampled row falls back."""
-    from vllm.kernels import topk as mod
-    from vllm.kernels.triton_utils import sample_pos_torch
-
-    g = torch.Generator(device="cuda").manual_seed(1)
-    t, s, k = 256, 50000, 2048
-    logits = torch.randn(t, s, device="cuda", generator=g)
-    limit = torch.randint(k + 1, s + 1, (t,), device="cuda", generator=g)
-    stride = mod.topk_sample_stride(s, k)
-    pos = sample_pos_torch(-(-s // stride), stride).clamp_max(s - 1).cuda()
-    for sample, fallback in ((logits[:, pos].contiguous(), False),
-                             (torch.full((t, pos.numel()), 9.0, device="cuda"), True)):  # fmt: skip
-        out, stages, count = mod.topk_stages(logits, limit, k, sample=sample, sample_stride=stride)
-        for launch in stages:
-            launch()
-        sampled = limit > 4 * k  # rows longer than the candidate list take a sampled pivot
-        fell = ((count < k) | (count > 4 * k))[sampled]
-        assert bool(fell.all()) if fallback else not bool(fell.any())
-        assert torch.equal(_as_set(out.cpu()), _as_set(topk_ref(logits, limit, k).cpu()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fused_sample", [False, True])
-def test_indexer_scores_topk_gpu(fused_sample):
-    """The dispatch point of the prefill indexer: logits kernel writing the sample, top-k reading
-    it, against the references on the same inputs (FP8 q and keys, causal limits)."""
-    from vllm.attention.kv_cache import quantize_indexer_fp8_ref
-    from vllm.attention.ops import dispatch
-    from vllm.attention.ops.indexer import indexer_logits_ref
-
-    g = torch.Generator().manual_seed(0)
-    t, s, h, d = 512, 20000, 32, 128
-    q, qs = quantize_indexer_fp8_ref(torch.randn(t, h, d, generator=g))
-    k, ks = quantize_indexer_fp8_ref(torch.randn(s, d, generator=g))
-    w = torch.randn(t, h, generator=g) * (h * d) ** -0.5
-    args = [x.cuda() for x in (q, qs, w, k, ks)]
-    limit = torch.arange(s - t + 1, s + 1, device="cuda")
-    logits, got = dispatch.indexer_scores_topk(*args, limit, 2048, fused_sample=fused_sample)
-    assert torch.equal(_as_set(got.cpu()), _as_set(topk_ref(logits, limit, 2048).cpu()))
-    ref_logits = indexer_logits_ref(*args)
-    fin = ref_logits.isfinite()
-    err = (logits[fin] - ref_logits[fin]).norm() / ref_logits[fin].norm()
-    assert err < 2e-3, err
+    _check(mod, t, s, 2048, "cuda", seed=s, ties=False, limits=torch.arange(s - t + 1, s + 1))
 
 
 @pytest.mark.gpu

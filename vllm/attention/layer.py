@@ -254,15 +254,14 @@ class SparseMLAAttention(nn.Module):
                 last2 = last if b2 == b or meta.positions_cpu is None else last - (b - b2)
                 pieces.append((a2, b2, last2))
         for a, b, last in pieces:
-            _, out[a:b] = dispatch.indexer_scores_topk(
+            logits = dispatch.indexer_logits(
                 iq[0][lo + a : lo + b],
                 iq[1][lo + a : lo + b],
                 iq[2][lo + a : lo + b],
                 k[:last],
                 ks[:last],
-                pos[a:b] + 1,
-                meta.index_topk,
             )
+            out[a:b] = dispatch.indexer_topk(logits, pos[a:b] + 1, meta.index_topk)
         return out
 
     def _decode(self, cp, meta, q_nope, q_pe, iq, topk, out):

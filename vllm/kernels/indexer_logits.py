@@ -23,7 +23,7 @@ import triton.language as tl
 
 from vllm.attention.kv_cache import FP8_DTYPE, KVCacheLayout
 from vllm.attention.ops.indexer import indexer_logits_cost, indexer_logits_ref
-from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record, sample_pos
+from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record
 
 __all__ = [
     "indexer_logits",
@@ -52,7 +52,6 @@ def _indexer_logits_kernel(
     k_ptr,  # [S, D] e4m3 bytes or float, strides (stride_ks, 1)
     ks_ptr,  # [S] fp32 key scales
     out_ptr,  # [T, S] fp32, strides (stride_ot, 1)
-    sample_ptr,  # [T, num_samples] fp32 (SAMPLE_STRIDE > 0): out at the sample_pos columns
     num_q,
     num_k,
     stride_qt,
@@ -60,14 +59,12 @@ def _indexer_logits_kernel(
     stride_ks,
     stride_ot,
     num_s_blocks,
-    num_samples,
     H: tl.constexpr,
     D: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_S: tl.constexpr,
     Q_FP8: tl.constexpr,
     K_FP8: tl.constexpr,
-    SAMPLE_STRIDE: tl.constexpr,
 ):
     BOTH: tl.constexpr = Q_FP8 and K_FP8
     # consecutive programs share a query block (re-read once per head) and stream the keys
@@ -93,11 +90,6 @@ def _indexer_logits_kernel(
     out = acc * ks[None, :]
     o_ptrs = out_ptr + t[:, None].to(tl.int64) * stride_ot + s[None, :]
     tl.store(o_ptrs, out, mask=tmask[:, None] & smask[None, :])
-    if SAMPLE_STRIDE > 0:  # the top-k pivot's sample, so that it need not gather it again
-        js = s // SAMPLE_STRIDE
-        in_sample = smask & (s == sample_pos(js, SAMPLE_STRIDE))
-        sp = sample_ptr + t[:, None].to(tl.int64) * num_samples + js[None, :]
-        tl.store(sp, out, mask=tmask[:, None] & in_sample[None, :])
 
 
 @triton.jit
@@ -177,8 +169,6 @@ def indexer_logits(
     block_s: int = 128,
     num_warps: int = 4,
     num_stages: int | None = None,
-    sample_out: torch.Tensor | None = None,
-    sample_stride: int = 0,
 ) -> torch.Tensor:
     """Prefill scores of T queries against one context of S keys (no mask: callers pass the
     causal limit to top-k).
@@ -186,10 +176,6 @@ def indexer_logits(
     q: [T, H, D] e4m3 (``torch.float8_e4m3fn``) or float; q_scale, w: [T, H] float (w already
     × H^-0.5 · D^-0.5); k: [S, D] e4m3 or float; k_scale: [S] float. D a power of two (128).
     Returns logits [T, S] fp32 — :func:`indexer_logits_ref`.
-
-    ``sample_out`` (fp32 [T, ⌈S / sample_stride⌉], with ``sample_stride`` a power of two): also
-    write logits[:, sample_pos(j)] into column j (entries whose column is >= S are left
-    untouched), the sample :func:`vllm.kernels.topk.indexer_topk` takes as ``sample``.
     """
     t, h, d = q.shape
     s = k.shape[0]
@@ -206,20 +192,11 @@ def indexer_logits(
     if num_stages is None:  # measured on H200 (BENCHMARKS.md); fp32 tiles need the shallower pipe
         num_stages = 3 if (q8 and k8) else 2
     n_s = triton.cdiv(s, block_s)
-    if sample_out is not None:
-        n_samp = triton.cdiv(s, sample_stride) if sample_stride > 0 else -1
-        if (sample_stride != next_pow2(sample_stride) or sample_out.shape != (t, n_samp)
-                or sample_out.dtype != torch.float32 or not sample_out.is_contiguous()):  # fmt: skip
-            raise ValueError(f"sample_out must be contiguous fp32 [{t}, ⌈{s}/stride⌉] with a "
-                             f"power-of-two stride, got {tuple(sample_out.shape)}, {sample_stride}")
-    else:
-        sample_stride, n_samp = 0, 0
     k = _indexer_logits_kernel[(triton.cdiv(t, block_t) * n_s,)](
-        qx, _coef(w, q_scale), kx, k_scale.float().contiguous(), out,
-        out if sample_out is None else sample_out, t, s,
-        qx.stride(0), qx.stride(1), kx.stride(0), out.stride(0), n_s, n_samp,
+        qx, _coef(w, q_scale), kx, k_scale.float().contiguous(), out, t, s,
+        qx.stride(0), qx.stride(1), kx.stride(0), out.stride(0), n_s,
         H=h, D=d, BLOCK_T=block_t, BLOCK_S=block_s, Q_FP8=q8, K_FP8=k8,
-        SAMPLE_STRIDE=sample_stride, num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     record("indexer_logits", k)
     return out

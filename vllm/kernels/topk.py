@@ -27,10 +27,9 @@ the row's limit below every score). Four launches:
      slow, rare.
 
 HBM traffic: the eligible logits once, plus the sample (a 64-byte DRAM block per sampled score,
-one score in 32 or 64; or the logits kernel's contiguous sample, ``sample``) and the candidate
-lists (~2·k · 8 bytes per row written and read; T·CAP·8 bytes allocated). The order of
-the positions within an output row is unspecified (deterministic for one configuration); −1
-padding comes last. NaN scores are not supported (a NaN's key sorts above +inf or below −inf).
+one score in 32 or 64) and the candidate lists (~2·k · 8 bytes per row written and read;
+T·CAP·8 bytes allocated). The order of the positions within an output row is unspecified
+(deterministic for one configuration); −1 padding comes last. NaN scores are not supported (a NaN's key sorts above +inf or below −inf).
 """
 
 from __future__ import annotations
@@ -40,9 +39,9 @@ import triton
 import triton.language as tl
 
 from vllm.attention.ops.indexer import topk_ref
-from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record, sample_pos
+from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record
 
-__all__ = ["indexer_topk", "topk_ref", "topk_cost", "topk_stages", "topk_sample_stride"]
+__all__ = ["indexer_topk", "topk_ref", "topk_cost", "topk_stages"]
 
 INT32_MIN = -2147483648
 MAX_SAMPLE = 16384  # pivot sample held in registers (16 warps × 32 per thread)
@@ -140,15 +139,12 @@ def _pivot_kernel(
     num_chunks,
     stride_lt,
     z,  # fp32 margin in standard deviations of the sample count
-    sample_ptr,  # [T, num_samples] fp32: the logits at the sample_pos columns (GIVEN_SAMPLE)
-    num_samples,
     TOPK: tl.constexpr,
     TOPK_PAD: tl.constexpr,
     CAP: tl.constexpr,
     SAMPLE_STRIDE: tl.constexpr,
     SAMPLE_PAD: tl.constexpr,
     NUM_CHUNKS_PAD: tl.constexpr,
-    GIVEN_SAMPLE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     limit = tl.minimum(tl.maximum(tl.load(limit_ptr + row).to(tl.int32), 0), num_cols)
@@ -160,16 +156,11 @@ def _pivot_kernel(
     elif limit <= CAP:  # the whole row fits in the candidate list
         tl.store(pivot_ptr + row, -2147483648)
     else:
+        m = tl.minimum(tl.cdiv(limit, SAMPLE_STRIDE), SAMPLE_PAD)
         i = tl.arange(0, SAMPLE_PAD)
-        if GIVEN_SAMPLE:  # written by the logits kernel: contiguous, no gather
-            ok = (i < num_samples) & (sample_pos(i, SAMPLE_STRIDE) < limit)
-            skey = _keys(sample_ptr + row * num_samples, i, ok)
-            m = tl.sum(ok.to(tl.int32))
-        else:  # m positions spread over [0, limit), each jittered within its 1/m of the row
-            m = tl.minimum(tl.cdiv(limit, SAMPLE_STRIDE), SAMPLE_PAD)
-            jitter = ((i * -1640531535) >> 20) & 1023  # Fibonacci hash: no aliasing
-            spos = (((i.to(tl.int64) * 1024 + jitter) * limit) // (m.to(tl.int64) * 1024))
-            skey = _keys(logits_ptr + row * stride_lt, spos.to(tl.int32), i < m)
+        jitter = ((i * -1640531535) >> 20) & 1023  # Fibonacci hash: no aliasing with periodic rows
+        spos = (((i.to(tl.int64) * 1024 + jitter) * limit) // (m.to(tl.int64) * 1024)).to(tl.int32)
+        skey = _keys(logits_ptr + row * stride_lt, spos, i < m)
         e = (TOPK * m).to(tl.float32) / limit.to(tl.float32)
         r = tl.minimum(tl.maximum((e + z * tl.sqrt(e)).to(tl.int32) + 1, 1), m)
         lo = tl.full((), -2147483648, tl.int32)
@@ -453,7 +444,6 @@ def indexer_topk(
     select_regs: int | None = None,
     prefetch: bool = False,
     collect_maxnreg: int | None = 64,
-    sample: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k positions per row, as a set.
 
@@ -470,20 +460,13 @@ def indexer_topk(
     the previous row's is compacted (off by default: it holds twice the registers);
     ``collect_maxnreg``: a register cap for the streaming pass, so that 4 programs of 8 warps fit
     on an SM (CUDA only; on an H200, 121 registers → 64 with 16 rows per program took the
-    8192 × 128K causal collect pass from 2.92 to 1.87 ms); ``sample_stride`` (default
-    :func:`topk_sample_stride`) and ``z`` (default 5): the pivot sample; ``cap`` (a power of two
-    >= topk, default 4·k): candidate list per row (T·cap·8 bytes); ``block``: the whole-row
-    fallback.
-
-    ``sample``: fp32 [T, ⌈S / stride⌉], the logits at the columns ``sample_pos(j, stride)``
-    (:func:`vllm.kernels.indexer_logits.indexer_logits` writes it with ``sample_out``), with
-    stride = ``sample_stride`` or its default: the pivot then reads it instead of gathering one
-    64-byte DRAM block per sampled score (0.15 of 0.84 ms for 8192 rows of 32K on an H200; but
-    the sample store costs the logits kernel more than that: see ``indexer_scores_topk``).
+    8192 × 128K causal collect pass from 2.92 to 1.87 ms); ``sample_stride`` (default k/32, at
+    most 32 up to 64K columns and 64 beyond) and ``z`` (default 5): the pivot sample; ``cap`` (a power of two >= topk, default 4·k): candidate list
+    per row (T·cap·8 bytes); ``block``: the whole-row fallback.
     """
     out, stages, _ = topk_stages(logits, limit, topk, chunk, num_warps, select_warps,
                                  sample_stride, z, cap, block, rows_per_program,
-                                 select_regs, prefetch, collect_maxnreg, sample)  # fmt: skip
+                                 select_regs, prefetch, collect_maxnreg)  # fmt: skip
     for launch in stages:
         launch()
     return out
@@ -504,7 +487,6 @@ def topk_stages(
     select_regs=None,
     prefetch=False,
     collect_maxnreg=64,
-    sample=None,
 ):
     """(out, [pivot, collect, finish], count): the launches of :func:`indexer_topk` as closures
     over freshly allocated buffers, for the benchmark's per-stage times (pivot and collect may be
@@ -532,14 +514,10 @@ def topk_stages(
     rows = rows_per_program or max(1, min(32, t * num_chunks // 1024))
     sthreads = min(32 * select_warps, cap)
     # the margin needs e = k / stride >~ 32 sample hits above the k-th score (see the top)
-    sample_stride = sample_stride or topk_sample_stride(s, topk, given=sample is not None)
-    num_samples = triton.cdiv(s, sample_stride)
-    if sample is not None:
-        if sample.shape != (t, num_samples) or sample.dtype != torch.float32 or \
-                not sample.is_contiguous() or num_samples > MAX_SAMPLE:  # fmt: skip
-            raise ValueError(f"sample must be contiguous fp32 [{t}, {num_samples}] (at most "
-                             f"{MAX_SAMPLE} columns), got {tuple(sample.shape)} {sample.dtype}")
-    sample_pad = min(next_pow2(num_samples), MAX_SAMPLE)
+    # (up to 64K columns a stride of 32: the larger sample's tighter pivot saves more in the
+    # collect and select passes than the sample costs, which is no longer true at 128K)
+    sample_stride = sample_stride or max(1, min(32 if s <= 65536 else 64, next_pow2(topk) // 32))
+    sample_pad = min(next_pow2(triton.cdiv(s, sample_stride)), MAX_SAMPLE)
     limit = limit.contiguous()
     i32 = dict(dtype=torch.int32, device=dev)
     pivot, count = torch.empty(2, t, **i32)
@@ -550,9 +528,8 @@ def topk_stages(
     def pivot_launch():
         k = _pivot_kernel[(t,)](
             logits, limit, out, pivot, tab, s, num_chunks, stride_lt, float(z),
-            logits if sample is None else sample, num_samples,
             TOPK=topk, TOPK_PAD=next_pow2(topk), CAP=cap, SAMPLE_STRIDE=sample_stride,
-            SAMPLE_PAD=sample_pad, NUM_CHUNKS_PAD=chunks_pad, GIVEN_SAMPLE=sample is not None,
+            SAMPLE_PAD=sample_pad, NUM_CHUNKS_PAD=chunks_pad,
             num_warps=max(4, min(16, sample_pad // 1024)),
         )  # fmt: skip
         record("topk_pivot", k)
@@ -581,14 +558,6 @@ def topk_stages(
         record("topk_fallback", k)
 
     return out, [pivot_launch, collect_launch, finish_launch], count
-
-
-def topk_sample_stride(num_cols: int, topk: int, given: bool = True) -> int:
-    """The pivot's sample stride (a power of two): about k/32 (so that ~32 sample hits lie
-    above the k-th score), at most 32 when the sample is given by the logits kernel
-    (contiguous: a larger sample is cheap) or the row has up to 64K columns, else 64 (a gathered
-    sample costs a 64-byte DRAM read per score)."""
-    return max(1, min(32 if given or num_cols <= 65536 else 64, next_pow2(topk) // 32))
 
 
 def topk_cost(num_rows: int, num_cols: int, topk: int = 2048, causal: bool = False):

@@ -85,19 +85,3 @@ def bf16_bits(x):
     bits = x.to(tl.int32, bitcast=True)
     r = bits + 0x7FFF + ((bits >> 16) & 1)
     return (r >> 16).to(tl.int16)
-
-
-# ---- the top-k pivot sample, written by the prefill logits kernel ----------------------------
-@triton.jit
-def sample_pos(j, STRIDE: tl.constexpr):
-    """Column of sample j (int32 tensor): one per STRIDE-wide window, at an offset in the window
-    from a Fibonacci hash of j (no aliasing with periodic scores; uniform within the window)."""
-    return j * STRIDE + (((j * -1640531535) >> 20) & (STRIDE - 1))
-
-
-def sample_pos_torch(n: int, stride: int) -> torch.Tensor:
-    """:func:`sample_pos` of samples 0..n−1 in torch (int64), for tests and references."""
-    j = torch.arange(n, dtype=torch.int64)
-    h = (j * -1640531535) & 0xFFFFFFFF
-    h = torch.where(h >= 1 << 31, h - (1 << 32), h)  # the int32 product, wrapped
-    return j * stride + ((h >> 20) & (stride - 1))

@@ -139,29 +139,6 @@ def indexer_logits_paged_ref(
     return out
 
 
-def indexer_scores_topk(q, q_scale, w, k, k_scale, limit, topk: int, fused_sample: bool = False):
-    """:func:`indexer_logits` then :func:`indexer_topk`: logits [T, S] and int32 [T, topk].
-
-    ``fused_sample`` (fast path only): the logits kernel also writes the top-k pivot's sample
-    (one score per 32 columns) and the top-k reads it instead of gathering it. Off: on an H200
-    the sample store added more to the logits kernel (2.561 → 2.669 ms for 8192 × 32K, 10.40 →
-    10.95 ms for 8192 × 128K) than it saved in the top-k (0.837 → 0.764, 2.424 → 2.163 ms)."""
-    fast_l = _kernel("indexer_logits", q, _pow2(q.shape[-1]))
-    fast_t = _kernel("topk", q)
-    if fast_l is None or fast_t is None or not fused_sample:
-        logits = indexer_logits(q, q_scale, w, k, k_scale)
-        return logits, indexer_topk(logits, limit, topk)
-    t, s = q.shape[0], k.shape[0]
-    stride = fast_t.topk_sample_stride(s, topk)
-    n = -(-s // stride)
-    sample = None
-    if n <= fast_t.MAX_SAMPLE and t > 0:
-        sample = torch.empty(t, n, dtype=torch.float32, device=q.device)
-    logits = fast_l.indexer_logits(q, q_scale, w, k, k_scale, sample_out=sample,
-                                   sample_stride=stride if sample is not None else 0)  # fmt: skip
-    return logits, fast_t.indexer_topk(logits, limit, topk, sample=sample, sample_stride=stride)
-
-
 def indexer_topk(logits, limit, topk: int):
     """logits [T, S], limit [T] -> int32 [T, topk]: the top-k set (ties to the lower position),
     −1 padded at the end; the order within a row is unspecified (the reference's is by score)."""
