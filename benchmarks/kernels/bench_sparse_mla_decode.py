@@ -8,7 +8,15 @@ import math
 
 import torch
 
-from benchmarks.kernels.common import dump_json, parser, print_rows, row, scaled_ref_ms, time_ms
+from benchmarks.kernels.common import (
+    dump_json,
+    parser,
+    print_rows,
+    row,
+    scaled_ref_ms,
+    time_ms,
+    ws_available,
+)
 from vllm.attention.kv_cache import KVCacheLayout
 from vllm.attention.ops.sparse_mla import sparse_mla_ref
 from vllm.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_cost
@@ -39,13 +47,15 @@ def make_inputs(t: int, cache_dtype: str, seed: int = 0):
     return layout, cache, slots.to(torch.int32), q
 
 
-def bench(t: int, cache_dtype: str, config=None, int_dequant=False, ref=True, tag="") -> dict:
+def bench(
+    t: int, cache_dtype: str, config=None, int_dequant=False, ref=True, tag="", kernel="triton"
+) -> dict:
     layout, cache, slots, q = make_inputs(t, cache_dtype)
     scale = 1 / math.sqrt(256)
 
     def run():
         return sparse_mla_decode(
-            q, cache, slots, layout, scale, torch.bfloat16, config, int_dequant
+            q, cache, slots, layout, scale, torch.bfloat16, config, int_dequant, kernel=kernel
         )
 
     ms = time_ms(run)
@@ -59,6 +69,9 @@ def bench(t: int, cache_dtype: str, config=None, int_dequant=False, ref=True, ta
     cfg = config or default_config(t, H, TOPK, layout.is_fp8, q.device)
     note = f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.num_splits}"
     note += (" int-deq " if int_dequant else " ") + resource_report("sparse_mla_fwd")
+    if kernel == "ws":
+        note = f"gluon ws kernel, split{cfg.num_splits}"
+        tag = "_ws" + tag
     return row(f"sparse_decode_{cache_dtype[:3]}{tag}", f"T={t} H=64 topk=2048 ctx=128K", ms,
                flops, nbytes, "bf16", ref_ms, note)  # fmt: skip
 
@@ -66,8 +79,13 @@ def bench(t: int, cache_dtype: str, config=None, int_dequant=False, ref=True, ta
 def main():
     args = parser(__doc__).parse_args()
     shapes = SHAPES[:2] if args.quick else SHAPES
-    rows = [bench(t, "fp8_ds_mla") for t in shapes]
-    rows += [bench(t, "auto") for t in (shapes[0], shapes[-1])]
+    kernels = [k for k in args.kernels.split(",") if k != "ws" or ws_available()]
+    rows = []
+    for kernel in kernels:  # same process, same inputs: the ratio between kernels is direct
+        rows += [bench(t, "fp8_ds_mla", kernel=kernel, ref=kernel == "triton") for t in shapes]
+        rows += [
+            bench(t, "auto", kernel=kernel, ref=kernel == "triton") for t in (shapes[0], shapes[-1])
+        ]
     if args.sweep:
         for t in (64, 256):
             for bn, warps, stages in ((64, 8, 2), (32, 16, 2), (64, 16, 2), (64, 16, 3)):

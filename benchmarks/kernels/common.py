@@ -119,7 +119,16 @@ def parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, help="append result rows as JSON lines to this file")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument(
+        "--kernels", default="triton,ws",
+        help="sparse-MLA kernels to time, comma-separated: triton, ws (the Gluon one, sm_90 only)",
+    )  # fmt: skip
     return ap
+
+
+def ws_available() -> bool:
+    """The warp-specialised Gluon sparse-MLA kernel runs here (an sm_90 GPU)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def scaled_ref_ms(ref_fn, sub: int, total: int, rep_ms: int = 100) -> float:

@@ -102,16 +102,43 @@ def test_prefill_interpreter(interp):
 
 # ---- GPU ---------------------------------------------------------------------------------------
 GLM = dict(r=512, rope=64, h=64, topk=2048)
+KERNELS = ["triton", "ws"]  # ws: the warp-specialised Gluon kernel (Hopper only)
+
+
+def _need(kernel):
+    if kernel == "ws" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialised kernel is built for sm_90")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
+@pytest.mark.parametrize("t,h", [(1, 64), (7, 64), (64, 64), (130, 64), (5, 16), (9, 8), (3, 4)])
+def test_decode_gpu(cache_dtype, t, h, kernel):
+    from vllm.kernels import sparse_mla_decode as mod
+
+    _need(kernel)
+    layout = KVCacheLayout(cache_dtype, torch.bfloat16, GLM["r"], GLM["rope"], 128)
+    _check_decode(
+        mod, layout, t, h, GLM["topk"], 64, "cuda", torch.bfloat16, 1e-2, seed=t * h, kernel=kernel
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
-@pytest.mark.parametrize("t,h", [(1, 64), (7, 64), (64, 64), (130, 64), (5, 16), (9, 8), (3, 4)])
-def test_decode_gpu(cache_dtype, t, h):
+@pytest.mark.parametrize("splits,k", [(1, 64), (2, 2048), (3, 2048), (5, 700)])
+def test_decode_gpu_ws_splits(cache_dtype, splits, k):
+    """The Gluon kernel's split-K slices (merged like the Triton kernel's), ragged top-k."""
     from vllm.kernels import sparse_mla_decode as mod
+    from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
 
-    layout = KVCacheLayout(cache_dtype, torch.bfloat16, GLM["r"], GLM["rope"], 128)
-    _check_decode(mod, layout, t, h, GLM["topk"], 64, "cuda", torch.bfloat16, 1e-2, seed=t * h)
+    _need("ws")
+    layout = KVCacheLayout(cache_dtype, torch.bfloat16, 512, 64, 128)
+    cfg = SparseMLAConfig(64, 64, 8, 2, splits)
+    _check_decode(
+        mod, layout, 9, 64, k, 64, "cuda", torch.bfloat16, 1e-2, seed=splits, config=cfg,
+        kernel="ws",
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -130,18 +157,22 @@ def test_decode_gpu_configs(int_dequant, bn, warps, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("q_dtype", [torch.float32])
-def test_decode_gpu_fp32_query_and_short_topk(q_dtype):
+def test_decode_gpu_fp32_query_and_short_topk(q_dtype, kernel):
     from vllm.kernels import sparse_mla_decode as mod
 
+    _need(kernel)
     layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
-    _check_decode(mod, layout, 6, 64, 100, 4, "cuda", q_dtype, 1e-2, seed=11)
+    _check_decode(mod, layout, 6, 64, 100, 4, "cuda", q_dtype, 1e-2, seed=11, kernel=kernel)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,h,s", [(1, 64, 100), (77, 64, 4096), (300, 64, 3000), (33, 16, 5000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_prefill_gpu(t, h, s, dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_prefill_gpu(t, h, s, dtype, kernel):
     from vllm.kernels import sparse_mla_prefill as mod
 
-    _check_prefill(mod, t, h, s, 2048, 512, 64, "cuda", dtype, 1e-2, seed=t + s)
+    _need(kernel)
+    _check_prefill(mod, t, h, s, 2048, 512, 64, "cuda", dtype, 1e-2, seed=t + s, kernel=kernel)

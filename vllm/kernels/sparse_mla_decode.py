@@ -26,6 +26,7 @@ def sparse_mla_decode(
     out_dtype: torch.dtype = torch.float32,
     config: SparseMLAConfig | None = None,
     int_dequant: bool = False,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA attention of decode queries over their selected cache rows.
 
@@ -41,7 +42,9 @@ def sparse_mla_decode(
         raise ValueError(f"cache {tuple(cache.shape)} does not match {layout}")
     fmt = RowFormat(layout.kv_lora_rank, layout.rope_dim, layout.is_fp8)
     rows = cache.view(-1, cache.shape[-1])
-    return sparse_mla_fwd(q, rows, fmt, slots, sm_scale, out_dtype, config, int_dequant)
+    return sparse_mla_fwd(
+        q, rows, fmt, slots, sm_scale, out_dtype, config, int_dequant, kernel=kernel
+    )
 
 
 def sparse_mla_decode_cost(

@@ -14,13 +14,20 @@ selected row once per program and writes only out and lse.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton_utils import check_cuda_or_interpreter, dot_dtype, next_pow2, record
+from vllm.kernels.triton_utils import (
+    check_cuda_or_interpreter,
+    dot_dtype,
+    interpreting,
+    next_pow2,
+    record,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -183,11 +190,16 @@ def sparse_mla_fwd(
     out_dtype: torch.dtype = torch.float32,
     config: SparseMLAConfig | None = None,
     int_dequant: bool = False,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, kv_lora + rope]; kv_rows: FP8 uint8 [num_rows, row_bytes] or float
     [num_rows, >= kv_lora + rope] (last dim contiguous); indices [T, K] int32 rows (−1 none).
     Returns out [T, H, kv_lora] ``out_dtype`` and lse [T, H] fp32 (natural log; −inf, zeros
-    when a token has no valid row)."""
+    when a token has no valid row).
+
+    ``kernel``: "triton" (this module's kernel), "ws" (the warp-specialised Gluon kernel of
+    :mod:`vllm.kernels.sparse_mla_ws`, Hopper and GLM-5.3 dims only) or None = the environment's
+    ``VLLM_SPARSE_MLA_KERNEL``, else "ws" where it applies and "triton" elsewhere."""
     t, h, d = q.shape
     if d != fmt.kv_lora + fmt.rope or indices.dim() != 2 or indices.shape[0] != t:
         raise ValueError(f"q {tuple(q.shape)} / indices {tuple(indices.shape)} / {fmt} mismatch")
@@ -209,6 +221,19 @@ def sparse_mla_fwd(
     lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
     if t == 0:
         return out, lse
+    if _use_ws(kernel, q, kv_rows, fmt, int_dequant):
+        from vllm.kernels.sparse_mla_ws import sparse_mla_ws
+
+        if not fmt.is_fp8 and kv_rows.dtype != torch.bfloat16:
+            kv_rows = kv_rows.to(torch.bfloat16)
+        part_o, part_l = sparse_mla_ws(
+            q, kv_rows, fmt.is_fp8, fmt.row_bytes, indices, sm_scale, out_dtype, cfg.num_splits
+        )
+        if part_o.shape[0] == 1:
+            return part_o[0], part_l[0]
+        from vllm.kernels.merge_attn import merge_attn_states
+
+        return merge_attn_states(part_o, part_l, out_dtype=out_dtype)
     if splits > 1:
         part_o = torch.empty(splits, t, h, fmt.kv_lora, dtype=torch.float32, device=q.device)
         part_l = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
@@ -230,6 +255,37 @@ def sparse_mla_fwd(
         o, lse = merge_attn_states(part_o, part_l, out_dtype=out_dtype)
         return o, lse
     return out, lse
+
+
+WS_DEFAULT = False  # flipped once measured faster on the H200 (BENCHMARKS.md)
+
+
+def _use_ws(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
+    """Whether the warp-specialised Gluon kernel takes this call (see ``sparse_mla_fwd``)."""
+    kernel = kernel or os.environ.get("VLLM_SPARSE_MLA_KERNEL") or None
+    if kernel not in (None, "ws", "triton"):
+        raise ValueError(f"kernel must be 'ws' or 'triton', got {kernel!r}")
+    if kernel == "triton":
+        return False
+    why = None
+    if not q.is_cuda or interpreting():
+        why = "needs a CUDA device (no interpreter)"
+    elif (fmt.kv_lora, fmt.rope) != (512, 64) or q.shape[1] > 64:
+        why = f"is built for kv_lora 512, rope 64, <= 64 heads (got {fmt}, {q.shape[1]} heads)"
+    elif int_dequant:
+        why = "has no integer-dequant variant"
+    elif not fmt.is_fp8 and (kv_rows.stride(0) % 8 or kv_rows.data_ptr() % 16):
+        why = "needs 16-byte aligned bf16 rows"
+    else:
+        from vllm.kernels.sparse_mla_ws import is_supported_device
+
+        if not is_supported_device(q.device.index or 0):
+            why = "needs an sm_90 (Hopper) GPU"
+    if why is not None:
+        if kernel == "ws":
+            raise ValueError(f"the warp-specialised sparse-MLA kernel {why}")
+        return False
+    return kernel == "ws" or WS_DEFAULT
 
 
 def sparse_mla_flops(num_tokens: int, num_heads: int, topk: int, d_qk: int, d_v: int) -> int:

@@ -28,6 +28,7 @@ def sparse_mla_prefill(
     d_v: int,
     out_dtype: torch.dtype = torch.float32,
     config: SparseMLAConfig | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA sparse attention of prefill queries over rows of one flat context.
 
@@ -45,7 +46,7 @@ def sparse_mla_prefill(
         # the dots take bf16 anyway; fp32 rows would double the pipelined shared memory
         kv = kv.to(torch.bfloat16)
     fmt = RowFormat(d_v, q.shape[2] - d_v, is_fp8=False)
-    return sparse_mla_fwd(q, kv, fmt, indices, sm_scale, out_dtype, config)
+    return sparse_mla_fwd(q, kv, fmt, indices, sm_scale, out_dtype, config, kernel=kernel)
 
 
 def sparse_mla_prefill_ref(

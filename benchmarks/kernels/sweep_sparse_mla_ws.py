@@ -1,0 +1,85 @@
+"""Tile/partition sweep of the warp-specialised Gluon sparse-MLA kernel (sm_90) on the decode
+(fp8_ds_mla and bf16 cache) and MQA-prefill shapes of bench_sparse_mla_decode/prefill, with the
+Triton kernel timed in the same process as the baseline. Prints TFLOP/s and the fraction of the
+bf16 matmul peak measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from benchmarks.kernels.bench_sparse_mla_decode import make_inputs
+from benchmarks.kernels.common import measure_peaks, time_ms
+from vllm.kernels.sparse_mla_fwd import RowFormat, default_config, sparse_mla_flops, sparse_mla_fwd
+from vllm.kernels.sparse_mla_ws import sparse_mla_ws
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--decode-t", default="64,1024")
+    ap.add_argument("--fp8-rows", default="8,16,32")
+    ap.add_argument("--producer-regs", default="56,88,120")
+    ap.add_argument("--producer-warps", default="4")
+    ap.add_argument("--pv-first", default="1,0", help="consumer block order(s) to time")
+    ap.add_argument("--prefill", default="8192x32768", help="TxS prefill shapes, comma-separated")
+    args = ap.parse_args()
+    peaks = measure_peaks()
+    print(f"# peaks: copy {peaks.copy_tbps:.2f} TB/s, bf16 {peaks.bf16_tflops:.0f} TFLOP/s")
+    print(f"{'case':<34}{'config':<34}{'ms':>9}{'TFLOP/s':>9}{'%peak':>7}{'vs triton':>10}")
+    for t in [int(x) for x in args.decode_t.split(",")]:
+        for cache_dtype in ("fp8_ds_mla", "auto"):
+            layout, cache, slots, q = make_inputs(t, cache_dtype)
+            fmt = RowFormat(512, 64, layout.is_fp8)
+            rows = cache.view(-1, cache.shape[-1])
+            cfg = default_config(t, 64, 2048, layout.is_fp8, q.device)
+            flops = sparse_mla_flops(t, 64, 2048, 576, 512)
+            base = time_ms(lambda: sparse_mla_fwd(q, rows, fmt, slots, 0.06, torch.bfloat16,
+                                                  kernel="triton"))  # fmt: skip
+            _print(f"decode {cache_dtype} T={t}", "triton", base, flops, peaks, base)
+            grid = (
+                itertools.product(args.fp8_rows.split(","), args.producer_regs.split(","),
+                                  args.producer_warps.split(","), args.pv_first.split(","))
+                if layout.is_fp8
+                else [("16", "40", w, o) for w in args.producer_warps.split(",")
+                      for o in args.pv_first.split(",")]
+            )  # fmt: skip
+            for fr, pr, pw, pf in grid:
+                kw = dict(fp8_rows=int(fr), producer_regs=int(pr), producer_warps=int(pw),
+                          pv_first=pf == "1")  # fmt: skip
+                try:
+                    ms = time_ms(lambda: sparse_mla_ws(q, rows, layout.is_fp8, fmt.row_bytes,
+                                                       slots, 0.06, torch.bfloat16,
+                                                       cfg.num_splits, **kw))  # fmt: skip
+                except Exception as e:  # e.g. a partition over the register file: report it
+                    print(f"  {kw}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                _print(f"decode {cache_dtype} T={t}", f"ws {kw}", ms, flops, peaks, base)
+            del cache
+    for shape in filter(None, args.prefill.split(",")):
+        t, s = (int(x) for x in shape.split("x"))
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(t, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
+        kv = torch.randn(s, 576, device="cuda", generator=g).to(torch.bfloat16)
+        idx = torch.randint(0, s, (t, 2048), device="cuda", generator=g, dtype=torch.int32)
+        fmt = RowFormat(512, 64, False)
+        flops = sparse_mla_flops(t, 64, 2048, 576, 512)
+        base = time_ms(lambda: sparse_mla_fwd(q, kv, fmt, idx, 0.04, torch.bfloat16,
+                                              kernel="triton"))  # fmt: skip
+        _print(f"prefill T={t} S={s}", "triton", base, flops, peaks, base)
+        for pw, pf in itertools.product(args.producer_warps.split(","), args.pv_first.split(",")):
+            kw = dict(producer_warps=int(pw), pv_first=pf == "1")
+            ms = time_ms(lambda: sparse_mla_ws(q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1,
+                                               **kw))  # fmt: skip
+            _print(f"prefill T={t} S={s}", f"ws {kw}", ms, flops, peaks, base)
+
+
+def _print(case, config, ms, flops, peaks, base):
+    tf = flops / ms / 1e9
+    print(f"{case:<34}{config:<34}{ms:>9.3f}{tf:>9.1f}{tf / peaks.bf16_tflops:>7.1%}"
+          f"{base / ms:>10.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""Warp-specialised sparse-MLA attention for Hopper (sm_90), written in Gluon.
+
+Same function as :func:`vllm.kernels.sparse_mla_fwd.sparse_mla_fwd` (one query token, all 64
+heads of it, one slice of its top-k list per program), at GLM-5.3's fixed dims: kv_lora 512,
+rope 64. What the Triton kernel cannot express and this one does:
+
+- **A producer partition** (``PRODUCER_WARPS`` warps, few registers) gathers the selected rows
+  into a ring of ``NUM_STAGES`` shared-memory stages while the consumers compute:
+  - bf16 rows with ``cp.async`` (16-byte pieces, zero-filled for −1 slots), each thread's copies
+    signalling the stage's ``ready`` barrier when they land;
+  - fp8_ds_mla rows loaded into registers, dequantised (e4m3 · the tile's fp32 scale) to bf16
+    and stored into the stage, then signalled.
+- **Consumers** (the default partition: two warpgroups, each owning 256 of the 512 value
+  columns) run a software pipeline: the QK wgmma of block i+1 and the PV wgmma of block i are in
+  flight on the tensor cores while the softmax of block i+1 runs. A stage is released to the
+  producer (``empty`` barrier) once the PV wgmma that reads it has completed.
+
+Scores use an online base-2 softmax exactly as the Triton kernel (same masking, same −inf/zero
+conventions for tokens without a valid row), so the merge of split-K slices is shared.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+D_NOPE = gl.constexpr(512)
+D_ROPE = gl.constexpr(64)
+BLOCK_H = gl.constexpr(64)
+
+
+@gluon.jit
+def _qk(q_nope_s, q_rope_s, kv_st, kr_st, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Issue S = Q·Kᵀ (nope + rope) asynchronously; the caller waits."""
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_nope_s, kv_st.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_rope_s, kr_st.permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _softmax(s, rid, m_i, l2, scale_log2):
+    """Online base-2 softmax step: returns p (fp32), the new row max, the rescale and the running
+    sums. The sums stay per column slot ([H, BLOCK_N], reduced once at the end) so the two
+    warpgroups exchange only the row max per block, not the sum too."""
+    s = gl.where((rid >= 0)[None, :], s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
+    l2 = l2 * alpha[:, None] + p
+    return p, m_new, l2, alpha
+
+
+@gluon.jit
+def _consumer(
+    q_nope_s, q_rope_s, kv_s, kr_s, p_s, ready, empty,
+    idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
+    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, PV_FIRST: gl.constexpr,
+):  # fmt: skip
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_NOPE // 2, 16]
+    )
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    n_blocks = k_per_split // BLOCK_N
+    k_lo = split * k_per_split
+    idx_row = idx_ptr + t * stride_it + k_lo
+
+    acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l2 = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+    k_lim = gl.minimum(k_per_split, topk - k_lo)  # valid top-k positions of this slice
+
+    # prologue: S_0 and its softmax; the ids of block 1 are fetched a block ahead
+    rid = gl.load(idx_row + cols, mask=cols < k_lim, other=-1)
+    rid_next = gl.load(idx_row + BLOCK_N + cols, mask=BLOCK_N + cols < k_lim, other=-1)
+    mbarrier.wait(ready.index(0), 0)
+    s = _qk(q_nope_s, q_rope_s, kv_s.index(0), kr_s.index(0), s_layout, BLOCK_N)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    p, m_i, l2, alpha = _softmax(s, rid, m_i, l2, scale_log2)
+
+    for i in range(n_blocks - 1):
+        st = i % NUM_STAGES
+        nxt = i + 1
+        s_nx = nxt % NUM_STAGES
+        if PV_FIRST:
+            # PV_i, then S_{i+1}: stage st is released as soon as PV_i lands, a whole block
+            # before the producer's refill is needed; the softmax does not overlap the MMAs
+            p_s.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(p_s, kv_s.index(st), acc, is_async=True)
+            mbarrier.wait(ready.index(s_nx), (nxt // NUM_STAGES) & 1)
+            s_next = _qk(q_nope_s, q_rope_s, kv_s.index(s_nx), kr_s.index(s_nx), s_layout, BLOCK_N)
+            rid = rid_next
+            k2 = (i + 2) * BLOCK_N
+            rid_next = gl.load(idx_row + k2 + cols, mask=k2 + cols < k_lim, other=-1)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            gl.thread_barrier()  # both warpgroups are done reading stage st and P_i
+            mbarrier.arrive(empty.index(st))
+            s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+            p, m_i, l2, alpha = _softmax(s_next, rid, m_i, l2, scale_log2)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        else:
+            # S_{i+1}, then PV_i: the softmax of S_{i+1} runs while PV_i is on the tensor cores
+            mbarrier.wait(ready.index(s_nx), (nxt // NUM_STAGES) & 1)
+            s_next = _qk(q_nope_s, q_rope_s, kv_s.index(s_nx), kr_s.index(s_nx), s_layout, BLOCK_N)
+            rid = rid_next
+            k2 = (i + 2) * BLOCK_N
+            rid_next = gl.load(idx_row + k2 + cols, mask=k2 + cols < k_lim, other=-1)
+            # P_i -> shared memory (both warpgroups need all of its columns), then PV_i
+            p_s.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(p_s, kv_s.index(st), acc, is_async=True)
+            s_next = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+            p, m_i, l2, alpha = _softmax(s_next, rid, m_i, l2, scale_log2)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()  # both warpgroups are done reading stage st and P_i
+            mbarrier.arrive(empty.index(st))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    # the last block: PV only
+    p_s.store(p.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = warpgroup_mma(p_s, kv_s.index((n_blocks - 1) % NUM_STAGES), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    l_i = gl.sum(l2, axis=1)
+
+    has = l_i > 0.0
+    l_safe = gl.where(has, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    heads_o = gl.arange(0, BLOCK_H, layout=row_o)
+    dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
+    heads_s = gl.arange(0, BLOCK_H, layout=row_s)
+    gl.store(lse_ptr + split * stride_ls + t * stride_lt + heads_s, lse, mask=heads_s < num_heads)
+
+
+@gluon.jit
+def _fp8_chunk_load(kv_ptr, idx_row, k0, k_lim, rows, c128, rows_r, c64, ROW_BYTES: gl.constexpr):
+    """Issue the loads of FP8 rows k0 .. k0+len(rows) of the slice (masked past k_lim / −1)."""
+    rid = gl.load(idx_row + k0 + rows, mask=k0 + rows < k_lim, other=-1)
+    m = (rid >= 0)[:, None]
+    row = kv_ptr + rid.to(gl.int64) * ROW_BYTES
+    r0 = gl.load(row[:, None] + c128[None, :], mask=m, other=0)
+    r1 = gl.load(row[:, None] + (128 + c128)[None, :], mask=m, other=0)
+    r2 = gl.load(row[:, None] + (256 + c128)[None, :], mask=m, other=0)
+    r3 = gl.load(row[:, None] + (384 + c128)[None, :], mask=m, other=0)
+    scp = (row + D_NOPE).to(gl.pointer_type(gl.float32))
+    s0 = gl.load(scp, mask=rid >= 0, other=0.0)
+    s1 = gl.load(scp + 1, mask=rid >= 0, other=0.0)
+    s2 = gl.load(scp + 2, mask=rid >= 0, other=0.0)
+    s3 = gl.load(scp + 3, mask=rid >= 0, other=0.0)
+    rid_r = gl.load(idx_row + k0 + rows_r, mask=k0 + rows_r < k_lim, other=-1)
+    rope = (kv_ptr + rid_r.to(gl.int64) * ROW_BYTES + D_NOPE + 4 * (D_NOPE // 128)).to(
+        gl.pointer_type(gl.bfloat16)
+    )
+    kr = gl.load(rope[:, None] + c64[None, :], mask=(rid_r >= 0)[:, None], other=0.0)
+    return r0, r1, r2, r3, s0, s1, s2, s3, kr
+
+
+@gluon.jit
+def _dequant(raw, sc):
+    return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(gl.bfloat16)
+
+
+@gluon.jit
+def _fp8_chunk_store(chunk, kv_rows, kr_rows):
+    """Dequantise a loaded chunk (e4m3 · tile scale -> bf16) into its rows of the stage."""
+    r0, r1, r2, r3, s0, s1, s2, s3, kr = chunk
+    kv_rows.slice(0, 128, dim=1).store(_dequant(r0, s0))
+    kv_rows.slice(128, 128, dim=1).store(_dequant(r1, s1))
+    kv_rows.slice(256, 128, dim=1).store(_dequant(r2, s2))
+    kv_rows.slice(384, 128, dim=1).store(_dequant(r3, s3))
+    kr_rows.store(kr)
+
+
+@gluon.jit
+def _producer(
+    kv_ptr, idx_ptr, kv_s, kr_s, ready, empty, t, split, topk, k_per_split, stride_it, row_stride,
+    IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr,
+):  # fmt: skip
+    n_blocks = k_per_split // BLOCK_N
+    k_lo = split * k_per_split
+    idx_row = idx_ptr + t * stride_it + k_lo
+    k_lim = gl.minimum(k_per_split, topk - k_lo)
+    if IS_FP8:
+        # FP8_ROWS rows per chunk: 4 tiles of [rows, 128] e4m3 (16 bytes per thread and load),
+        # their fp32 scales and the bf16 rope; the next chunk's loads are in flight while this one
+        # is dequantised and stored
+        fl: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        rl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        rows = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, fl))
+        c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, fl))
+        rows_r = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
+        c64 = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, rl))
+        cur = _fp8_chunk_load(kv_ptr, idx_row, 0, k_lim, rows, c128, rows_r, c64, ROW_BYTES)
+        for i in range(n_blocks):
+            st = i % NUM_STAGES
+            kv_st = kv_s.index(st)
+            kr_st = kr_s.index(st)
+            mbarrier.wait(empty.index(st), ((i // NUM_STAGES) & 1) ^ 1)
+            for j in gl.static_range(BLOCK_N // FP8_ROWS):
+                k_next = i * BLOCK_N + (j + 1) * FP8_ROWS
+                nxt = _fp8_chunk_load(kv_ptr, idx_row, k_next, k_lim, rows, c128, rows_r, c64, ROW_BYTES)
+                _fp8_chunk_store(cur, kv_st.slice(j * FP8_ROWS, FP8_ROWS, dim=0),
+                                 kr_st.slice(j * FP8_ROWS, FP8_ROWS, dim=0))  # fmt: skip
+                cur = nxt
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(st))
+    else:
+        # COPY_ROWS rows per cp.async batch keeps the 64-bit addresses of one batch in registers
+        nl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
+        rl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        rows = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, nl))
+        dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, nl))
+        rows_r = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
+        dr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, rl))
+        for i in range(n_blocks):
+            st = i % NUM_STAGES
+            kv_st = kv_s.index(st)
+            kr_st = kr_s.index(st)
+            mbarrier.wait(empty.index(st), ((i // NUM_STAGES) & 1) ^ 1)
+            for r0 in gl.static_range(0, BLOCK_N, FP8_ROWS):
+                kk = i * BLOCK_N + r0 + rows
+                rid = gl.load(idx_row + kk, mask=kk < k_lim, other=-1)
+                row = kv_ptr + rid.to(gl.int64) * row_stride
+                async_copy.async_copy_global_to_shared(
+                    kv_st.slice(r0, FP8_ROWS, dim=0), row[:, None] + dn[None, :], mask=(rid >= 0)[:, None]
+                )
+                kk_r = i * BLOCK_N + r0 + rows_r
+                rid_r = gl.load(idx_row + kk_r, mask=kk_r < k_lim, other=-1)
+                row_r = kv_ptr + rid_r.to(gl.int64) * row_stride + D_NOPE
+                async_copy.async_copy_global_to_shared(
+                    kr_st.slice(r0, FP8_ROWS, dim=0), row_r[:, None] + dr[None, :], mask=(rid_r >= 0)[:, None]
+                )
+            async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+
+
+@gluon.jit
+def _sparse_mla_ws_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, num_heads, topk, k_per_split,
+    stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
+    PV_FIRST: gl.constexpr,
+):  # fmt: skip
+    t = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+    big: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_nope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_NOPE], big)
+    q_rope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], big)
+    kv_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_NOPE], big)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_ROPE], big)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        if IS_FP8:
+            mbarrier.init(ready.index(s), count=1)
+        else:
+            mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=1)
+
+    # the query (all heads of token t) into shared memory, once
+    ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ql))
+    dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ql))
+    dr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ql))
+    q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    hmask = (heads < num_heads)[:, None]
+    q_nope_s.store(gl.load(q_rows + dn[None, :], mask=hmask, other=0.0).to(gl.bfloat16))
+    q_rope_s.store(gl.load(q_rows + D_NOPE + dr[None, :], mask=hmask, other=0.0).to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (q_nope_s, q_rope_s, kv_s, kr_s, p_s, ready, empty, idx_ptr, out_ptr, lse_ptr, t,
+                 split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot,
+                 stride_oh, stride_ls, stride_lt, BLOCK_N, NUM_STAGES, PV_FIRST),
+            ),
+            (
+                _producer,
+                (kv_ptr, idx_ptr, kv_s, kr_s, ready, empty, t, split, topk, k_per_split, stride_it,
+                 row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS),
+            ),
+        ],
+        [PRODUCER_WARPS],
+        [PRODUCER_REGS],
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4)
+def is_supported_device(device_index: int) -> bool:
+    """Hopper (sm_90) only: the kernel issues wgmma."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def sparse_mla_ws(
+    q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, block_n=64,
+    num_stages=2, producer_warps=4, producer_regs=None, fp8_rows=16, maxnreg=168, pv_first=True,
+):  # fmt: skip
+    """Launch on [T, 64-or-fewer heads, 576] queries; returns (part_o, part_l) with a leading
+    split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``)."""
+    t, h, d = q.shape
+    k = indices.shape[1]
+    if producer_regs is None:  # the FP8 producer holds two chunks of rows in registers
+        producer_regs = 120 if is_fp8 else 40
+    k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), block_n) * block_n
+    splits = max(1, triton.cdiv(k, k_per_split))
+    odt = torch.float32 if splits > 1 else out_dtype
+    part_o = torch.empty(splits, t, h, D_NOPE, dtype=odt, device=q.device)
+    part_l = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
+    _sparse_mla_ws_kernel[(t, splits)](
+        q, kv_rows, indices, part_o, part_l, sm_scale * 1.4426950408889634, h, k, k_per_split,
+        q.stride(0), q.stride(1), indices.stride(0), kv_rows.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
+        IS_FP8=is_fp8, ROW_BYTES=row_bytes, BLOCK_N=block_n, NUM_STAGES=num_stages,
+        PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
+        PV_FIRST=pv_first, num_warps=8, maxnreg=maxnreg,
+    )  # fmt: skip
+    return part_o, part_l
