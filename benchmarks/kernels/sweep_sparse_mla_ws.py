@@ -35,8 +35,7 @@ def main():
             rows = cache.view(-1, cache.shape[-1])
             cfg = default_config(t, 64, 2048, layout.is_fp8, q.device)
             flops = sparse_mla_flops(t, 64, 2048, 576, 512)
-            base = time_ms(lambda: sparse_mla_fwd(q, rows, fmt, slots, 0.06, torch.bfloat16,
-                                                  kernel="triton"))  # fmt: skip
+            base = _time(sparse_mla_fwd, q, rows, fmt, slots, 0.06, torch.bfloat16, kernel="triton")
             _print(f"decode {cache_dtype} T={t}", "triton", base, flops, peaks, base)
             grid = (
                 itertools.product(args.fp8_rows.split(","), args.producer_regs.split(","),
@@ -49,9 +48,8 @@ def main():
                 kw = dict(fp8_rows=int(fr), producer_regs=int(pr), producer_warps=int(pw),
                           pv_first=pf == "1")  # fmt: skip
                 try:
-                    ms = time_ms(lambda: sparse_mla_ws(q, rows, layout.is_fp8, fmt.row_bytes,
-                                                       slots, 0.06, torch.bfloat16,
-                                                       cfg.num_splits, **kw))  # fmt: skip
+                    ms = _time(sparse_mla_ws, q, rows, layout.is_fp8, fmt.row_bytes, slots, 0.06,
+                               torch.bfloat16, cfg.num_splits, **kw)  # fmt: skip
                 except Exception as e:  # e.g. a partition over the register file: report it
                     print(f"  {kw}: {type(e).__name__}: {str(e)[:100]}")
                     continue
@@ -65,14 +63,16 @@ def main():
         idx = torch.randint(0, s, (t, 2048), device="cuda", generator=g, dtype=torch.int32)
         fmt = RowFormat(512, 64, False)
         flops = sparse_mla_flops(t, 64, 2048, 576, 512)
-        base = time_ms(lambda: sparse_mla_fwd(q, kv, fmt, idx, 0.04, torch.bfloat16,
-                                              kernel="triton"))  # fmt: skip
+        base = _time(sparse_mla_fwd, q, kv, fmt, idx, 0.04, torch.bfloat16, kernel="triton")
         _print(f"prefill T={t} S={s}", "triton", base, flops, peaks, base)
         for pw, pf in itertools.product(args.producer_warps.split(","), args.pv_first.split(",")):
             kw = dict(producer_warps=int(pw), pv_first=pf == "1")
-            ms = time_ms(lambda: sparse_mla_ws(q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1,
-                                               **kw))  # fmt: skip
+            ms = _time(sparse_mla_ws, q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, **kw)
             _print(f"prefill T={t} S={s}", f"ws {kw}", ms, flops, peaks, base)
+
+
+def _time(fn, *args, **kwargs) -> float:
+    return time_ms(lambda: fn(*args, **kwargs))
 
 
 def _print(case, config, ms, flops, peaks, base):

@@ -224,8 +224,6 @@ def sparse_mla_fwd(
     if _use_ws(kernel, q, kv_rows, fmt, int_dequant):
         from vllm.kernels.sparse_mla_ws import sparse_mla_ws
 
-        if not fmt.is_fp8 and kv_rows.dtype != torch.bfloat16:
-            kv_rows = kv_rows.to(torch.bfloat16)
         part_o, part_l = sparse_mla_ws(
             q, kv_rows, fmt.is_fp8, fmt.row_bytes, indices, sm_scale, out_dtype, cfg.num_splits
         )
@@ -257,7 +255,7 @@ def sparse_mla_fwd(
     return out, lse
 
 
-WS_DEFAULT = False  # flipped once measured faster on the H200 (BENCHMARKS.md)
+WS_DEFAULT = True  # faster on the H200 in all but one measured row (BENCHMARKS.md, fifth session)
 
 
 def _use_ws(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
@@ -274,6 +272,8 @@ def _use_ws(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
         why = f"is built for kv_lora 512, rope 64, <= 64 heads (got {fmt}, {q.shape[1]} heads)"
     elif int_dequant:
         why = "has no integer-dequant variant"
+    elif not fmt.is_fp8 and kv_rows.dtype != torch.bfloat16:
+        why = f"reads bf16 or fp8_ds_mla rows, not {kv_rows.dtype}"
     elif not fmt.is_fp8 and (kv_rows.stride(0) % 8 or kv_rows.data_ptr() % 16):
         why = "needs 16-byte aligned bf16 rows"
     else:

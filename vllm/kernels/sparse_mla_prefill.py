@@ -1,6 +1,7 @@
 """Sparse MLA prefill in the MQA (absorbed) form over a flat context.
 
-The kernel is :func:`vllm.kernels.sparse_mla_fwd._sparse_mla_fwd_kernel` reading rows of a flat
+On Hopper the warp-specialised Gluon kernel (:mod:`vllm.kernels.sparse_mla_ws`) runs; elsewhere
+(and with ``kernel="triton"``) it is :func:`vllm.kernels.sparse_mla_fwd._sparse_mla_fwd_kernel` reading rows of a flat
 [S, kv_lora + rope] tensor (one request's whole context, e.g. the temporary full copy that the
 PCP×DCP path gathers); no split-K, the query count fills the GPU.
 """
