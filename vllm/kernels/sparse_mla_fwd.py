@@ -217,11 +217,7 @@ def sparse_mla_fwd(
     nhb = triton.cdiv(h, cfg.block_h)
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), cfg.num_splits), cfg.block_n) * cfg.block_n
     splits = max(1, triton.cdiv(k, k_per_split))
-    out = torch.empty(t, h, fmt.kv_lora, dtype=out_dtype, device=q.device)
-    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
-    if t == 0:
-        return out, lse
-    if _use_ws(kernel, q, kv_rows, fmt, int_dequant):
+    if t and _use_ws(kernel, q, kv_rows, fmt, int_dequant):
         from vllm.kernels.sparse_mla_ws import sparse_mla_ws
 
         part_o, part_l = sparse_mla_ws(
@@ -232,6 +228,10 @@ def sparse_mla_fwd(
         from vllm.kernels.merge_attn import merge_attn_states
 
         return merge_attn_states(part_o, part_l, out_dtype=out_dtype)
+    out = torch.empty(t, h, fmt.kv_lora, dtype=out_dtype, device=q.device)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
     if splits > 1:
         part_o = torch.empty(splits, t, h, fmt.kv_lora, dtype=torch.float32, device=q.device)
         part_l = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)

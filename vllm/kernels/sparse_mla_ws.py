@@ -217,7 +217,7 @@ def _producer(
             gl.thread_barrier()
             mbarrier.arrive(ready.index(st))
     else:
-        # COPY_ROWS rows per cp.async batch keeps the 64-bit addresses of one batch in registers
+        # FP8_ROWS rows per cp.async batch keeps the 64-bit addresses of one batch in registers
         nl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
         rl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
         rows = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, nl))
@@ -308,13 +308,16 @@ def is_supported_device(device_index: int) -> bool:
 
 
 def sparse_mla_ws(
-    q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, block_n=64,
-    num_stages=2, producer_warps=4, producer_regs=None, fp8_rows=16, maxnreg=168,
+    q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, producer_warps=4,
+    producer_regs=None, fp8_rows=16,
 ):  # fmt: skip
     """Launch on [T, 64-or-fewer heads, 576] queries; returns (part_o, part_l) with a leading
     split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``)."""
     t, h, d = q.shape
     k = indices.shape[1]
+    # 64-row blocks in 2 stages fill the shared memory (224.5 of 227 KB); 168 registers × 12 warps
+    # is the register file, rebalanced to 232 per consumer thread by setmaxnreg
+    block_n, num_stages, maxnreg = 64, 2, 168
     if producer_regs is None:  # the FP8 producer holds two chunks of rows in registers
         producer_regs = 120 if is_fp8 else 40
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), block_n) * block_n
