@@ -21,8 +21,9 @@ def main():
     ap.add_argument("--decode-t", default="64,1024")
     ap.add_argument("--fp8-rows", default="8,16,32")
     ap.add_argument("--producer-regs", default="56,88,120")
-    ap.add_argument("--producer-warps", default="4")
-    ap.add_argument("--pv-first", default="1,0", help="consumer block order(s) to time")
+    ap.add_argument("--dequant", default="0,1", help="FP8 dequant variant(s), see sparse_mla_ws")
+    ap.add_argument("--configs", default="", help="explicit FP8 configs dequant:regs:rows,... "
+                    "(instead of the product of the three lists)")
     ap.add_argument("--prefill", default="8192x32768", help="TxS prefill shapes, comma-separated")
     args = ap.parse_args()
     peaks = measure_peaks()
@@ -37,16 +38,15 @@ def main():
             flops = sparse_mla_flops(t, 64, 2048, 576, 512)
             base = _time(sparse_mla_fwd, q, rows, fmt, slots, 0.06, torch.bfloat16, kernel="triton")
             _print(f"decode {cache_dtype} T={t}", "triton", base, flops, peaks, base)
-            grid = (
-                itertools.product(args.fp8_rows.split(","), args.producer_regs.split(","),
-                                  args.producer_warps.split(","), args.pv_first.split(","))
-                if layout.is_fp8
-                else [("16", "40", w, o) for w in args.producer_warps.split(",")
-                      for o in args.pv_first.split(",")]
-            )  # fmt: skip
-            for fr, pr, pw, pf in grid:
-                kw = dict(fp8_rows=int(fr), producer_regs=int(pr), producer_warps=int(pw),
-                          pv_first=pf == "1")  # fmt: skip
+            if not layout.is_fp8:
+                grid = [("0", "40", "16")]
+            elif args.configs:
+                grid = [c.split(":") for c in args.configs.split(",")]
+            else:
+                grid = itertools.product(args.dequant.split(","), args.producer_regs.split(","),
+                                         args.fp8_rows.split(","))  # fmt: skip
+            for dq, pr, fr in grid:
+                kw = dict(dequant=int(dq), producer_regs=int(pr), fp8_rows=int(fr))
                 try:
                     ms = _time(sparse_mla_ws, q, rows, layout.is_fp8, fmt.row_bytes, slots, 0.06,
                                torch.bfloat16, cfg.num_splits, **kw)  # fmt: skip
@@ -65,10 +65,8 @@ def main():
         flops = sparse_mla_flops(t, 64, 2048, 576, 512)
         base = _time(sparse_mla_fwd, q, kv, fmt, idx, 0.04, torch.bfloat16, kernel="triton")
         _print(f"prefill T={t} S={s}", "triton", base, flops, peaks, base)
-        for pw, pf in itertools.product(args.producer_warps.split(","), args.pv_first.split(",")):
-            kw = dict(producer_warps=int(pw), pv_first=pf == "1")
-            ms = _time(sparse_mla_ws, q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, **kw)
-            _print(f"prefill T={t} S={s}", f"ws {kw}", ms, flops, peaks, base)
+        ms = _time(sparse_mla_ws, q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1)
+        _print(f"prefill T={t} S={s}", "ws", ms, flops, peaks, base)
 
 
 def _time(fn, *args, **kwargs) -> float:

@@ -142,6 +142,50 @@ def test_decode_gpu_ws_splits(cache_dtype, splits, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel,dequant", [("triton", None), ("ws", 0), ("ws", 1)])
+def test_decode_gpu_fp8_dequant_exact(kernel, dequant, monkeypatch):
+    """One valid row per token, so P = 1 and the output is that row's dequantised values: every
+    finite e4m3 code (subnormals and ±448 included) times tile scales from 2^-24 to 2^7 must come
+    out as the fp32 product rounded to bf16 — exactly for the conversion-instruction dequant,
+    within one bf16 ulp for the ws kernel's bit-move + bf16-fma dequant (``dequant`` 1)."""
+    from vllm.attention.kv_cache import read_mla_cache_ref
+    from vllm.kernels import sparse_mla_decode as mod
+
+    _need(kernel)
+    if dequant is not None:
+        from vllm.kernels import sparse_mla_ws
+
+        monkeypatch.setattr(sparse_mla_ws, "FP8_DEQUANT", dequant)
+    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 64)
+    g = torch.Generator().manual_seed(5)
+    n = 64
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    cache = layout.allocate_mla(1, "cpu").view(n, -1)
+    for r in range(n):
+        cache[r, :512] = codes[torch.randint(0, len(codes), (512,), generator=g)]
+        cache[r, :254] = codes[torch.randperm(len(codes), generator=g)]  # every code in every row
+    exps = torch.randint(-24, 7, (n, 4), generator=g).float()
+    scales = torch.exp2(exps) * (1 + torch.rand(n, 4, generator=g))
+    cache[:, 512:528] = scales.contiguous().view(torch.uint8)
+    cache[:, 528:] = torch.randn(n, 64, generator=g).to(torch.bfloat16).view(torch.uint8)
+    cache = cache.view(layout.mla_cache_shape(1)).cuda()
+    slots = torch.full((n, 64), -1, dtype=torch.int32)
+    slots[:, 17] = torch.randperm(n, generator=g).to(torch.int32)
+    slots = slots.cuda()
+    q = torch.randn(n, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    out, _ = mod.sparse_mla_decode(q, cache, slots, layout, 0.04, kernel=kernel)
+    want = read_mla_cache_ref(cache, slots[:, 17], layout)[:, None, :512].expand(n, 64, 512)
+    want = want.to(torch.bfloat16).float()
+    got = out.float()
+    if dequant == 1:
+        ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(1e-38))) - 7)
+        assert ((got - want).abs() <= ulp).all()
+        assert (got == want).float().mean().item() > 0.99
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("int_dequant", [False, True])
 @pytest.mark.parametrize("bn,warps,splits", [(32, 8, 1), (64, 8, 1), (32, 4, 2), (64, 8, 3)])
 def test_decode_gpu_configs(int_dequant, bn, warps, splits):

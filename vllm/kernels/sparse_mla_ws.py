@@ -165,19 +165,55 @@ def _fp8_chunk_load(kv_ptr, idx_row, k0, k_lim, rows, c128, rows_r, c64, ROW_BYT
     return r0, r1, r2, r3, s0, s1, s2, s3, kr
 
 
-@gluon.jit
-def _dequant(raw, sc):
-    return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(gl.bfloat16)
+# e4m3 -> bf16 by integer bit moves, 4 values per instance, no conversion instructions: prmt
+# sign-extends each byte into a 16-bit lane, a shift by 4 and a mask leave the sign at bit 15 and
+# exponent|mantissa at bits 4-10, i.e. the bf16 of e4m3 · 2^-120 (exact, subnormals included:
+# bias 7 vs 127); then one bf16x2 fma with the tile scale · 2^120 split in two bf16 (hi + lo)
+# rounds once, as the fp32 product rounded to bf16 would. $3 / $7: the (hi, hi) / (lo, lo) pairs.
+_DEQUANT_ASM = gl.constexpr("""{
+.reg .b32 a, b, la, lb;
+prmt.b32 a, $2, 0, 0x9180;
+prmt.b32 b, $2, 0, 0xB3A2;
+shl.b32 a, a, 4;
+shl.b32 b, b, 4;
+and.b32 a, a, 0x87F087F0;
+and.b32 b, b, 0x87F087F0;
+mul.rn.bf16x2 la, a, $7;
+mul.rn.bf16x2 lb, b, $7;
+fma.rn.bf16x2 $0, a, $3, la;
+fma.rn.bf16x2 $1, b, $3, lb;
+}""")
 
 
 @gluon.jit
-def _fp8_chunk_store(chunk, kv_rows, kr_rows):
+def _bf16_pair(x):
+    """fp32 -> the int32 holding two copies of its bf16."""
+    h = x.to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return h | (h << 16)
+
+
+@gluon.jit
+def _dequant(raw, sc, DEQUANT: gl.constexpr):
+    """e4m3 bytes [rows, 128] times the rows' fp32 tile scale -> bf16."""
+    if DEQUANT == 1:
+        s32 = sc * 1.329227995784916e36  # 2^120: the bit-moved bf16 is e4m3 · 2^-120
+        s_hi = s32.to(gl.bfloat16).to(gl.float32)
+        _, hi2 = gl.broadcast(raw, _bf16_pair(s_hi)[:, None])
+        _, lo2 = gl.broadcast(raw, _bf16_pair(s32 - s_hi)[:, None])
+        return gl.inline_asm_elementwise(_DEQUANT_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [raw, hi2, lo2],
+                                         dtype=gl.bfloat16, is_pure=True, pack=4)  # fmt: skip
+    else:
+        return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(gl.bfloat16)
+
+
+@gluon.jit
+def _fp8_chunk_store(chunk, kv_rows, kr_rows, DEQUANT: gl.constexpr):
     """Dequantise a loaded chunk (e4m3 · tile scale -> bf16) into its rows of the stage."""
     r0, r1, r2, r3, s0, s1, s2, s3, kr = chunk
-    kv_rows.slice(0, 128, dim=1).store(_dequant(r0, s0))
-    kv_rows.slice(128, 128, dim=1).store(_dequant(r1, s1))
-    kv_rows.slice(256, 128, dim=1).store(_dequant(r2, s2))
-    kv_rows.slice(384, 128, dim=1).store(_dequant(r3, s3))
+    kv_rows.slice(0, 128, dim=1).store(_dequant(r0, s0, DEQUANT))
+    kv_rows.slice(128, 128, dim=1).store(_dequant(r1, s1, DEQUANT))
+    kv_rows.slice(256, 128, dim=1).store(_dequant(r2, s2, DEQUANT))
+    kv_rows.slice(384, 128, dim=1).store(_dequant(r3, s3, DEQUANT))
     kr_rows.store(kr)
 
 
@@ -186,6 +222,7 @@ def _producer(
     kv_ptr, idx_ptr, kv_s, kr_s, ready, empty, t, split, topk, k_per_split, stride_it, row_stride,
     IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr,
+    DEQUANT: gl.constexpr,
 ):  # fmt: skip
     n_blocks = k_per_split // BLOCK_N
     k_lo = split * k_per_split
@@ -195,8 +232,11 @@ def _producer(
         # FP8_ROWS rows per chunk: 4 tiles of [rows, 128] e4m3 (16 bytes per thread and load),
         # their fp32 scales and the bf16 rope; the next chunk's loads are in flight while this one
         # is dequantised and stored
-        fl: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
-        rl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        # each thread holds V consecutive bytes of one row per 128-byte tile (16 at 4 warps)
+        V: gl.constexpr = FP8_ROWS * 128 // (PRODUCER_WARPS * 32)
+        VR: gl.constexpr = FP8_ROWS * 64 // (PRODUCER_WARPS * 32)
+        fl: gl.constexpr = gl.BlockedLayout([1, V], [V // 4, 128 // V], [PRODUCER_WARPS, 1], [1, 0])
+        rl: gl.constexpr = gl.BlockedLayout([1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0])
         rows = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, fl))
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, fl))
         rows_r = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
@@ -211,15 +251,16 @@ def _producer(
                 k_next = i * BLOCK_N + (j + 1) * FP8_ROWS
                 nxt = _fp8_chunk_load(kv_ptr, idx_row, k_next, k_lim, rows, c128, rows_r, c64, ROW_BYTES)
                 _fp8_chunk_store(cur, kv_st.slice(j * FP8_ROWS, FP8_ROWS, dim=0),
-                                 kr_st.slice(j * FP8_ROWS, FP8_ROWS, dim=0))  # fmt: skip
+                                 kr_st.slice(j * FP8_ROWS, FP8_ROWS, dim=0), DEQUANT)  # fmt: skip
                 cur = nxt
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(ready.index(st))
     else:
         # FP8_ROWS rows per cp.async batch keeps the 64-bit addresses of one batch in registers
+        VR: gl.constexpr = FP8_ROWS * 64 // (PRODUCER_WARPS * 32)
         nl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
-        rl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [PRODUCER_WARPS, 1], [1, 0])
+        rl: gl.constexpr = gl.BlockedLayout([1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0])
         rows = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, nl))
         dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, nl))
         rows_r = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
@@ -251,6 +292,7 @@ def _sparse_mla_ws_kernel(
     stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
+    DEQUANT: gl.constexpr,
 ):  # fmt: skip
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
@@ -293,12 +335,31 @@ def _sparse_mla_ws_kernel(
             (
                 _producer,
                 (kv_ptr, idx_ptr, kv_s, kr_s, ready, empty, t, split, topk, k_per_split, stride_it,
-                 row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS),
+                 row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS,
+                 DEQUANT),
             ),
         ],
         [PRODUCER_WARPS],
         [PRODUCER_REGS],
     )  # fmt: skip
+
+
+FP8_PRODUCER_WARPS = 4
+FP8_DEQUANT = 0
+
+
+def launch_maxnreg(producer_warps: int) -> int:
+    """Registers per thread at launch: the register file (64K) over all warps (8 consumer +
+    the producer's), rounded down to a multiple of 8; setmaxnreg then rebalances."""
+    return min(255, 65536 // (32 * (8 + producer_warps)) // 8 * 8)
+
+
+def default_producer_regs(is_fp8: bool, producer_warps: int) -> int:
+    """The producer partition's setmaxnreg: bf16 rows only issue cp.async (40); the FP8
+    producer holds two chunks of rows in registers (120 at 4 warps, 64 at 8)."""
+    if not is_fp8:
+        return 40
+    return 120 if producer_warps <= 4 else 64
 
 
 @functools.lru_cache(maxsize=4)
@@ -308,18 +369,25 @@ def is_supported_device(device_index: int) -> bool:
 
 
 def sparse_mla_ws(
-    q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, producer_warps=4,
-    producer_regs=None, fp8_rows=16,
+    q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, producer_warps=None,
+    producer_regs=None, fp8_rows=16, dequant=None,
 ):  # fmt: skip
     """Launch on [T, 64-or-fewer heads, 576] queries; returns (part_o, part_l) with a leading
-    split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``)."""
+    split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``).
+
+    Tuning (FP8 rows; the result does not depend on it beyond bf16 rounding): ``producer_warps``
+    (4 or 8), ``producer_regs`` (their setmaxnreg), ``fp8_rows`` (rows per producer chunk) and
+    ``dequant``: 0 = e4m3 -> fp32 conversion instructions, scale, -> bf16; 1 = integer bit moves
+    and one bf16 fma (no conversion instructions)."""
     t, h, d = q.shape
     k = indices.shape[1]
-    # 64-row blocks in 2 stages fill the shared memory (224.5 of 227 KB); 168 registers × 12 warps
-    # is the register file, rebalanced to 232 per consumer thread by setmaxnreg
-    block_n, num_stages, maxnreg = 64, 2, 168
-    if producer_regs is None:  # the FP8 producer holds two chunks of rows in registers
-        producer_regs = 120 if is_fp8 else 40
+    producer_warps = producer_warps or (FP8_PRODUCER_WARPS if is_fp8 else 4)
+    dequant = FP8_DEQUANT if dequant is None else dequant
+    # 64-row blocks in 2 stages fill the shared memory (224.5 of 227 KB); the register file is
+    # split evenly at launch and rebalanced towards the consumers by setmaxnreg
+    block_n, num_stages, maxnreg = 64, 2, launch_maxnreg(producer_warps)
+    if producer_regs is None:
+        producer_regs = default_producer_regs(is_fp8, producer_warps)
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), block_n) * block_n
     splits = max(1, triton.cdiv(k, k_per_split))
     odt = torch.float32 if splits > 1 else out_dtype
@@ -331,6 +399,6 @@ def sparse_mla_ws(
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
         IS_FP8=is_fp8, ROW_BYTES=row_bytes, BLOCK_N=block_n, NUM_STAGES=num_stages,
         PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
-        num_warps=8, maxnreg=maxnreg,
+        DEQUANT=dequant, num_warps=8, maxnreg=maxnreg,
     )  # fmt: skip
     return part_o, part_l
