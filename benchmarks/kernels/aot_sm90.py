@@ -29,7 +29,7 @@ def _bin(name: str) -> str:
 
 
 def compile_ws(fp8: bool, producer_warps: int, producer_regs: int, fp8_rows: int, maxnreg: int,
-               dequant: int = 0, out_dtype: str = "bf16"):  # fmt: skip
+               dequant: int = 0, out_dtype: str = "bf16", schedule: str = "split"):  # fmt: skip
     # q, kv, idx, out, lse pointers; scale; 3 ints; 10 strides
     sig = {
         "q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
@@ -41,7 +41,9 @@ def compile_ws(fp8: bool, producer_warps: int, producer_regs: int, fp8_rows: int
     consts = dict(IS_FP8=fp8, ROW_BYTES=656 if fp8 else 1152, BLOCK_N=64, NUM_STAGES=2,
                   PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
                   DEQUANT=dequant)
-    names = list(ws._sparse_mla_ws_kernel.arg_names)
+    fn = ws._sparse_mla_seesaw_kernel if schedule == "seesaw" else ws._sparse_mla_ws_kernel
+    consts["CONSUMER_REGS"] = ws.consumer_regs(producer_warps, producer_regs)
+    names = list(fn.arg_names)
     for k, v in consts.items():
         sig[k] = "constexpr"
     sig = {n: sig[n] for n in names}
@@ -50,8 +52,8 @@ def compile_ws(fp8: bool, producer_warps: int, producer_regs: int, fp8_rows: int
     attrs = {(names.index(n),): div for n in ("q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr",
                                               "stride_qt", "stride_qh", "stride_it", "row_stride", "stride_os",
                                               "stride_ot", "stride_oh")}  # fmt: skip
-    src = GluonASTSource(ws._sparse_mla_ws_kernel, sig, consts_by_idx, attrs)
-    opts = dict(num_warps=8, maxnreg=maxnreg)
+    src = GluonASTSource(fn, sig, consts_by_idx, attrs)
+    opts = dict(num_warps=producer_warps, maxnreg=maxnreg)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -63,13 +65,14 @@ def main() -> None:
     ap.add_argument("--fp8-rows", type=int, default=16)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--dequant", type=int, default=0)
+    ap.add_argument("--schedule", default="split")
     ap.add_argument("--sass-hist", action="store_true")
     ap.add_argument("--dump", default=None, help="write ptx/sass there")
     a = ap.parse_args()
     pw = a.producer_warps
     regs = a.producer_regs or ws.default_producer_regs(a.fp8, pw)
     maxnreg = a.maxnreg or ws.launch_maxnreg(pw)
-    k = compile_ws(a.fp8, pw, regs, a.fp8_rows, maxnreg, a.dequant)
+    k = compile_ws(a.fp8, pw, regs, a.fp8_rows, maxnreg, a.dequant, schedule=a.schedule)
     ptx = k.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")

@@ -22,6 +22,7 @@ def main():
     ap.add_argument("--fp8-rows", default="8,16,32")
     ap.add_argument("--producer-regs", default="56,88,120")
     ap.add_argument("--dequant", default="0,1", help="FP8 dequant variant(s), see sparse_mla_ws")
+    ap.add_argument("--schedules", default="split,seesaw", help="consumer schedule(s)")
     ap.add_argument("--configs", default="", help="explicit FP8 configs dequant:regs:rows,... "
                     "(instead of the product of the three lists)")
     ap.add_argument("--prefill", default="8192x32768", help="TxS prefill shapes, comma-separated")
@@ -45,8 +46,8 @@ def main():
             else:
                 grid = itertools.product(args.dequant.split(","), args.producer_regs.split(","),
                                          args.fp8_rows.split(","))  # fmt: skip
-            for dq, pr, fr in grid:
-                kw = dict(dequant=int(dq), producer_regs=int(pr), fp8_rows=int(fr))
+            for (dq, pr, fr), sch in itertools.product(list(grid), args.schedules.split(",")):
+                kw = dict(dequant=int(dq), producer_regs=int(pr), fp8_rows=int(fr), schedule=sch)
                 try:
                     ms = _time(sparse_mla_ws, q, rows, layout.is_fp8, fmt.row_bytes, slots, 0.06,
                                torch.bfloat16, cfg.num_splits, **kw)  # fmt: skip
@@ -65,8 +66,9 @@ def main():
         flops = sparse_mla_flops(t, 64, 2048, 576, 512)
         base = _time(sparse_mla_fwd, q, kv, fmt, idx, 0.04, torch.bfloat16, kernel="triton")
         _print(f"prefill T={t} S={s}", "triton", base, flops, peaks, base)
-        ms = _time(sparse_mla_ws, q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1)
-        _print(f"prefill T={t} S={s}", "ws", ms, flops, peaks, base)
+        for sch in args.schedules.split(","):
+            ms = _time(sparse_mla_ws, q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, schedule=sch)
+            _print(f"prefill T={t} S={s}", f"ws {sch}", ms, flops, peaks, base)
 
 
 def _time(fn, *args, **kwargs) -> float:

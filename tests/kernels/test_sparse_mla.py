@@ -102,22 +102,31 @@ def test_prefill_interpreter(interp):
 
 # ---- GPU ---------------------------------------------------------------------------------------
 GLM = dict(r=512, rope=64, h=64, topk=2048)
-KERNELS = ["triton", "ws"]  # ws: the warp-specialised Gluon kernel (Hopper only)
+# ws: the warp-specialised Gluon kernel (Hopper only), with its "split" consumer schedule or the
+# "seesaw" one (``sparse_mla_ws.SCHEDULE``)
+KERNELS = ["triton", "ws", "ws-seesaw"]
 
 
-def _need(kernel):
-    if kernel == "ws" and torch.cuda.get_device_capability() != (9, 0):
+def _need(kernel, monkeypatch=None):
+    """Skip the Gluon kernel off sm_90; select its schedule; return the dispatch's kernel name."""
+    if kernel.startswith("ws") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised kernel is built for sm_90")
+    if kernel == "ws-seesaw":
+        from vllm.kernels import sparse_mla_ws
+
+        monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", "seesaw")
+        return "ws"
+    return kernel
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
 @pytest.mark.parametrize("t,h", [(1, 64), (7, 64), (64, 64), (130, 64), (5, 16), (9, 8), (3, 4)])
-def test_decode_gpu(cache_dtype, t, h, kernel):
+def test_decode_gpu(cache_dtype, t, h, kernel, monkeypatch):
     from vllm.kernels import sparse_mla_decode as mod
 
-    _need(kernel)
+    kernel = _need(kernel, monkeypatch)
     layout = KVCacheLayout(cache_dtype, torch.bfloat16, GLM["r"], GLM["rope"], 128)
     _check_decode(
         mod, layout, t, h, GLM["topk"], 64, "cuda", torch.bfloat16, 1e-2, seed=t * h, kernel=kernel
@@ -127,12 +136,13 @@ def test_decode_gpu(cache_dtype, t, h, kernel):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
 @pytest.mark.parametrize("splits,k", [(1, 64), (2, 2048), (3, 2048), (5, 700)])
-def test_decode_gpu_ws_splits(cache_dtype, splits, k):
+@pytest.mark.parametrize("schedule", ["split", "seesaw"])
+def test_decode_gpu_ws_splits(cache_dtype, splits, k, schedule, monkeypatch):
     """The Gluon kernel's split-K slices (merged like the Triton kernel's), ragged top-k."""
     from vllm.kernels import sparse_mla_decode as mod
     from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
 
-    _need("ws")
+    _need("ws-seesaw" if schedule == "seesaw" else "ws", monkeypatch)
     layout = KVCacheLayout(cache_dtype, torch.bfloat16, 512, 64, 128)
     cfg = SparseMLAConfig(64, 64, 8, 2, splits)
     _check_decode(
@@ -142,7 +152,9 @@ def test_decode_gpu_ws_splits(cache_dtype, splits, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel,dequant", [("triton", None), ("ws", 0), ("ws", 1)])
+@pytest.mark.parametrize(
+    "kernel,dequant", [("triton", None), ("ws", 0), ("ws", 1), ("ws-seesaw", 0), ("ws-seesaw", 1)]
+)
 def test_decode_gpu_fp8_dequant_exact(kernel, dequant, monkeypatch):
     """One valid row per token, so P = 1 and the output is that row's dequantised values: every
     finite e4m3 code (subnormals and ±448 included) times tile scales from 2^-24 to 2^7 must come
@@ -151,7 +163,7 @@ def test_decode_gpu_fp8_dequant_exact(kernel, dequant, monkeypatch):
     from vllm.attention.kv_cache import read_mla_cache_ref
     from vllm.kernels import sparse_mla_decode as mod
 
-    _need(kernel)
+    kernel = _need(kernel, monkeypatch)
     if dequant is not None:
         from vllm.kernels import sparse_mla_ws
 
@@ -203,10 +215,10 @@ def test_decode_gpu_configs(int_dequant, bn, warps, splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("q_dtype", [torch.float32])
-def test_decode_gpu_fp32_query_and_short_topk(q_dtype, kernel):
+def test_decode_gpu_fp32_query_and_short_topk(q_dtype, kernel, monkeypatch):
     from vllm.kernels import sparse_mla_decode as mod
 
-    _need(kernel)
+    kernel = _need(kernel, monkeypatch)
     layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
     _check_decode(mod, layout, 6, 64, 100, 4, "cuda", q_dtype, 1e-2, seed=11, kernel=kernel)
 
@@ -215,8 +227,8 @@ def test_decode_gpu_fp32_query_and_short_topk(q_dtype, kernel):
 @pytest.mark.parametrize("t,h,s", [(1, 64, 100), (77, 64, 4096), (300, 64, 3000), (33, 16, 5000)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_prefill_gpu(t, h, s, dtype, kernel):
+def test_prefill_gpu(t, h, s, dtype, kernel, monkeypatch):
     from vllm.kernels import sparse_mla_prefill as mod
 
-    _need(kernel)
+    kernel = _need(kernel, monkeypatch)
     _check_prefill(mod, t, h, s, 2048, 512, 64, "cuda", dtype, 1e-2, seed=t + s, kernel=kernel)

@@ -292,7 +292,7 @@ def _sparse_mla_ws_kernel(
     stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
-    DEQUANT: gl.constexpr,
+    DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
@@ -324,34 +324,266 @@ def _sparse_mla_ws_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
+    # the producer is the default partition (see the seesaw kernel), the consumers a worker
     gl.warp_specialize(
         [
-            (
-                _consumer,
-                (q_nope_s, q_rope_s, kv_s, kr_s, p_s, ready, empty, idx_ptr, out_ptr, lse_ptr, t,
-                 split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot,
-                 stride_oh, stride_ls, stride_lt, BLOCK_N, NUM_STAGES),
-            ),
             (
                 _producer,
                 (kv_ptr, idx_ptr, kv_s, kr_s, ready, empty, t, split, topk, k_per_split, stride_it,
                  row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS,
                  DEQUANT),
             ),
+            (
+                _consumer,
+                (q_nope_s, q_rope_s, kv_s, kr_s, p_s, ready, empty, idx_ptr, out_ptr, lse_ptr, t,
+                 split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot,
+                 stride_oh, stride_ls, stride_lt, BLOCK_N, NUM_STAGES),
+            ),
         ],
-        [PRODUCER_WARPS],
-        [PRODUCER_REGS],
+        [8],
+        [CONSUMER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _seesaw_consumer(
+    q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
+    idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
+    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, ROLE: gl.constexpr,
+):  # fmt: skip
+    """One of the two consumer warpgroups of the seesaw schedule (``ROLE`` 0 or 1).
+
+    Blocks come in pairs (2j in stage 0, 2j+1 in stage 1). Warpgroup r computes the full scores
+    of block 2j+r (N = 64 per wgmma, Q read once per block), and owns value columns
+    [256·r, 256·r + 256) of the output. Per pair, with m the running row max:
+      0: S0 = Q·K0ᵀ; m0 = max(m, rowmax S0); P0 = exp2(S0 − m0) -> shared (K0's rope slot, free
+         once S0 is done), m0 -> shared; O_L = O_L·2^(m−m0) + P0·V0_L; then, given m1 from 1,
+         O_L = O_L·2^(m0−m1) + P1·V1_L.
+      1: S1 = Q·K1ᵀ; given m0: m1 = max(m0, rowmax S1); P1 = exp2(S1 − m1) -> shared, m1 ->
+         shared; O_R = (O_R·2^(m−m0) + P0·V0_R)·2^(m0−m1) + P1·V1_R.
+    So each warpgroup's softmax runs while the other's wgmmas do, and the two exchange only the
+    row maxima and P through shared memory (barriers ``xbar[r]``: "m_r and P_r are written")."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_NOPE // 2, 16]
+    )
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    n_pairs = k_per_split // 128
+    k_lo = split * k_per_split
+    idx_row = idx_ptr + t * stride_it + k_lo
+    k_lim = gl.minimum(k_per_split, topk - k_lo)
+    c0: gl.constexpr = ROLE * (D_NOPE // 2)
+
+    acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
+    # the block's row ids are loaded one per thread and then spread to the score layout (a load
+    # in that layout keeps 16 64-bit addresses per thread live across the loop: spills)
+    il: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ci = gl.arange(0, 64, layout=il)
+    for j in range(n_pairs):
+        ph = j & 1
+        kk = j * 128 + ROLE * 64 + ci
+        rid = gl.convert_layout(gl.load(idx_row + kk, mask=kk < k_lim, other=-1), gl.SliceLayout(0, s_layout))
+        mbarrier.wait(ready.index(ROLE), ph)
+        # a stage index the compiler cannot hoist (j < 2^30): with a constant one, ptxas keeps
+        # the 36 loop-invariant wgmma descriptors of this block's QK across the loop (spilled)
+        z = j >> 30
+        own = ROLE + z
+        s = gl.zeros([BLOCK_H, 64], gl.float32, s_layout)
+        s = warpgroup_mma(q_nope_s, kv_s.index(own).permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope_s, kr_s.index(own).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = gl.where((rid >= 0)[None, :], s * scale_log2, float("-inf"))
+        if ROLE == 0:
+            m0 = gl.maximum(m_i, gl.max(s, axis=1))
+            m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)
+            p = gl.exp2(s - m0_safe[:, None])
+            sc0 = gl.exp2(m_i - m0_safe)
+            l_i = l_i * sc0 + gl.sum(p, axis=1)
+        else:
+            mbarrier.wait(xbar.index(0), ph)
+            m0 = m0buf.load(row_s)
+            m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)
+            sc0 = gl.exp2(m_i - m0_safe)
+            m1 = gl.maximum(m0, gl.max(s, axis=1))
+            m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
+            sc1 = gl.exp2(m0 - m1_safe)
+            p = gl.exp2(s - m1_safe[:, None])
+            l_i = l_i * (sc0 * sc1) + gl.sum(p, axis=1)
+            m1buf.store(m1)
+        # P_r into block 2j+r's rope slot (its scores are done), then tell the other warpgroup
+        kr_s.index(ROLE).store(p.to(gl.bfloat16))
+        if ROLE == 0:
+            m0buf.store(m0)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(xbar.index(ROLE))
+        acc = acc * gl.convert_layout(sc0, row_o)[:, None]
+        if ROLE == 0:
+            # O_L += P0·V0_L, then (once m1 and P1 are there) rescale and O_L += P1·V1_L
+            acc = warpgroup_mma(kr_s.index(z), kv_s.index(z).slice(c0, D_NOPE // 2, dim=1), acc,
+                                is_async=True)  # fmt: skip
+            mbarrier.wait(xbar.index(1), ph)
+            m1 = m1buf.load(row_s)
+            m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
+            sc1 = gl.exp2(m0 - m1_safe)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(0))
+            l_i = l_i * sc1
+            acc = acc * gl.convert_layout(sc1, row_o)[:, None]
+            acc = warpgroup_mma(kr_s.index(1 + z), kv_s.index(1 + z).slice(c0, D_NOPE // 2, dim=1), acc,
+                                is_async=True)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(1))
+            m_i = m1
+        else:
+            # O_R = (O_R·sc0 + P0·V0_R)·sc1 + P1·V1_R (P0 was written before xbar[0] completed)
+            acc = warpgroup_mma(kr_s.index(z), kv_s.index(z).slice(c0, D_NOPE // 2, dim=1), acc,
+                                is_async=True)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(0))
+            acc = acc * gl.convert_layout(sc1, row_o)[:, None]
+            acc = warpgroup_mma(kr_s.index(1 + z), kv_s.index(1 + z).slice(c0, D_NOPE // 2, dim=1), acc,
+                                is_async=True)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(1))
+            m_i = m1
+
+    # the row sums: each warpgroup has those of its own blocks, relative to the same final max
+    if ROLE == 0:
+        l0buf.store(l_i)
+    else:
+        l1buf.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(xbar.index(2 + ROLE))
+    mbarrier.wait(xbar.index(3 - ROLE), 0)
+    if ROLE == 0:
+        l_tot = l_i + l1buf.load(row_s)
+    else:
+        l_tot = l_i + l0buf.load(row_s)
+    has = l_tot > 0.0
+    l_safe = gl.where(has, l_tot, 1.0)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    heads_o = gl.arange(0, BLOCK_H, layout=row_o)
+    dn = c0 + gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
+    if ROLE == 0:
+        lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        heads_s = gl.arange(0, BLOCK_H, layout=row_s)
+        gl.store(lse_ptr + split * stride_ls + t * stride_lt + heads_s, lse, mask=heads_s < num_heads)
+
+
+@gluon.jit
+def _seesaw_wg0(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
+                out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt):  # fmt: skip
+    _seesaw_consumer(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
+                out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, 0)  # fmt: skip
+
+
+@gluon.jit
+def _seesaw_wg1(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
+                out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt):  # fmt: skip
+    _seesaw_consumer(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
+                out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, 1)  # fmt: skip
+
+
+@gluon.jit
+def _sparse_mla_seesaw_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, num_heads, topk, k_per_split,
+    stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
+    DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):  # fmt: skip
+    """The seesaw-schedule kernel: default partition = consumer warpgroup 0, workers = consumer
+    warpgroup 1 and the producer (same as :func:`_sparse_mla_ws_kernel`'s). Each pair of blocks'
+    P lives in the rope slots of its two stages, so shared memory is Q + 2 stages (216 KB)."""
+    t = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+    big: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_nope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_NOPE], big)
+    q_rope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], big)
+    kv_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_NOPE], big)
+    kr_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_ROPE], big)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    m0buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    m1buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    l0buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    l1buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    xbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        if IS_FP8:
+            mbarrier.init(ready.index(s), count=1)
+        else:
+            mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=2)
+    for s in gl.static_range(4):
+        mbarrier.init(xbar.index(s), count=1)
+
+    ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ql))
+    dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ql))
+    dr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ql))
+    q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
+    hmask = (heads < num_heads)[:, None]
+    q_nope_s.store(gl.load(q_rows + dn[None, :], mask=hmask, other=0.0).to(gl.bfloat16))
+    q_rope_s.store(gl.load(q_rows + D_NOPE + dr[None, :], mask=hmask, other=0.0).to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    cargs = (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
+             idx_ptr, out_ptr,
+             lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
+             stride_ot, stride_oh, stride_ls, stride_lt)  # fmt: skip
+    # the producer is the default partition: ptxas holds the default partition's code to the
+    # launch's register count (168) but gives worker partitions their setmaxnreg count (232)
+    gl.warp_specialize(
+        [
+            (
+                _producer,
+                (kv_ptr, idx_ptr, kv_s, kr_s, ready, empty, t, split, topk, k_per_split, stride_it,
+                 row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS,
+                 DEQUANT),
+            ),
+            (_seesaw_wg0, cargs),
+            (_seesaw_wg1, cargs),
+        ],
+        [4, 4],
+        [CONSUMER_REGS, CONSUMER_REGS],
     )  # fmt: skip
 
 
 FP8_PRODUCER_WARPS = 4
 FP8_DEQUANT = 0
+SCHEDULE = "split"  # or "seesaw" (:func:`_seesaw_consumer`)
 
 
 def launch_maxnreg(producer_warps: int) -> int:
     """Registers per thread at launch: the register file (64K) over all warps (8 consumer +
     the producer's), rounded down to a multiple of 8; setmaxnreg then rebalances."""
     return min(255, 65536 // (32 * (8 + producer_warps)) // 8 * 8)
+
+
+def consumer_regs(producer_warps: int, producer_regs: int) -> int:
+    """Per-thread registers of the consumer warps (8, in one or two partitions): what the
+    producer's leave of the register file."""
+    total = launch_maxnreg(producer_warps) * 32 * (8 + producer_warps)
+    return min(240, (total - 32 * producer_warps * producer_regs) // 256 // 8 * 8)
 
 
 def default_producer_regs(is_fp8: bool, producer_warps: int) -> int:
@@ -370,7 +602,7 @@ def is_supported_device(device_index: int) -> bool:
 
 def sparse_mla_ws(
     q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, producer_warps=None,
-    producer_regs=None, fp8_rows=16, dequant=None,
+    producer_regs=None, fp8_rows=16, dequant=None, schedule=None,
 ):  # fmt: skip
     """Launch on [T, 64-or-fewer heads, 576] queries; returns (part_o, part_l) with a leading
     split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``).
@@ -388,17 +620,24 @@ def sparse_mla_ws(
     block_n, num_stages, maxnreg = 64, 2, launch_maxnreg(producer_warps)
     if producer_regs is None:
         producer_regs = default_producer_regs(is_fp8, producer_warps)
-    k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), block_n) * block_n
+    schedule = schedule or SCHEDULE
+    if schedule not in ("split", "seesaw"):
+        raise ValueError(f"schedule must be 'split' or 'seesaw', got {schedule!r}")
+    step = 2 * block_n if schedule == "seesaw" else block_n  # seesaw: blocks in pairs
+    k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), step) * step
     splits = max(1, triton.cdiv(k, k_per_split))
     odt = torch.float32 if splits > 1 else out_dtype
     part_o = torch.empty(splits, t, h, D_NOPE, dtype=odt, device=q.device)
     part_l = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
-    _sparse_mla_ws_kernel[(t, splits)](
+    args = (
         q, kv_rows, indices, part_o, part_l, sm_scale * 1.4426950408889634, h, k, k_per_split,
         q.stride(0), q.stride(1), indices.stride(0), kv_rows.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
-        IS_FP8=is_fp8, ROW_BYTES=row_bytes, BLOCK_N=block_n, NUM_STAGES=num_stages,
-        PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
-        DEQUANT=dequant, num_warps=8, maxnreg=maxnreg,
     )  # fmt: skip
+    meta = dict(IS_FP8=is_fp8, ROW_BYTES=row_bytes, BLOCK_N=block_n, NUM_STAGES=num_stages,
+                PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
+                DEQUANT=dequant, maxnreg=maxnreg)  # fmt: skip
+    meta["CONSUMER_REGS"] = consumer_regs(producer_warps, producer_regs)
+    kernel = _sparse_mla_seesaw_kernel if schedule == "seesaw" else _sparse_mla_ws_kernel
+    kernel[(t, splits)](*args, num_warps=producer_warps, **meta)
     return part_o, part_l
