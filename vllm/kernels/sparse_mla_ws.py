@@ -10,13 +10,25 @@ rope 64. What the Triton kernel cannot express and this one does:
     signalling the stage's ``ready`` barrier when they land;
   - fp8_ds_mla rows loaded into registers, dequantised (e4m3 · the tile's fp32 scale) to bf16
     and stored into the stage, then signalled.
-- **Consumers** (the default partition: two warpgroups, each owning 256 of the 512 value
-  columns and half of each block's score columns) issue PV of block i, then QK of block i+1, back
-  to back on the tensor cores, and release block i's stage to the producer (``empty`` barrier) as
-  soon as PV lands, so a refill has a whole block's time before it is needed. (Issuing QK first,
-  to overlap the softmax with PV, measured 12-15 % slower: with two stages the consumer then waits
-  for the refill of the stage it has just released.) The softmax sums stay per column slot until
-  the end, so the warpgroups exchange only the row max per block.
+- **Two consumer warpgroups**, each owning 256 of the 512 value columns, in one of two schedules:
+  - ``split`` (fp8_ds_mla rows): both warpgroups work on the same block, each scoring half of its
+    columns; they issue PV of block i, then QK of block i+1, and release block i's stage to the
+    producer (``empty`` barrier) as soon as PV lands. The softmax sums stay per column slot until
+    the end, so the warpgroups exchange only the row max per block. (Issuing QK first measured
+    12-15 % slower: with two stages the consumer then waits for the refill of the stage it has
+    just released.)
+  - ``seesaw`` (bf16 rows; :func:`_seesaw_consumer`, after FlashMLA's dense decode kernel):
+    blocks come in pairs and each warpgroup scores its own block of the pair (64-wide wgmmas,
+    the query read once per block instead of twice), so one warpgroup's softmax runs while the
+    other's matmuls do; they exchange row maxima and P through shared memory. It needs ~230
+    registers per consumer thread, which the FP8 producer's 120 do not leave (it spills there
+    and measured 16 % slower), hence ``split`` for FP8.
+- **Partitions and registers**: the producer is the default partition and the consumers are
+  worker partitions: in local sm_90a compiles (``benchmarks/kernels/aot_sm90.py``) ptxas held
+  the default partition's code to the launch's register count (65536 / 384 threads = 168) while
+  a worker got its ``setmaxnreg`` count (232 with the bf16 producer's 40, 192 with the FP8
+  producer's 120): a consumer warpgroup in the default partition spilled 169 instructions' worth
+  where the same code as a worker spilled 2.
 
 Scores use an online base-2 softmax exactly as the Triton kernel (same masking, same −inf/zero
 conventions for tokens without a valid row), so the merge of split-K slices is shared.
@@ -508,9 +520,9 @@ def _sparse_mla_seesaw_kernel(
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):  # fmt: skip
-    """The seesaw-schedule kernel: default partition = consumer warpgroup 0, workers = consumer
-    warpgroup 1 and the producer (same as :func:`_sparse_mla_ws_kernel`'s). Each pair of blocks'
-    P lives in the rope slots of its two stages, so shared memory is Q + 2 stages (216 KB)."""
+    """The seesaw-schedule kernel: default partition = the producer (as in
+    :func:`_sparse_mla_ws_kernel`), workers = the two consumer warpgroups. Each pair of blocks' P
+    lives in the rope slots of its two stages, so shared memory is Q + 2 stages (217.6 KB)."""
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
     big: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -570,7 +582,9 @@ def _sparse_mla_seesaw_kernel(
 
 FP8_PRODUCER_WARPS = 4
 FP8_DEQUANT = 0
-SCHEDULE = "split"  # or "seesaw" (:func:`_seesaw_consumer`)
+# consumer schedule: None = "seesaw" for bf16 rows, "split" for fp8_ds_mla rows (its producer
+# needs 120 registers, which leaves the seesaw consumers too few: they spill); or force one
+SCHEDULE = None
 
 
 def launch_maxnreg(producer_warps: int) -> int:
@@ -620,7 +634,7 @@ def sparse_mla_ws(
     block_n, num_stages, maxnreg = 64, 2, launch_maxnreg(producer_warps)
     if producer_regs is None:
         producer_regs = default_producer_regs(is_fp8, producer_warps)
-    schedule = schedule or SCHEDULE
+    schedule = schedule or SCHEDULE or ("split" if is_fp8 else "seesaw")
     if schedule not in ("split", "seesaw"):
         raise ValueError(f"schedule must be 'split' or 'seesaw', got {schedule!r}")
     step = 2 * block_n if schedule == "seesaw" else block_n  # seesaw: blocks in pairs
