@@ -29,7 +29,8 @@ def _bin(name: str) -> str:
 
 
 def compile_ws(fp8: bool, producer_warps: int, producer_regs: int, fp8_rows: int, maxnreg: int,
-               dequant: int = 0, out_dtype: str = "bf16", schedule: str = "split"):  # fmt: skip
+               dequant: int = 0, out_dtype: str = "bf16", schedule: str = "split",
+               staged: bool = False):  # fmt: skip
     # q, kv, idx, out, lse pointers; scale; 3 ints; 10 strides
     sig = {
         "q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
@@ -43,6 +44,7 @@ def compile_ws(fp8: bool, producer_warps: int, producer_regs: int, fp8_rows: int
                   DEQUANT=dequant)
     fn = ws._sparse_mla_seesaw_kernel if schedule == "seesaw" else ws._sparse_mla_ws_kernel
     consts["CONSUMER_REGS"] = ws.consumer_regs(producer_warps, producer_regs)
+    consts["FP8_STAGED"] = fp8 and staged
     names = list(fn.arg_names)
     for k, v in consts.items():
         sig[k] = "constexpr"
@@ -66,13 +68,15 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--dequant", type=int, default=0)
     ap.add_argument("--schedule", default="split")
+    ap.add_argument("--staged", action="store_true", help="FP8 rows staged through smem")
     ap.add_argument("--sass-hist", action="store_true")
     ap.add_argument("--dump", default=None, help="write ptx/sass there")
     a = ap.parse_args()
     pw = a.producer_warps
     regs = a.producer_regs or ws.default_producer_regs(a.fp8, pw)
     maxnreg = a.maxnreg or ws.launch_maxnreg(pw)
-    k = compile_ws(a.fp8, pw, regs, a.fp8_rows, maxnreg, a.dequant, schedule=a.schedule)
+    k = compile_ws(a.fp8, pw, regs, a.fp8_rows, maxnreg, a.dequant, schedule=a.schedule,
+                   staged=a.staged)
     ptx = k.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")

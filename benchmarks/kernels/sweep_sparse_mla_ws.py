@@ -23,6 +23,7 @@ def main():
     ap.add_argument("--producer-regs", default="56,88,120")
     ap.add_argument("--dequant", default="0,1", help="FP8 dequant variant(s), see sparse_mla_ws")
     ap.add_argument("--schedules", default="split,seesaw", help="consumer schedule(s)")
+    ap.add_argument("--staged", default="0,1", help="FP8 rows staged through shared memory (0/1)")
     ap.add_argument("--configs", default="", help="explicit FP8 configs dequant:regs:rows,... "
                     "(instead of the product of the three lists)")
     ap.add_argument("--prefill", default="8192x32768", help="TxS prefill shapes, comma-separated")
@@ -46,8 +47,10 @@ def main():
             else:
                 grid = itertools.product(args.dequant.split(","), args.producer_regs.split(","),
                                          args.fp8_rows.split(","))  # fmt: skip
-            for (dq, pr, fr), sch in itertools.product(list(grid), args.schedules.split(",")):
-                kw = dict(dequant=int(dq), producer_regs=int(pr), fp8_rows=int(fr), schedule=sch)
+            stg = args.staged.split(",") if layout.is_fp8 else ["0"]
+            for (dq, pr, fr), sch, sg in itertools.product(list(grid), args.schedules.split(","), stg):
+                kw = dict(dequant=int(dq), producer_regs=int(pr), fp8_rows=int(fr), schedule=sch,
+                          fp8_staged=sg == "1")  # fmt: skip
                 try:
                     ms = _time(sparse_mla_ws, q, rows, layout.is_fp8, fmt.row_bytes, slots, 0.06,
                                torch.bfloat16, cfg.num_splits, **kw)  # fmt: skip

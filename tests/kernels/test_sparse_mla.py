@@ -102,19 +102,22 @@ def test_prefill_interpreter(interp):
 
 # ---- GPU ---------------------------------------------------------------------------------------
 GLM = dict(r=512, rope=64, h=64, topk=2048)
-# ws: the warp-specialised Gluon kernel (Hopper only), with its "split" consumer schedule or the
-# "seesaw" one (``sparse_mla_ws.SCHEDULE``)
-KERNELS = ["triton", "ws", "ws-seesaw"]
+# ws: the warp-specialised Gluon kernel (Hopper only) with its default consumer schedule, or
+# forced to "seesaw" / "split" (``sparse_mla_ws.SCHEDULE``), and "+staged": FP8 rows through
+# shared memory (``sparse_mla_ws.FP8_STAGED``)
+KERNELS = ["triton", "ws", "ws-seesaw", "ws-split", "ws-seesaw+staged", "ws-split+staged"]
 
 
 def _need(kernel, monkeypatch=None):
-    """Skip the Gluon kernel off sm_90; select its schedule; return the dispatch's kernel name."""
+    """Skip the Gluon kernel off sm_90; select its variant; return the dispatch's kernel name."""
     if kernel.startswith("ws") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialised kernel is built for sm_90")
-    if kernel == "ws-seesaw":
+    if kernel.startswith("ws-"):
         from vllm.kernels import sparse_mla_ws
 
-        monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", "seesaw")
+        schedule, _, staged = kernel[3:].partition("+")
+        monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", schedule)
+        monkeypatch.setattr(sparse_mla_ws, "FP8_STAGED", staged == "staged")
         return "ws"
     return kernel
 
@@ -136,13 +139,13 @@ def test_decode_gpu(cache_dtype, t, h, kernel, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
 @pytest.mark.parametrize("splits,k", [(1, 64), (2, 2048), (3, 2048), (5, 700)])
-@pytest.mark.parametrize("schedule", ["split", "seesaw"])
-def test_decode_gpu_ws_splits(cache_dtype, splits, k, schedule, monkeypatch):
+@pytest.mark.parametrize("variant", ["ws-split", "ws-seesaw", "ws-split+staged", "ws-seesaw+staged"])
+def test_decode_gpu_ws_splits(cache_dtype, splits, k, variant, monkeypatch):
     """The Gluon kernel's split-K slices (merged like the Triton kernel's), ragged top-k."""
     from vllm.kernels import sparse_mla_decode as mod
     from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
 
-    _need("ws-seesaw" if schedule == "seesaw" else "ws", monkeypatch)
+    _need(variant, monkeypatch)
     layout = KVCacheLayout(cache_dtype, torch.bfloat16, 512, 64, 128)
     cfg = SparseMLAConfig(64, 64, 8, 2, splits)
     _check_decode(
@@ -153,7 +156,8 @@ def test_decode_gpu_ws_splits(cache_dtype, splits, k, schedule, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "kernel,dequant", [("triton", None), ("ws", 0), ("ws", 1), ("ws-seesaw", 0), ("ws-seesaw", 1)]
+    "kernel,dequant",
+    [("triton", None)] + [(k, d) for k in KERNELS[2:] for d in (0, 1)],
 )
 def test_decode_gpu_fp8_dequant_exact(kernel, dequant, monkeypatch):
     """One valid row per token, so P = 1 and the output is that row's dequantised values: every

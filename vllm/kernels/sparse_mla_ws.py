@@ -230,17 +230,118 @@ def _fp8_chunk_store(chunk, kv_rows, kr_rows, DEQUANT: gl.constexpr):
 
 
 @gluon.jit
+def _dequant_2d(raw, sc, DEQUANT: gl.constexpr):
+    """e4m3 bytes [rows, n] times a [rows, 1] fp32 scale (same layout) -> bf16."""
+    if DEQUANT == 1:
+        s32 = sc * 1.329227995784916e36
+        s_hi = s32.to(gl.bfloat16).to(gl.float32)
+        _, hi2 = gl.broadcast(raw, _bf16_pair(s_hi))
+        _, lo2 = gl.broadcast(raw, _bf16_pair(s32 - s_hi))
+        return gl.inline_asm_elementwise(_DEQUANT_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [raw, hi2, lo2],
+                                         dtype=gl.bfloat16, is_pure=True, pack=4)  # fmt: skip
+    else:
+        return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc).to(gl.bfloat16)
+
+
+@gluon.jit
+def _fp8_group_dequant(raw_v, sc_v, kv_st, g: gl.constexpr, dl: gl.constexpr, DEQUANT: gl.constexpr):
+    """Raw group g (e4m3 columns 64g..64g+63 of the block's rows) -> bf16 column group g."""
+    raw = raw_v.slice((8 + g) * 64, 64, dim=0).load(dl)
+    sc = sc_v.slice(g // 2, 1, dim=1).load(dl)
+    kv_st.slice(64 * g, 64, dim=1).store(_dequant_2d(raw, sc, DEQUANT))
+
+
+@gluon.jit
+def _produce_fp8_staged(
+    kv_ptr, idx_row, kv_s, kr_s, sc_s, ready, empty, k_lim, n_blocks,
+    ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr, DEQUANT: gl.constexpr,
+):  # fmt: skip
+    """fp8_ds_mla rows staged through shared memory, so no row is held in registers in flight:
+    per block, ``cp.async`` puts the raw e4m3 bytes in the upper half of the stage's own bf16
+    buffer (group-major: group g = e4m3 columns 64g..64g+63 of every row, 4 KB), the tile scales
+    in ``sc_s`` and the bf16 rope straight into its slot; then the producer expands the groups in
+    place, g = 0..7, to the bf16 column groups (8 KB each, lower half first). bf16 groups 4-7
+    overwrite raw groups 0-7, so a barrier separates each overwrite from the loads of what it
+    overwrites: groups 0-3 (no overlap), barrier, 4-5 (over raw 0-3), raw 6-7 into registers,
+    barrier, 6-7 (over raw 4-7)."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    # copies: per group, [FP8_ROWS rows, 64 bytes], 16 bytes per cp.async
+    cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [PRODUCER_WARPS, 1], [1, 0])
+    r2 = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, cl))
+    b2 = gl.arange(0, 64, layout=gl.SliceLayout(0, cl))
+    sl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [PRODUCER_WARPS, 1], [1, 0])
+    rs = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, sl))
+    cs = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
+    VR: gl.constexpr = FP8_ROWS * 64 // (PRODUCER_WARPS * 32)
+    rl: gl.constexpr = gl.BlockedLayout([1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0])
+    rr = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
+    cr = gl.arange(0, 64, layout=gl.SliceLayout(0, rl))
+    # dequant tiles: [64 rows, 64 columns], 16 bytes per thread
+    dl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [PRODUCER_WARPS, 1], [1, 0])
+    for i in range(n_blocks):
+        st = i % NUM_STAGES
+        kv_st = kv_s.index(st)
+        kr_st = kr_s.index(st)
+        sc_st = sc_s.index(st)
+        # the stage's 64 KB as [16 · BLOCK_N, 64] bytes: raw group g is rows (8 + g) · BLOCK_N + r
+        raw_v = kv_st._reinterpret(gl.uint8, [16 * BLOCK_N, 64], plain)
+        mbarrier.wait(empty.index(st), ((i // NUM_STAGES) & 1) ^ 1)
+        for r0 in gl.static_range(0, BLOCK_N, FP8_ROWS):
+            k0 = i * BLOCK_N + r0
+            rid = gl.load(idx_row + k0 + r2, mask=k0 + r2 < k_lim, other=-1)
+            row = (kv_ptr + rid.to(gl.int64) * ROW_BYTES)[:, None] + b2[None, :]
+            for g in gl.static_range(8):
+                async_copy.async_copy_global_to_shared(
+                    raw_v.slice((8 + g) * BLOCK_N + r0, FP8_ROWS, dim=0), row + 64 * g,
+                    mask=(rid >= 0)[:, None],
+                )
+            rid_s = gl.load(idx_row + k0 + rs, mask=k0 + rs < k_lim, other=-1)
+            scp = (kv_ptr + rid_s.to(gl.int64) * ROW_BYTES + D_NOPE).to(gl.pointer_type(gl.float32))
+            async_copy.async_copy_global_to_shared(
+                sc_st.slice(r0, FP8_ROWS, dim=0), scp[:, None] + cs[None, :], mask=(rid_s >= 0)[:, None]
+            )
+            rid_r = gl.load(idx_row + k0 + rr, mask=k0 + rr < k_lim, other=-1)
+            rope = (kv_ptr + rid_r.to(gl.int64) * ROW_BYTES + D_NOPE + 4 * (D_NOPE // 128)).to(
+                gl.pointer_type(gl.bfloat16)
+            )
+            async_copy.async_copy_global_to_shared(
+                kr_st.slice(r0, FP8_ROWS, dim=0), rope[:, None] + cr[None, :], mask=(rid_r >= 0)[:, None]
+            )
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # every producer thread's copies of this block have landed
+        for g in gl.static_range(4):
+            _fp8_group_dequant(raw_v, sc_st, kv_st, g, dl, DEQUANT)
+        gl.thread_barrier()  # raw groups 0-3 are read: bf16 groups 4-5 may overwrite them
+        _fp8_group_dequant(raw_v, sc_st, kv_st, 4, dl, DEQUANT)
+        _fp8_group_dequant(raw_v, sc_st, kv_st, 5, dl, DEQUANT)
+        raw6 = raw_v.slice(14 * BLOCK_N, BLOCK_N, dim=0).load(dl)
+        raw7 = raw_v.slice(15 * BLOCK_N, BLOCK_N, dim=0).load(dl)
+        sc3 = sc_st.slice(3, 1, dim=1).load(dl)
+        gl.thread_barrier()  # raw groups 4-7 are read: bf16 groups 6-7 may overwrite them
+        kv_st.slice(6 * 64, 64, dim=1).store(_dequant_2d(raw6, sc3, DEQUANT))
+        kv_st.slice(7 * 64, 64, dim=1).store(_dequant_2d(raw7, sc3, DEQUANT))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(st))
+
+
+@gluon.jit
 def _producer(
-    kv_ptr, idx_ptr, kv_s, kr_s, ready, empty, t, split, topk, k_per_split, stride_it, row_stride,
-    IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
+    kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split, stride_it,
+    row_stride, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr,
-    DEQUANT: gl.constexpr,
+    DEQUANT: gl.constexpr, FP8_STAGED: gl.constexpr,
 ):  # fmt: skip
     n_blocks = k_per_split // BLOCK_N
     k_lo = split * k_per_split
     idx_row = idx_ptr + t * stride_it + k_lo
     k_lim = gl.minimum(k_per_split, topk - k_lo)
-    if IS_FP8:
+    if IS_FP8 and FP8_STAGED:
+        _produce_fp8_staged(kv_ptr, idx_row, kv_s, kr_s, sc_s, ready, empty, k_lim, n_blocks,
+                            ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS, DEQUANT)  # fmt: skip
+    elif IS_FP8:
         # FP8_ROWS rows per chunk: 4 tiles of [rows, 128] e4m3 (16 bytes per thread and load),
         # their fp32 scales and the bf16 rope; the next chunk's loads are in flight while this one
         # is dequantised and stored
@@ -304,7 +405,7 @@ def _sparse_mla_ws_kernel(
     stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
-    DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
 ):  # fmt: skip
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
@@ -313,6 +414,10 @@ def _sparse_mla_ws_kernel(
     q_rope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], big)
     kv_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_NOPE], big)
     kr_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_ROPE], big)
+    # the staged FP8 producer's tile scales (4 fp32 per row); a dummy otherwise
+    sc_rows: gl.constexpr = BLOCK_N if (IS_FP8 and FP8_STAGED) else 1
+    sc_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, sc_rows, 4],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # fmt: skip
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -341,9 +446,9 @@ def _sparse_mla_ws_kernel(
         [
             (
                 _producer,
-                (kv_ptr, idx_ptr, kv_s, kr_s, ready, empty, t, split, topk, k_per_split, stride_it,
-                 row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS,
-                 DEQUANT),
+                (kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split,
+                 stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
+                 FP8_ROWS, DEQUANT, FP8_STAGED),
             ),
             (
                 _consumer,
@@ -518,7 +623,7 @@ def _sparse_mla_seesaw_kernel(
     stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
-    DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
 ):  # fmt: skip
     """The seesaw-schedule kernel: default partition = the producer (as in
     :func:`_sparse_mla_ws_kernel`), workers = the two consumer warpgroups. Each pair of blocks' P
@@ -530,6 +635,10 @@ def _sparse_mla_seesaw_kernel(
     q_rope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], big)
     kv_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_NOPE], big)
     kr_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_ROPE], big)
+    # the staged FP8 producer's tile scales (4 fp32 per row); a dummy otherwise
+    sc_rows: gl.constexpr = BLOCK_N if (IS_FP8 and FP8_STAGED) else 1
+    sc_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, sc_rows, 4],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # fmt: skip
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     m0buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
     m1buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
@@ -568,9 +677,9 @@ def _sparse_mla_seesaw_kernel(
         [
             (
                 _producer,
-                (kv_ptr, idx_ptr, kv_s, kr_s, ready, empty, t, split, topk, k_per_split, stride_it,
-                 row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS,
-                 DEQUANT),
+                (kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split,
+                 stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
+                 FP8_ROWS, DEQUANT, FP8_STAGED),
             ),
             (_seesaw_wg0, cargs),
             (_seesaw_wg1, cargs),
@@ -585,6 +694,7 @@ FP8_DEQUANT = 0
 # consumer schedule: None = "seesaw" for bf16 rows, "split" for fp8_ds_mla rows (its producer
 # needs 120 registers, which leaves the seesaw consumers too few: they spill); or force one
 SCHEDULE = None
+FP8_STAGED = False  # FP8 rows through shared memory (:func:`_produce_fp8_staged`)
 
 
 def launch_maxnreg(producer_warps: int) -> int:
@@ -601,8 +711,9 @@ def consumer_regs(producer_warps: int, producer_regs: int) -> int:
 
 
 def default_producer_regs(is_fp8: bool, producer_warps: int) -> int:
-    """The producer partition's setmaxnreg: bf16 rows only issue cp.async (40); the FP8
-    producer holds two chunks of rows in registers (120 at 4 warps, 64 at 8)."""
+    """The producer partition's setmaxnreg: bf16 rows (and staged FP8 rows) only issue cp.async
+    (40); the register FP8 producer holds two chunks of rows (120 at 4 warps, 64 at 8).
+    ``is_fp8``: the FP8 rows go through registers."""
     if not is_fp8:
         return 40
     return 120 if producer_warps <= 4 else 64
@@ -616,7 +727,7 @@ def is_supported_device(device_index: int) -> bool:
 
 def sparse_mla_ws(
     q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, producer_warps=None,
-    producer_regs=None, fp8_rows=16, dequant=None, schedule=None,
+    producer_regs=None, fp8_rows=None, dequant=None, schedule=None, fp8_staged=None,
 ):  # fmt: skip
     """Launch on [T, 64-or-fewer heads, 576] queries; returns (part_o, part_l) with a leading
     split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``).
@@ -627,13 +738,15 @@ def sparse_mla_ws(
     and one bf16 fma (no conversion instructions)."""
     t, h, d = q.shape
     k = indices.shape[1]
+    fp8_staged = bool(is_fp8 and (FP8_STAGED if fp8_staged is None else fp8_staged))
+    fp8_rows = fp8_rows or (32 if fp8_staged else 16)
     producer_warps = producer_warps or (FP8_PRODUCER_WARPS if is_fp8 else 4)
     dequant = FP8_DEQUANT if dequant is None else dequant
     # 64-row blocks in 2 stages fill the shared memory (224.5 of 227 KB); the register file is
     # split evenly at launch and rebalanced towards the consumers by setmaxnreg
     block_n, num_stages, maxnreg = 64, 2, launch_maxnreg(producer_warps)
     if producer_regs is None:
-        producer_regs = default_producer_regs(is_fp8, producer_warps)
+        producer_regs = default_producer_regs(is_fp8 and not fp8_staged, producer_warps)
     schedule = schedule or SCHEDULE or ("split" if is_fp8 else "seesaw")
     if schedule not in ("split", "seesaw"):
         raise ValueError(f"schedule must be 'split' or 'seesaw', got {schedule!r}")
@@ -652,6 +765,7 @@ def sparse_mla_ws(
                 PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
                 DEQUANT=dequant, maxnreg=maxnreg)  # fmt: skip
     meta["CONSUMER_REGS"] = consumer_regs(producer_warps, producer_regs)
+    meta["FP8_STAGED"] = fp8_staged
     kernel = _sparse_mla_seesaw_kernel if schedule == "seesaw" else _sparse_mla_ws_kernel
     kernel[(t, splits)](*args, num_warps=producer_warps, **meta)
     return part_o, part_l
