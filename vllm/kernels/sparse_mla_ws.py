@@ -8,8 +8,11 @@ rope 64. What the Triton kernel cannot express and this one does:
   into a ring of ``NUM_STAGES`` shared-memory stages while the consumers compute:
   - bf16 rows with ``cp.async`` (16-byte pieces, zero-filled for −1 slots), each thread's copies
     signalling the stage's ``ready`` barrier when they land;
-  - fp8_ds_mla rows loaded into registers, dequantised (e4m3 · the tile's fp32 scale) to bf16
-    and stored into the stage, then signalled.
+  - fp8_ds_mla rows, by default *staged* (:func:`_produce_fp8_staged`): ``cp.async`` puts the
+    raw bytes into the upper half of the stage's own bf16 buffer, then the producer expands them
+    in place to bf16 (e4m3 · the tile's fp32 scale) and signals; it holds no row in registers,
+    so it runs in 40 registers and leaves the consumers 232. The older register path (rows
+    loaded into registers, two chunks in flight, 120 registers) stays as ``fp8_staged=False``.
 - **Two consumer warpgroups**, each owning 256 of the 512 value columns, in one of two schedules:
   - ``split`` (fp8_ds_mla rows): both warpgroups work on the same block, each scoring half of its
     columns; they issue PV of block i, then QK of block i+1, and release block i's stage to the
@@ -20,15 +23,16 @@ rope 64. What the Triton kernel cannot express and this one does:
   - ``seesaw`` (bf16 rows; :func:`_seesaw_consumer`, after FlashMLA's dense decode kernel):
     blocks come in pairs and each warpgroup scores its own block of the pair (64-wide wgmmas,
     the query read once per block instead of twice), so one warpgroup's softmax runs while the
-    other's matmuls do; they exchange row maxima and P through shared memory. It needs ~230
-    registers per consumer thread, which the FP8 producer's 120 do not leave (it spills there
-    and measured 16 % slower), hence ``split`` for FP8.
+    other's matmuls do; they exchange row maxima and P through shared memory. With two stages the
+    pair's second block is needed as soon as its stage is released, so the FP8 producer's load
+    plus dequantisation is exposed there (1.156 vs 1.088 ms for ``split`` at T=1024), hence
+    ``split`` for FP8 rows.
 - **Partitions and registers**: the producer is the default partition and the consumers are
   worker partitions: in local sm_90a compiles (``benchmarks/kernels/aot_sm90.py``) ptxas held
   the default partition's code to the launch's register count (65536 / 384 threads = 168) while
-  a worker got its ``setmaxnreg`` count (232 with the bf16 producer's 40, 192 with the FP8
-  producer's 120): a consumer warpgroup in the default partition spilled 169 instructions' worth
-  where the same code as a worker spilled 2.
+  a worker got its ``setmaxnreg`` count (232 beside a 40-register producer): a consumer
+  warpgroup in the default partition spilled 169 instructions' worth where the same code as a
+  worker spilled 2.
 
 Scores use an online base-2 softmax exactly as the Triton kernel (same masking, same −inf/zero
 conventions for tokens without a valid row), so the merge of split-K slices is shared.
@@ -691,10 +695,13 @@ def _sparse_mla_seesaw_kernel(
 
 FP8_PRODUCER_WARPS = 4
 FP8_DEQUANT = 0
-# consumer schedule: None = "seesaw" for bf16 rows, "split" for fp8_ds_mla rows (its producer
-# needs 120 registers, which leaves the seesaw consumers too few: they spill); or force one
+# consumer schedule: None = "seesaw" for bf16 rows, "split" for fp8_ds_mla rows (with two stages
+# the seesaw pair's second block is needed as soon as its stage is released, which exposes the
+# FP8 producer's load + dequantisation: 1.156 vs 1.088 ms staged); or force one
 SCHEDULE = None
-FP8_STAGED = False  # FP8 rows through shared memory (:func:`_produce_fp8_staged`)
+# FP8 rows through shared memory (:func:`_produce_fp8_staged`), not registers: 1.088 vs 1.276 ms
+# at T=1024 on the H200 (BENCHMARKS.md, sixth session)
+FP8_STAGED = True
 
 
 def launch_maxnreg(producer_warps: int) -> int:
