@@ -30,7 +30,7 @@ def _bin(name: str) -> str:
 
 def compile_ws(fp8: bool, producer_warps: int, producer_regs: int, fp8_rows: int, maxnreg: int,
                dequant: int = 0, out_dtype: str = "bf16", schedule: str = "split",
-               staged: bool = False, block_n: int = 64):  # fmt: skip
+               staged: bool = False):  # fmt: skip
     # q, kv, idx, out, lse pointers; scale; 3 ints; 10 strides
     sig = {
         "q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
@@ -39,8 +39,7 @@ def compile_ws(fp8: bool, producer_warps: int, producer_regs: int, fp8_rows: int
         "stride_it": "i32", "row_stride": "i32", "stride_os": "i32", "stride_ot": "i32",
         "stride_oh": "i32", "stride_ls": "i32", "stride_lt": "i32",
     }  # fmt: skip
-    consts = dict(IS_FP8=fp8, ROW_BYTES=656 if fp8 else 1152, BLOCK_N=block_n,
-                  NUM_STAGES=128 // block_n,
+    consts = dict(IS_FP8=fp8, ROW_BYTES=656 if fp8 else 1152, BLOCK_N=64, NUM_STAGES=2,
                   PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
                   DEQUANT=dequant)
     fn = ws._sparse_mla_seesaw_kernel if schedule == "seesaw" else ws._sparse_mla_ws_kernel
@@ -70,7 +69,6 @@ def main() -> None:
     ap.add_argument("--dequant", type=int, default=0)
     ap.add_argument("--schedule", default="split")
     ap.add_argument("--staged", action="store_true", help="FP8 rows staged through smem")
-    ap.add_argument("--block-n", type=int, default=64, help="rows per block (seesaw: 64 or 32)")
     ap.add_argument("--sass-hist", action="store_true")
     ap.add_argument("--dump", default=None, help="write ptx/sass there")
     a = ap.parse_args()
@@ -78,7 +76,7 @@ def main() -> None:
     regs = a.producer_regs or ws.default_producer_regs(a.fp8, pw)
     maxnreg = a.maxnreg or ws.launch_maxnreg(pw)
     k = compile_ws(a.fp8, pw, regs, a.fp8_rows, maxnreg, a.dequant, schedule=a.schedule,
-                   staged=a.staged, block_n=a.block_n)
+                   staged=a.staged)
     ptx = k.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")

@@ -22,7 +22,7 @@ def main():
     ap.add_argument("--fp8-rows", default="8,16,32")
     ap.add_argument("--producer-regs", default="56,88,120")
     ap.add_argument("--dequant", default="0,1", help="FP8 dequant variant(s), see sparse_mla_ws")
-    ap.add_argument("--schedules", default="split,seesaw,seesaw32", help="consumer schedule(s)")
+    ap.add_argument("--schedules", default="split,seesaw", help="consumer schedule(s)")
     ap.add_argument("--staged", default="0,1", help="FP8 rows staged through shared memory (0/1)")
     ap.add_argument("--configs", default="", help="explicit FP8 configs dequant:regs:rows,... "
                     "(instead of the product of the three lists)")
@@ -49,8 +49,8 @@ def main():
                                          args.fp8_rows.split(","))  # fmt: skip
             stg = args.staged.split(",") if layout.is_fp8 else ["0"]
             for (dq, pr, fr), sch, sg in itertools.product(list(grid), args.schedules.split(","), stg):
-                kw = dict(dequant=int(dq), producer_regs=int(pr), fp8_rows=int(fr),
-                          **_schedule(sch), fp8_staged=sg == "1")  # fmt: skip
+                kw = dict(dequant=int(dq), producer_regs=int(pr), fp8_rows=int(fr), schedule=sch,
+                          fp8_staged=sg == "1")  # fmt: skip
                 try:
                     ms = _time(sparse_mla_ws, q, rows, layout.is_fp8, fmt.row_bytes, slots, 0.06,
                                torch.bfloat16, cfg.num_splits, **kw)  # fmt: skip
@@ -70,16 +70,8 @@ def main():
         base = _time(sparse_mla_fwd, q, kv, fmt, idx, 0.04, torch.bfloat16, kernel="triton")
         _print(f"prefill T={t} S={s}", "triton", base, flops, peaks, base)
         for sch in args.schedules.split(","):
-            ms = _time(sparse_mla_ws, q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1,
-                       **_schedule(sch))  # fmt: skip
+            ms = _time(sparse_mla_ws, q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, schedule=sch)
             _print(f"prefill T={t} S={s}", f"ws {sch}", ms, flops, peaks, base)
-
-
-def _schedule(name: str) -> dict:
-    """'split' | 'seesaw' | 'seesaw32' (32-row blocks, 4 stages) -> sparse_mla_ws kwargs."""
-    if name == "seesaw32":
-        return dict(schedule="seesaw", seesaw_block_n=32)
-    return dict(schedule=name)
 
 
 def _time(fn, *args, **kwargs) -> float:

@@ -104,9 +104,8 @@ def test_prefill_interpreter(interp):
 GLM = dict(r=512, rope=64, h=64, topk=2048)
 # ws: the warp-specialised Gluon kernel (Hopper only) with its default consumer schedule, or
 # forced to "seesaw" / "split" (``sparse_mla_ws.SCHEDULE``), and "+staged": FP8 rows through
-# shared memory (``sparse_mla_ws.FP8_STAGED``); "seesaw32": 32-row blocks in 4 stages
-KERNELS = ["triton", "ws", "ws-seesaw", "ws-split", "ws-seesaw+staged", "ws-split+staged",
-           "ws-seesaw32", "ws-seesaw32+staged"]  # fmt: skip
+# shared memory (``sparse_mla_ws.FP8_STAGED``)
+KERNELS = ["triton", "ws", "ws-seesaw", "ws-split", "ws-seesaw+staged", "ws-split+staged"]
 
 
 def _need(kernel, monkeypatch=None):
@@ -117,8 +116,7 @@ def _need(kernel, monkeypatch=None):
         from vllm.kernels import sparse_mla_ws
 
         schedule, _, staged = kernel[3:].partition("+")
-        monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", schedule.removesuffix("32"))
-        monkeypatch.setattr(sparse_mla_ws, "SEESAW_BLOCK_N", 32 if schedule.endswith("32") else 64)
+        monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", schedule)
         monkeypatch.setattr(sparse_mla_ws, "FP8_STAGED", staged == "staged")
         return "ws"
     return kernel
@@ -141,7 +139,7 @@ def test_decode_gpu(cache_dtype, t, h, kernel, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
 @pytest.mark.parametrize("splits,k", [(1, 64), (2, 2048), (3, 2048), (5, 700)])
-@pytest.mark.parametrize("variant", KERNELS[2:])
+@pytest.mark.parametrize("variant", ["ws-split", "ws-seesaw", "ws-split+staged", "ws-seesaw+staged"])
 def test_decode_gpu_ws_splits(cache_dtype, splits, k, variant, monkeypatch):
     """The Gluon kernel's split-K slices (merged like the Triton kernel's), ragged top-k."""
     from vllm.kernels import sparse_mla_decode as mod

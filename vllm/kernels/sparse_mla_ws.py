@@ -248,10 +248,9 @@ def _dequant_2d(raw, sc, DEQUANT: gl.constexpr):
 
 
 @gluon.jit
-def _fp8_group_dequant(raw_v, sc_v, kv_st, g: gl.constexpr, dl: gl.constexpr, DEQUANT: gl.constexpr,
-                       BLOCK_N: gl.constexpr):  # fmt: skip
+def _fp8_group_dequant(raw_v, sc_v, kv_st, g: gl.constexpr, dl: gl.constexpr, DEQUANT: gl.constexpr):
     """Raw group g (e4m3 columns 64g..64g+63 of the block's rows) -> bf16 column group g."""
-    raw = raw_v.slice((8 + g) * BLOCK_N, BLOCK_N, dim=0).load(dl)
+    raw = raw_v.slice((8 + g) * 64, 64, dim=0).load(dl)
     sc = sc_v.slice(g // 2, 1, dim=1).load(dl)
     kv_st.slice(64 * g, 64, dim=1).store(_dequant_2d(raw, sc, DEQUANT))
 
@@ -317,10 +316,10 @@ def _produce_fp8_staged(
         async_copy.wait_group(0)
         gl.thread_barrier()  # every producer thread's copies of this block have landed
         for g in gl.static_range(4):
-            _fp8_group_dequant(raw_v, sc_st, kv_st, g, dl, DEQUANT, BLOCK_N)
+            _fp8_group_dequant(raw_v, sc_st, kv_st, g, dl, DEQUANT)
         gl.thread_barrier()  # raw groups 0-3 are read: bf16 groups 4-5 may overwrite them
-        _fp8_group_dequant(raw_v, sc_st, kv_st, 4, dl, DEQUANT, BLOCK_N)
-        _fp8_group_dequant(raw_v, sc_st, kv_st, 5, dl, DEQUANT, BLOCK_N)
+        _fp8_group_dequant(raw_v, sc_st, kv_st, 4, dl, DEQUANT)
+        _fp8_group_dequant(raw_v, sc_st, kv_st, 5, dl, DEQUANT)
         raw6 = raw_v.slice(14 * BLOCK_N, BLOCK_N, dim=0).load(dl)
         raw7 = raw_v.slice(15 * BLOCK_N, BLOCK_N, dim=0).load(dl)
         sc3 = sc_st.slice(3, 1, dim=1).load(dl)
@@ -468,22 +467,10 @@ def _sparse_mla_ws_kernel(
 
 
 @gluon.jit
-def _p_slot(kr_s, st, BLOCK_N: gl.constexpr):
-    """Block st's rope slot ([BLOCK_N, 64] bf16, free once its scores are done) seen as the
-    [64 heads, BLOCK_N] bf16 P operand of the PV wgmmas."""
-    if BLOCK_N == 64:
-        return kr_s.index(st)
-    else:
-        pl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * BLOCK_N, element_bitwidth=16, rank=2)
-        return kr_s.index(st)._reinterpret(gl.bfloat16, [BLOCK_H, BLOCK_N], pl)
-
-
-@gluon.jit
 def _seesaw_consumer(
     q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
     idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
-    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, ROLE: gl.constexpr,
+    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, ROLE: gl.constexpr,
 ):  # fmt: skip
     """One of the two consumer warpgroups of the seesaw schedule (``ROLE`` 0 or 1).
 
@@ -498,14 +485,14 @@ def _seesaw_consumer(
     So each warpgroup's softmax runs while the other's wgmmas do, and the two exchange only the
     row maxima and P through shared memory (barriers ``xbar[r]``: "m_r and P_r are written")."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_NOPE // 2, 16]
     )
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    n_pairs = k_per_split // (2 * BLOCK_N)
+    n_pairs = k_per_split // 128
     k_lo = split * k_per_split
     idx_row = idx_ptr + t * stride_it + k_lo
     k_lim = gl.minimum(k_per_split, topk - k_lo)
@@ -517,19 +504,17 @@ def _seesaw_consumer(
     # the block's row ids are loaded one per thread and then spread to the score layout (a load
     # in that layout keeps 16 64-bit addresses per thread live across the loop: spills)
     il: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    ci = gl.arange(0, BLOCK_N, layout=il)
+    ci = gl.arange(0, 64, layout=il)
     for j in range(n_pairs):
         ph = j & 1
-        kk = (2 * j + ROLE) * BLOCK_N + ci
+        kk = j * 128 + ROLE * 64 + ci
         rid = gl.convert_layout(gl.load(idx_row + kk, mask=kk < k_lim, other=-1), gl.SliceLayout(0, s_layout))
-        # blocks 2j, 2j+1 sit in stages st0, st1 (NUM_STAGES 2: always 0, 1; 4: two pairs in flight)
-        # (+ j >> 30, always 0: with NUM_STAGES 2 the stages are constants, and ptxas then keeps
-        # the loop-invariant wgmma descriptors across the loop and spills them)
-        st0 = (2 * j) % NUM_STAGES + (j >> 30)
-        st1 = st0 + 1
-        own = st0 + ROLE
-        mbarrier.wait(ready.index(own), ((2 * j + ROLE) // NUM_STAGES) & 1)
-        s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+        mbarrier.wait(ready.index(ROLE), ph)
+        # a stage index the compiler cannot hoist (j < 2^30): with a constant one, ptxas keeps
+        # the 36 loop-invariant wgmma descriptors of this block's QK across the loop (spilled)
+        z = j >> 30
+        own = ROLE + z
+        s = gl.zeros([BLOCK_H, 64], gl.float32, s_layout)
         s = warpgroup_mma(q_nope_s, kv_s.index(own).permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma(q_rope_s, kr_s.index(own).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -552,7 +537,7 @@ def _seesaw_consumer(
             l_i = l_i * (sc0 * sc1) + gl.sum(p, axis=1)
             m1buf.store(m1)
         # P_r into block 2j+r's rope slot (its scores are done), then tell the other warpgroup
-        _p_slot(kr_s, own, BLOCK_N).store(p.to(gl.bfloat16))
+        kr_s.index(ROLE).store(p.to(gl.bfloat16))
         if ROLE == 0:
             m0buf.store(m0)
         fence_async_shared()
@@ -561,7 +546,7 @@ def _seesaw_consumer(
         acc = acc * gl.convert_layout(sc0, row_o)[:, None]
         if ROLE == 0:
             # O_L += P0·V0_L, then (once m1 and P1 are there) rescale and O_L += P1·V1_L
-            acc = warpgroup_mma(_p_slot(kr_s, st0, BLOCK_N), kv_s.index(st0).slice(c0, D_NOPE // 2, dim=1), acc,
+            acc = warpgroup_mma(kr_s.index(z), kv_s.index(z).slice(c0, D_NOPE // 2, dim=1), acc,
                                 is_async=True)  # fmt: skip
             mbarrier.wait(xbar.index(1), ph)
             m1 = m1buf.load(row_s)
@@ -569,28 +554,28 @@ def _seesaw_consumer(
             sc1 = gl.exp2(m0 - m1_safe)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
-            mbarrier.arrive(empty.index(st0))
+            mbarrier.arrive(empty.index(0))
             l_i = l_i * sc1
             acc = acc * gl.convert_layout(sc1, row_o)[:, None]
-            acc = warpgroup_mma(_p_slot(kr_s, st1, BLOCK_N), kv_s.index(st1).slice(c0, D_NOPE // 2, dim=1), acc,
+            acc = warpgroup_mma(kr_s.index(1 + z), kv_s.index(1 + z).slice(c0, D_NOPE // 2, dim=1), acc,
                                 is_async=True)  # fmt: skip
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
-            mbarrier.arrive(empty.index(st1))
+            mbarrier.arrive(empty.index(1))
             m_i = m1
         else:
             # O_R = (O_R·sc0 + P0·V0_R)·sc1 + P1·V1_R (P0 was written before xbar[0] completed)
-            acc = warpgroup_mma(_p_slot(kr_s, st0, BLOCK_N), kv_s.index(st0).slice(c0, D_NOPE // 2, dim=1), acc,
+            acc = warpgroup_mma(kr_s.index(z), kv_s.index(z).slice(c0, D_NOPE // 2, dim=1), acc,
                                 is_async=True)  # fmt: skip
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
-            mbarrier.arrive(empty.index(st0))
+            mbarrier.arrive(empty.index(0))
             acc = acc * gl.convert_layout(sc1, row_o)[:, None]
-            acc = warpgroup_mma(_p_slot(kr_s, st1, BLOCK_N), kv_s.index(st1).slice(c0, D_NOPE // 2, dim=1), acc,
+            acc = warpgroup_mma(kr_s.index(1 + z), kv_s.index(1 + z).slice(c0, D_NOPE // 2, dim=1), acc,
                                 is_async=True)  # fmt: skip
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()
-            mbarrier.arrive(empty.index(st1))
+            mbarrier.arrive(empty.index(1))
             m_i = m1
 
     # the row sums: each warpgroup has those of its own blocks, relative to the same final max
@@ -621,21 +606,19 @@ def _seesaw_consumer(
 @gluon.jit
 def _seesaw_wg0(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, BLOCK_N: gl.constexpr,
-                NUM_STAGES: gl.constexpr):  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt):  # fmt: skip
     _seesaw_consumer(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, BLOCK_N, NUM_STAGES, 0)  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, 0)  # fmt: skip
 
 
 @gluon.jit
 def _seesaw_wg1(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, BLOCK_N: gl.constexpr,
-                NUM_STAGES: gl.constexpr):  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt):  # fmt: skip
     _seesaw_consumer(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, BLOCK_N, NUM_STAGES, 1)  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, 1)  # fmt: skip
 
 
 @gluon.jit
@@ -688,6 +671,10 @@ def _sparse_mla_seesaw_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
+    cargs = (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
+             idx_ptr, out_ptr,
+             lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
+             stride_ot, stride_oh, stride_ls, stride_lt)  # fmt: skip
     # the producer is the default partition: ptxas holds the default partition's code to the
     # launch's register count (168) but gives worker partitions their setmaxnreg count (232)
     gl.warp_specialize(
@@ -698,14 +685,8 @@ def _sparse_mla_seesaw_kernel(
                  stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
                  FP8_ROWS, DEQUANT, FP8_STAGED),
             ),
-            (_seesaw_wg0, (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
-                            idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk,
-                            k_per_split, stride_it, stride_os, stride_ot, stride_oh, stride_ls,
-                            stride_lt, BLOCK_N, NUM_STAGES)),
-            (_seesaw_wg1, (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
-                            idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk,
-                            k_per_split, stride_it, stride_os, stride_ot, stride_oh, stride_ls,
-                            stride_lt, BLOCK_N, NUM_STAGES)),
+            (_seesaw_wg0, cargs),
+            (_seesaw_wg1, cargs),
         ],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
@@ -721,7 +702,6 @@ SCHEDULE = None
 # FP8 rows through shared memory (:func:`_produce_fp8_staged`), not registers: 1.088 vs 1.276 ms
 # at T=1024 on the H200 (BENCHMARKS.md, sixth session)
 FP8_STAGED = True
-SEESAW_BLOCK_N = 64  # or 32: 4 stages of 32 rows, a whole pair of blocks in flight
 
 
 def launch_maxnreg(producer_warps: int) -> int:
@@ -755,7 +735,6 @@ def is_supported_device(device_index: int) -> bool:
 def sparse_mla_ws(
     q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, producer_warps=None,
     producer_regs=None, fp8_rows=None, dequant=None, schedule=None, fp8_staged=None,
-    seesaw_block_n=None,
 ):  # fmt: skip
     """Launch on [T, 64-or-fewer heads, 576] queries; returns (part_o, part_l) with a leading
     split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``).
@@ -770,18 +749,14 @@ def sparse_mla_ws(
     fp8_rows = fp8_rows or (32 if fp8_staged else 16)
     producer_warps = producer_warps or (FP8_PRODUCER_WARPS if is_fp8 else 4)
     dequant = FP8_DEQUANT if dequant is None else dequant
-    # 64-row blocks in 2 stages (or, seesaw only, 32-row blocks in 4 stages) fill the shared
-    # memory; the register file is split evenly at launch and rebalanced by setmaxnreg
-    maxnreg = launch_maxnreg(producer_warps)
+    # 64-row blocks in 2 stages fill the shared memory (224.5 of 227 KB); the register file is
+    # split evenly at launch and rebalanced towards the consumers by setmaxnreg
+    block_n, num_stages, maxnreg = 64, 2, launch_maxnreg(producer_warps)
     if producer_regs is None:
         producer_regs = default_producer_regs(is_fp8 and not fp8_staged, producer_warps)
     schedule = schedule or SCHEDULE or ("split" if is_fp8 else "seesaw")
     if schedule not in ("split", "seesaw"):
         raise ValueError(f"schedule must be 'split' or 'seesaw', got {schedule!r}")
-    block_n = seesaw_block_n or SEESAW_BLOCK_N if schedule == "seesaw" else 64
-    if block_n not in (32, 64):
-        raise ValueError(f"seesaw_block_n must be 32 or 64, got {block_n}")
-    num_stages = 2 * 64 // block_n
     step = 2 * block_n if schedule == "seesaw" else block_n  # seesaw: blocks in pairs
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), step) * step
     splits = max(1, triton.cdiv(k, k_per_split))
