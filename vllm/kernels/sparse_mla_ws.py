@@ -210,16 +210,8 @@ def _bf16_pair(x):
 
 @gluon.jit
 def _dequant(raw, sc, DEQUANT: gl.constexpr):
-    """e4m3 bytes [rows, 128] times the rows' fp32 tile scale -> bf16."""
-    if DEQUANT == 1:
-        s32 = sc * 1.329227995784916e36  # 2^120: the bit-moved bf16 is e4m3 · 2^-120
-        s_hi = s32.to(gl.bfloat16).to(gl.float32)
-        _, hi2 = gl.broadcast(raw, _bf16_pair(s_hi)[:, None])
-        _, lo2 = gl.broadcast(raw, _bf16_pair(s32 - s_hi)[:, None])
-        return gl.inline_asm_elementwise(_DEQUANT_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [raw, hi2, lo2],
-                                         dtype=gl.bfloat16, is_pure=True, pack=4)  # fmt: skip
-    else:
-        return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(gl.bfloat16)
+    """e4m3 bytes [rows, 128] times the rows' fp32 tile scale [rows] -> bf16."""
+    return _dequant_2d(raw, sc[:, None], DEQUANT)
 
 
 @gluon.jit
@@ -693,7 +685,7 @@ def _sparse_mla_seesaw_kernel(
     )  # fmt: skip
 
 
-FP8_PRODUCER_WARPS = 4
+PRODUCER_WARPS = 4  # the default partition: the launch's num_warps
 FP8_DEQUANT = 0
 # consumer schedule: None = "seesaw" for bf16 rows, "split" for fp8_ds_mla rows (with two stages
 # the seesaw pair's second block is needed as soon as its stage is released, which exposes the
@@ -704,26 +696,24 @@ SCHEDULE = None
 FP8_STAGED = True
 
 
-def launch_maxnreg(producer_warps: int) -> int:
-    """Registers per thread at launch: the register file (64K) over all warps (8 consumer +
-    the producer's), rounded down to a multiple of 8; setmaxnreg then rebalances."""
-    return min(255, 65536 // (32 * (8 + producer_warps)) // 8 * 8)
+def launch_maxnreg() -> int:
+    """Registers per thread at launch: the register file (64K) over the 12 warps (4 producer, 8
+    consumer), rounded down to a multiple of 8 (168); setmaxnreg then rebalances."""
+    return 65536 // (32 * (8 + PRODUCER_WARPS)) // 8 * 8
 
 
-def consumer_regs(producer_warps: int, producer_regs: int) -> int:
-    """Per-thread registers of the consumer warps (8, in one or two partitions): what the
-    producer's leave of the register file."""
-    total = launch_maxnreg(producer_warps) * 32 * (8 + producer_warps)
-    return min(240, (total - 32 * producer_warps * producer_regs) // 256 // 8 * 8)
+def consumer_regs(producer_regs: int) -> int:
+    """Per-thread registers of the 8 consumer warps (in one or two worker partitions): what the
+    producer leaves of the launch's register file (232 beside 40)."""
+    total = launch_maxnreg() * 32 * (8 + PRODUCER_WARPS)
+    return min(240, (total - 32 * PRODUCER_WARPS * producer_regs) // 256 // 8 * 8)
 
 
-def default_producer_regs(is_fp8: bool, producer_warps: int) -> int:
-    """The producer partition's setmaxnreg: bf16 rows (and staged FP8 rows) only issue cp.async
-    (40); the register FP8 producer holds two chunks of rows (120 at 4 warps, 64 at 8).
-    ``is_fp8``: the FP8 rows go through registers."""
-    if not is_fp8:
-        return 40
-    return 120 if producer_warps <= 4 else 64
+def default_producer_regs(register_fp8: bool) -> int:
+    """The producer partition's setmaxnreg: 40 when it only issues cp.async and expands staged
+    rows (bf16 rows, staged FP8 rows); 120 for the register FP8 path, which holds two chunks of
+    rows in flight."""
+    return 120 if register_fp8 else 40
 
 
 @functools.lru_cache(maxsize=4)
@@ -732,47 +722,56 @@ def is_supported_device(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def sparse_mla_ws(
-    q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, producer_warps=None,
-    producer_regs=None, fp8_rows=None, dequant=None, schedule=None, fp8_staged=None,
+def launch_config(
+    is_fp8, row_bytes, producer_regs=None, fp8_rows=None, dequant=None, schedule=None,
+    fp8_staged=None,
 ):  # fmt: skip
-    """Launch on [T, 64-or-fewer heads, 576] queries; returns (part_o, part_l) with a leading
-    split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``).
-
-    Tuning (FP8 rows; the result does not depend on it beyond bf16 rounding): ``producer_warps``
-    (4 or 8), ``producer_regs`` (their setmaxnreg), ``fp8_rows`` (rows per producer chunk) and
-    ``dequant``: 0 = e4m3 -> fp32 conversion instructions, scale, -> bf16; 1 = integer bit moves
-    and one bf16 fma (no conversion instructions)."""
-    t, h, d = q.shape
-    k = indices.shape[1]
+    """(kernel, launch metadata, block step) of one configuration: the constexprs, ``num_warps``
+    and ``maxnreg`` the launcher passes, and the multiple of rows a top-k slice is rounded to.
+    ``benchmarks/kernels/aot_sm90.py`` and the build test compile exactly this."""
     fp8_staged = bool(is_fp8 and (FP8_STAGED if fp8_staged is None else fp8_staged))
     fp8_rows = fp8_rows or (32 if fp8_staged else 16)
-    producer_warps = producer_warps or (FP8_PRODUCER_WARPS if is_fp8 else 4)
     dequant = FP8_DEQUANT if dequant is None else dequant
-    # 64-row blocks in 2 stages fill the shared memory (224.5 of 227 KB); the register file is
-    # split evenly at launch and rebalanced towards the consumers by setmaxnreg
-    block_n, num_stages, maxnreg = 64, 2, launch_maxnreg(producer_warps)
     if producer_regs is None:
-        producer_regs = default_producer_regs(is_fp8 and not fp8_staged, producer_warps)
+        producer_regs = default_producer_regs(is_fp8 and not fp8_staged)
     schedule = schedule or SCHEDULE or ("split" if is_fp8 else "seesaw")
     if schedule not in ("split", "seesaw"):
         raise ValueError(f"schedule must be 'split' or 'seesaw', got {schedule!r}")
+    # 64-row blocks in 2 stages fill the shared memory; the register file is split evenly at
+    # launch and rebalanced by setmaxnreg
+    block_n, num_stages = 64, 2
+    meta = dict(
+        IS_FP8=is_fp8, ROW_BYTES=row_bytes, BLOCK_N=block_n, NUM_STAGES=num_stages,
+        PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
+        DEQUANT=dequant, CONSUMER_REGS=consumer_regs(producer_regs), FP8_STAGED=fp8_staged,
+        num_warps=PRODUCER_WARPS, maxnreg=launch_maxnreg(),
+    )  # fmt: skip
+    kernel = _sparse_mla_seesaw_kernel if schedule == "seesaw" else _sparse_mla_ws_kernel
     step = 2 * block_n if schedule == "seesaw" else block_n  # seesaw: blocks in pairs
+    return kernel, meta, step
+
+
+def sparse_mla_ws(q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, **tuning):
+    """Launch on [T, 64-or-fewer heads, 576] queries; returns (part_o, part_l) with a leading
+    split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``).
+
+    ``tuning`` (the result does not depend on it beyond bf16 rounding; see
+    :func:`launch_config`): ``schedule`` ("split" / "seesaw"), ``fp8_staged`` (FP8 rows through
+    shared memory or registers), ``producer_regs`` (the producer's setmaxnreg), ``fp8_rows``
+    (rows per producer batch) and ``dequant`` (0: e4m3 -> fp32 conversion instructions, scale,
+    -> bf16; 1: integer bit moves and one bf16 fma)."""
+    t, h, d = q.shape
+    k = indices.shape[1]
+    kernel, meta, step = launch_config(is_fp8, row_bytes, **tuning)
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), step) * step
     splits = max(1, triton.cdiv(k, k_per_split))
     odt = torch.float32 if splits > 1 else out_dtype
     part_o = torch.empty(splits, t, h, D_NOPE, dtype=odt, device=q.device)
     part_l = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
-    args = (
+    kernel[(t, splits)](
         q, kv_rows, indices, part_o, part_l, sm_scale * 1.4426950408889634, h, k, k_per_split,
         q.stride(0), q.stride(1), indices.stride(0), kv_rows.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
+        **meta,
     )  # fmt: skip
-    meta = dict(IS_FP8=is_fp8, ROW_BYTES=row_bytes, BLOCK_N=block_n, NUM_STAGES=num_stages,
-                PRODUCER_WARPS=producer_warps, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
-                DEQUANT=dequant, maxnreg=maxnreg)  # fmt: skip
-    meta["CONSUMER_REGS"] = consumer_regs(producer_warps, producer_regs)
-    meta["FP8_STAGED"] = fp8_staged
-    kernel = _sparse_mla_seesaw_kernel if schedule == "seesaw" else _sparse_mla_ws_kernel
-    kernel[(t, splits)](*args, num_warps=producer_warps, **meta)
     return part_o, part_l
