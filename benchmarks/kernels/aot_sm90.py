@@ -7,13 +7,16 @@ the launcher resolves it (:func:`vllm.kernels.sparse_mla_ws.launch_config`), wit
 divisibility hints (without them the allocation differs from the GPU's).
 
     python benchmarks/kernels/aot_sm90.py [--fp8] [--schedule split|seesaw] [--register-fp8]
-        [--producer-regs N] [--fp8-rows N] [--dequant 0|1] [--sass-hist] [--dump DIR]
+        [--producer-regs N] [--fp8-rows N] [--dequant 0|1] [--sass-hist] [--dump DIR] [--json]
+
+Run it in a process without TRITON_INTERPRET=1 (the kernel tests' CPU runs set it).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -85,11 +88,17 @@ def main() -> None:
     ap.add_argument("--dequant", type=int, default=None)
     ap.add_argument("--sass-hist", action="store_true")
     ap.add_argument("--dump", default=None, help="write the ptx and sass there")
+    ap.add_argument("--json", action="store_true", help="print the report (no SASS) as one JSON line")
     a = ap.parse_args()
     tuning = dict(schedule=a.schedule, producer_regs=a.producer_regs, fp8_rows=a.fp8_rows,
                   dequant=a.dequant, fp8_staged=False if a.register_fp8 else None)  # fmt: skip
     k = compile_config(a.fp8, **tuning)
     rep = report(k)
+    if a.json:
+        _, meta, _ = ws.launch_config(a.fp8, 656 if a.fp8 else 1152, **tuning)
+        print(json.dumps({**{k: v for k, v in rep.items() if k != "sass"}, "limit": SMEM_LIMIT,
+                          "meta": meta}))  # fmt: skip
+        return
     print(f"fp8={a.fp8} {tuning}: registers {rep['registers']}, spills {rep['spill_stores']} B "
           f"stored / {rep['spill_loads']} B loaded, smem {rep['smem']} B (limit {SMEM_LIMIT}), "
           f"setmaxnreg {rep['setmaxnreg']}")  # fmt: skip
