@@ -396,36 +396,39 @@ def _producer(
 
 
 @gluon.jit
-def _sparse_mla_ws_kernel(
-    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, num_heads, topk, k_per_split,
-    stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
-    DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
-):  # fmt: skip
-    t = gl.program_id(0).to(gl.int64)
-    split = gl.program_id(1)
+def _alloc_rows_and_query(IS_FP8: gl.constexpr, FP8_STAGED: gl.constexpr, BLOCK_N: gl.constexpr,
+                          NUM_STAGES: gl.constexpr):  # fmt: skip
+    """Shared memory both kernels share: the query (nope, rope), the stages' bf16 rows (nope,
+    rope) and the staged FP8 producer's tile scales (4 fp32 per row; a dummy otherwise)."""
     big: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     q_nope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_NOPE], big)
     q_rope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], big)
     kv_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_NOPE], big)
     kr_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_ROPE], big)
-    # the staged FP8 producer's tile scales (4 fp32 per row); a dummy otherwise
     sc_rows: gl.constexpr = BLOCK_N if (IS_FP8 and FP8_STAGED) else 1
     sc_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, sc_rows, 4],
                                      gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # fmt: skip
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    return q_nope_s, q_rope_s, kv_s, kr_s, sc_s
+
+
+@gluon.jit
+def _init_stage_barriers(ready, empty, IS_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+                         PRODUCER_WARPS: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
+    """``ready``: one arrival per FP8 block (the producer's, after its barrier), or one per
+    producer thread for bf16 rows (each thread's cp.async copies); ``empty``: one per consumer
+    partition that reads the stage."""
     for s in gl.static_range(NUM_STAGES):
         if IS_FP8:
             mbarrier.init(ready.index(s), count=1)
         else:
             mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=CONSUMERS)
 
-    # the query (all heads of token t) into shared memory, once
+
+@gluon.jit
+def _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s):
+    """The query (all heads of token t) into shared memory as bf16, once; then the fence and
+    barrier that publish it (and the barrier inits before it) to every partition."""
     ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
     heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ql))
     dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ql))
@@ -436,6 +439,25 @@ def _sparse_mla_ws_kernel(
     q_rope_s.store(gl.load(q_rows + D_NOPE + dr[None, :], mask=hmask, other=0.0).to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
+
+
+@gluon.jit
+def _sparse_mla_ws_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, num_heads, topk, k_per_split,
+    stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
+    DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
+):  # fmt: skip
+    t = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+    q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
+    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 1)
+    _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s)
 
     # the producer is the default partition (see the seesaw kernel), the consumers a worker
     gl.warp_specialize(
@@ -595,6 +617,8 @@ def _seesaw_consumer(
         gl.store(lse_ptr + split * stride_ls + t * stride_lt + heads_s, lse, mask=heads_s < num_heads)
 
 
+# one entry per role: a partition's arguments reach it as run-time values, and the role must be a
+# constexpr (it selects code paths and the value columns' slice)
 @gluon.jit
 def _seesaw_wg0(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
@@ -626,15 +650,7 @@ def _sparse_mla_seesaw_kernel(
     lives in the rope slots of its two stages, so shared memory is Q + 2 stages (217.6 KB)."""
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
-    big: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_nope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_NOPE], big)
-    q_rope_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_ROPE], big)
-    kv_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_NOPE], big)
-    kr_s = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, BLOCK_N, D_ROPE], big)
-    # the staged FP8 producer's tile scales (4 fp32 per row); a dummy otherwise
-    sc_rows: gl.constexpr = BLOCK_N if (IS_FP8 and FP8_STAGED) else 1
-    sc_s = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, sc_rows, 4],
-                                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # fmt: skip
+    q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     m0buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
     m1buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
@@ -643,25 +659,10 @@ def _sparse_mla_seesaw_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     xbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        if IS_FP8:
-            mbarrier.init(ready.index(s), count=1)
-        else:
-            mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=2)
     for s in gl.static_range(4):
         mbarrier.init(xbar.index(s), count=1)
-
-    ql: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-    heads = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, ql))
-    dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, ql))
-    dr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ql))
-    q_rows = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-    hmask = (heads < num_heads)[:, None]
-    q_nope_s.store(gl.load(q_rows + dn[None, :], mask=hmask, other=0.0).to(gl.bfloat16))
-    q_rope_s.store(gl.load(q_rows + D_NOPE + dr[None, :], mask=hmask, other=0.0).to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
+    _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 2)
+    _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s)
 
     cargs = (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
              idx_ptr, out_ptr,
