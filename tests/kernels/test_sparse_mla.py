@@ -202,6 +202,35 @@ def test_decode_gpu_fp8_dequant_exact(kernel, dequant, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
+def test_ws_misaligned_rows_fall_back(cache_dtype):
+    """Rows not 16-byte aligned (the Gluon kernel copies them in 16-byte pieces): the default
+    dispatch takes the Triton kernel, with the same result; forcing "ws" is a clear error."""
+    from vllm.kernels.sparse_mla_fwd import RowFormat, sparse_mla_fwd
+
+    _need("ws")
+    g = torch.Generator().manual_seed(3)
+    fp8 = cache_dtype == "fp8_ds_mla"
+    layout = KVCacheLayout(cache_dtype, torch.bfloat16, 512, 64, 64)
+    rows = _cache(layout, 2, "cuda", g).view(128, -1)
+    width = rows.shape[1]
+    # the same rows 4 bytes (FP8: the fp32 scales stay aligned) or one bf16 further into a larger
+    # buffer: a base that is not 16-byte aligned, same contents
+    shift = 4 if fp8 else 1
+    buf = torch.zeros(rows.numel() + shift, dtype=rows.dtype, device="cuda")
+    shifted = buf[shift:].view(128, width)
+    shifted.copy_(rows)
+    q = torch.randn(5, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.randint(0, 128, (5, 64), generator=g, dtype=torch.int32).cuda()
+    fmt = RowFormat(512, 64, fp8)
+    want, _ = sparse_mla_fwd(q, rows, fmt, idx, 0.05, kernel="triton")
+    got, _ = sparse_mla_fwd(q, shifted, fmt, idx, 0.05)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        sparse_mla_fwd(q, shifted, fmt, idx, 0.05, kernel="ws")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("int_dequant", [False, True])
 @pytest.mark.parametrize("bn,warps,splits", [(32, 8, 1), (64, 8, 1), (32, 4, 2), (64, 8, 3)])
 def test_decode_gpu_configs(int_dequant, bn, warps, splits):

@@ -274,8 +274,8 @@ def _use_ws(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
         why = "has no integer-dequant variant"
     elif not fmt.is_fp8 and kv_rows.dtype != torch.bfloat16:
         why = f"reads bf16 or fp8_ds_mla rows, not {kv_rows.dtype}"
-    elif not fmt.is_fp8 and (kv_rows.stride(0) % 8 or kv_rows.data_ptr() % 16):
-        why = "needs 16-byte aligned bf16 rows"
+    elif kv_rows.data_ptr() % 16 or kv_rows.stride(0) * kv_rows.element_size() % 16:
+        why = "needs 16-byte aligned rows (it copies them in 16-byte pieces)"
     else:
         from vllm.kernels.sparse_mla_ws import is_supported_device
 
