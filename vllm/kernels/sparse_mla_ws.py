@@ -761,7 +761,7 @@ def sparse_mla_ws(q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, n
     shared memory or registers), ``producer_regs`` (the producer's setmaxnreg), ``fp8_rows``
     (rows per producer batch) and ``dequant`` (0: e4m3 -> fp32 conversion instructions, scale,
     -> bf16; 1: integer bit moves and one bf16 fma)."""
-    t, h, d = q.shape
+    t, h, _ = q.shape
     k = indices.shape[1]
     kernel, meta, step = launch_config(is_fp8, row_bytes, **tuning)
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), step) * step
