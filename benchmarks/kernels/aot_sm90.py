@@ -68,6 +68,7 @@ def report(compiled) -> dict:
         sass = subprocess.run([_bin("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, r.stderr)) else 0  # noqa: E731
     return dict(
+        region_spills=region_spills(sass),
         registers=num(r"Used (\d+) registers"),
         spill_stores=num(r"(\d+) bytes spill stores"),
         spill_loads=num(r"(\d+) bytes spill loads"),
@@ -76,6 +77,22 @@ def report(compiled) -> dict:
                                                       compiled.asm["ptx"])}),  # fmt: skip
         sass=sass,
     )
+
+
+def region_spills(sass: str) -> list[tuple[str, int]]:
+    """Local-memory instructions (STL/LDL: spills) per stretch of SASS between two register
+    reallocations (USETMAXREG), each labelled with the reallocation that opens it — which
+    partition spills, since every partition's code follows its own ``setmaxnreg``."""
+    out, label, n = [], "entry", 0
+    for line in sass.splitlines():
+        m = re.search(r"USETMAXREG\.(\w+)\.CTAPOOL\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", line)
+        if m:
+            out.append((label, n))
+            label, n = f"{m.group(1).lower()} {int(m.group(2), 16)}", 0
+        elif re.search(r"\b(STL|LDL)(\.|\s)", line):
+            n += 1
+    out.append((label, n))
+    return out
 
 
 def main() -> None:
@@ -102,6 +119,8 @@ def main() -> None:
     print(f"fp8={a.fp8} {tuning}: registers {rep['registers']}, spills {rep['spill_stores']} B "
           f"stored / {rep['spill_loads']} B loaded, smem {rep['smem']} B (limit {SMEM_LIMIT}), "
           f"setmaxnreg {rep['setmaxnreg']}")  # fmt: skip
+    print("  spill instructions per register region:",
+          ", ".join(f"[{lab}] {n}" for lab, n in rep["region_spills"] if n))  # fmt: skip
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
         with open(os.path.join(a.dump, "k.ptx"), "w") as f:
