@@ -240,9 +240,10 @@ def _dequant_2d(raw, sc, DEQUANT: gl.constexpr):
 
 
 @gluon.jit
-def _fp8_group_dequant(raw_v, sc_v, kv_st, g: gl.constexpr, dl: gl.constexpr, DEQUANT: gl.constexpr):
+def _fp8_group_dequant(raw_v, sc_v, kv_st, g: gl.constexpr, dl: gl.constexpr, DEQUANT: gl.constexpr,
+                       BLOCK_N: gl.constexpr):  # fmt: skip
     """Raw group g (e4m3 columns 64g..64g+63 of the block's rows) -> bf16 column group g."""
-    raw = raw_v.slice((8 + g) * 64, 64, dim=0).load(dl)
+    raw = raw_v.slice((8 + g) * BLOCK_N, BLOCK_N, dim=0).load(dl)
     sc = sc_v.slice(g // 2, 1, dim=1).load(dl)
     kv_st.slice(64 * g, 64, dim=1).store(_dequant_2d(raw, sc, DEQUANT))
 
@@ -262,10 +263,11 @@ def _produce_fp8_staged(
     overwrites: groups 0-3 (no overlap), barrier, 4-5 (over raw 0-3), raw 6-7 into registers,
     barrier, 6-7 (over raw 4-7)."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    # copies: per group, [FP8_ROWS rows, 64 bytes], 16 bytes per cp.async
-    cl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [PRODUCER_WARPS, 1], [1, 0])
-    r2 = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, cl))
-    b2 = gl.arange(0, 64, layout=gl.SliceLayout(0, cl))
+    # [rows, 64 bytes] tiles, 16 bytes per thread: each group's cp.async copies (FP8_ROWS rows)
+    # and its dequantisation (the block's rows)
+    tl64: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [PRODUCER_WARPS, 1], [1, 0])
+    r2 = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, tl64))
+    b2 = gl.arange(0, 64, layout=gl.SliceLayout(0, tl64))
     sl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [PRODUCER_WARPS, 1], [1, 0])
     rs = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, sl))
     cs = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
@@ -273,8 +275,6 @@ def _produce_fp8_staged(
     rl: gl.constexpr = gl.BlockedLayout([1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0])
     rr = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
     cr = gl.arange(0, 64, layout=gl.SliceLayout(0, rl))
-    # dequant tiles: [64 rows, 64 columns], 16 bytes per thread
-    dl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [PRODUCER_WARPS, 1], [1, 0])
     for i in range(n_blocks):
         st = i % NUM_STAGES
         kv_st = kv_s.index(st)
@@ -308,13 +308,13 @@ def _produce_fp8_staged(
         async_copy.wait_group(0)
         gl.thread_barrier()  # every producer thread's copies of this block have landed
         for g in gl.static_range(4):
-            _fp8_group_dequant(raw_v, sc_st, kv_st, g, dl, DEQUANT)
+            _fp8_group_dequant(raw_v, sc_st, kv_st, g, tl64, DEQUANT, BLOCK_N)
         gl.thread_barrier()  # raw groups 0-3 are read: bf16 groups 4-5 may overwrite them
-        _fp8_group_dequant(raw_v, sc_st, kv_st, 4, dl, DEQUANT)
-        _fp8_group_dequant(raw_v, sc_st, kv_st, 5, dl, DEQUANT)
-        raw6 = raw_v.slice(14 * BLOCK_N, BLOCK_N, dim=0).load(dl)
-        raw7 = raw_v.slice(15 * BLOCK_N, BLOCK_N, dim=0).load(dl)
-        sc3 = sc_st.slice(3, 1, dim=1).load(dl)
+        _fp8_group_dequant(raw_v, sc_st, kv_st, 4, tl64, DEQUANT, BLOCK_N)
+        _fp8_group_dequant(raw_v, sc_st, kv_st, 5, tl64, DEQUANT, BLOCK_N)
+        raw6 = raw_v.slice(14 * BLOCK_N, BLOCK_N, dim=0).load(tl64)
+        raw7 = raw_v.slice(15 * BLOCK_N, BLOCK_N, dim=0).load(tl64)
+        sc3 = sc_st.slice(3, 1, dim=1).load(tl64)
         gl.thread_barrier()  # raw groups 4-7 are read: bf16 groups 6-7 may overwrite them
         kv_st.slice(6 * 64, 64, dim=1).store(_dequant_2d(raw6, sc3, DEQUANT))
         kv_st.slice(7 * 64, 64, dim=1).store(_dequant_2d(raw7, sc3, DEQUANT))
