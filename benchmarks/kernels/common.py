@@ -34,6 +34,27 @@ def time_ms(fn, rep_ms: int = 200, warmup_ms: int = 25) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def time_ms_graph(fn, launches: int = 20, rep_ms: int = 200) -> float:
+    """GPU time per call of ``fn``: ``launches`` calls captured in one CUDA graph, the replay
+    timed like :func:`time_ms`, divided by ``launches``. For kernels of a few tens of µs, whose
+    eager time is the host's launch time (a Triton launch from Python takes ~10-20 µs), not the
+    GPU's; the engine's decode steps run as graphs too. Kernel nodes still pay their
+    back-to-back launch on the GPU, so this is an upper bound on the kernel time."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    ms = time_ms(graph.replay, rep_ms=rep_ms) / launches
+    del graph
+    return ms
+
+
 _PEAKS: Peaks | None = None
 
 
