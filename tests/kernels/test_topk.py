@@ -25,6 +25,9 @@ def _logits(t, s, g, ties=True, dist="normal"):
         x.view(-1)[torch.randperm(t * s, generator=g)[: t * 3]] = 1e30
     elif dist == "logspread":
         x = torch.exp(torch.rand(t, s, generator=g) * 160 - 80)
+    elif dist == "runs":  # runs of 8 adjacent scores nearly equal: the pivot's samples correlate
+        x = torch.randn(t, -(-s // 8), generator=g).repeat_interleave(8, dim=1)[:, :s]
+        x = x + 1e-3 * torch.randn(t, s, generator=g)
     else:
         x = torch.randn(t, s, generator=g)
     if ties:  # coarse values: many exact ties, zeros of both signs, a few −inf
@@ -76,8 +79,10 @@ def _check(mod, t, s, topk, device, seed, ties=True, limits=None, dist="normal",
         dict(z=2.0, rows_per_program=2),
         dict(cap=512, select_regs=1),
         dict(z=2.0, rows_per_program=2, prefetch=False),
+        dict(z=2.0, sample_run=1),
+        dict(z=2.0, sample_run=4),
     ],
-    ids=["z2", "few", "many", "all", "rows2", "regs1", "rows2-noprefetch"],
+    ids=["z2", "few", "many", "all", "rows2", "regs1", "rows2-noprefetch", "run1", "run4"],
 )
 @pytest.mark.parametrize("t,s,topk,chunk", [(5, 300, 16, 64), (3, 40, 8, 32), (4, 129, 7, 64)])
 def test_topk_interpreter(interp, t, s, topk, chunk, kw):
@@ -98,7 +103,7 @@ def test_topk_interpreter_select_tiles(interp):
            cap=512, select_regs=1)  # fmt: skip
 
 
-@pytest.mark.parametrize("dist", ["cauchy", "narrow", "point", "logspread"])
+@pytest.mark.parametrize("dist", ["cauchy", "narrow", "point", "logspread", "runs"])
 def test_topk_interpreter_score_distributions(interp, dist):
     """The k-th search (interpolation probes with bisection steps) on skewed score
     distributions, in the pivot sample and in the candidate list."""
@@ -138,6 +143,9 @@ def test_topk_gpu(t, s, topk, ties, z):
         dict(prefetch=False),
         dict(prefetch=False, collect_maxnreg=64),
         dict(collect_maxnreg=80),
+        dict(sample_run=1),  # one score per sampled sector, as before the runs
+        dict(sample_run=4),
+        dict(sample_run=8, sample_stride=64),
     ],
 )
 def test_topk_gpu_configs(kw):
@@ -147,7 +155,7 @@ def test_topk_gpu_configs(kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dist", ["cauchy", "narrow", "point", "logspread"])
+@pytest.mark.parametrize("dist", ["cauchy", "narrow", "point", "logspread", "runs"])
 def test_topk_gpu_score_distributions(dist):
     from vllm.kernels import topk as mod
 
@@ -161,6 +169,36 @@ def test_topk_gpu_causal_chunk(s):
 
     t = 1024  # the last rows of an 8192-token prefill chunk, causal limits
     _check(mod, t, s, 2048, "cuda", seed=s, ties=False, limits=torch.arange(s - t + 1, s + 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [32768, 65536])
+@pytest.mark.parametrize("widen", [True, False])
+def test_topk_gpu_correlated_runs_keep_the_fast_path(s, widen, monkeypatch):
+    """Scores nearly equal in runs of 8 (the pivot samples runs of 8 adjacent scores): the runs'
+    counts vary ~8x more than independent samples' would. The margin widened by that design
+    effect keeps every row on the fast path (>= k candidates; the cap is raised so the upper
+    tail, ~3.7 standard deviations under the default cap, cannot flake); with the widening
+    switched off (the control), the binomial margin is z ≈ 1.8 of the real spread and ~4 % of
+    the rows get fewer than k candidates (the whole-row fallback). Exact either way."""
+    from vllm.kernels import topk as mod
+
+    if not widen:
+        monkeypatch.setattr(mod, "DEFF_REDO", 1e30)
+    g = torch.Generator().manual_seed(s)
+    t = 1024
+    logits = _logits(t, s, g, ties=False, dist="runs").cuda()
+    limit = torch.full((t,), s, device="cuda")
+    out, stages, count = mod.topk_stages(logits, limit, 2048, cap=16384)
+    for launch in stages:
+        launch()
+    short = int((count < 2048).sum())
+    assert int((count > 16384).sum()) == 0
+    if widen:
+        assert short == 0
+    else:
+        assert short >= 5  # ~40 expected
+    assert torch.equal(_as_set(out.cpu()), _as_set(topk_ref(logits, limit, 2048).cpu()))
 
 
 @pytest.mark.gpu

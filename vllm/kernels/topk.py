@@ -3,11 +3,16 @@
 Scores are compared as order-preserving int32 keys (−0.0 folded onto +0.0; positions at or past
 the row's limit below every score). Four launches:
 
-  1. pivot, one program per row: a jittered sample of every SAMPLE_STRIDE-th eligible score and
-     a search (:func:`_kth_largest`) give a key whose sample rank is about e + Z·√e (e = k·m/limit,
+  1. pivot, one program per row: a jittered, stratified sample of the eligible scores in runs
+     of RUN (8) adjacent ones — a run is one 32-byte sector, so the sample costs an eighth of
+     the sectors one score per sector would — one score per SAMPLE_STRIDE columns in all, and a
+     search (:func:`_kth_largest`) give a key whose sample rank is about e + Z·σ (e = k·m/limit,
      the sample count expected above the true k-th score), so that about k + Z·√(k·stride)
      eligible scores of the row are at or above it — at least k and at most CAP (4·k) except with
-     probability ~3e-7 per row on i.i.d. scores (Z = 5). Rows with limit <= k are answered here
+     probability ~3e-7 per row (Z = 5). σ² is the binomial e(1 − e/m) when the runs' counts above
+     the pivot vary no more than independent samples' would; adjacent scores that correlate make
+     them vary more, and when that design effect (their variance over the binomial one) exceeds
+     1.5 the search runs again with σ² times it. Rows with limit <= k are answered here
      (0..limit−1, then −1).
   2. collect, one program per CHUNK of a group of up to 32 rows (many programs per row: 64 rows
      of 128K or 1M candidates fill the GPU), the group's rows one after the other: the scores at
@@ -26,8 +31,8 @@ the row's limit below every score). Four launches:
      sample, or masses of tied scores): a four-pass 8-bit radix select over the whole row. Exact,
      slow, rare.
 
-HBM traffic: the eligible logits once, plus the sample (a 64-byte DRAM block per sampled score,
-one score in 32 or 64) and the candidate lists (~2·k · 8 bytes per row written and read;
+HBM traffic: the eligible logits once, plus the sample (a 32-byte sector per run of 8 sampled
+scores, one score in 32) and the candidate lists (~2·k · 8 bytes per row written and read;
 T·CAP·8 bytes allocated). The order of the positions within an output row is unspecified
 (deterministic for one configuration); −1 padding comes last. NaN scores are not supported (a NaN's key sorts above +inf or below −inf).
 """
@@ -45,6 +50,8 @@ __all__ = ["indexer_topk", "topk_ref", "topk_cost", "topk_stages"]
 
 INT32_MIN = -2147483648
 MAX_SAMPLE = 16384  # pivot sample held in registers (16 warps × 32 per thread)
+# the pivot's margin is widened when the sampled runs' design effect exceeds this (see the top)
+DEFF_REDO = 1.5
 
 
 @triton.jit
@@ -145,6 +152,8 @@ def _pivot_kernel(
     SAMPLE_STRIDE: tl.constexpr,
     SAMPLE_PAD: tl.constexpr,
     NUM_CHUNKS_PAD: tl.constexpr,
+    RUN: tl.constexpr,  # adjacent scores per sampled run
+    DEFF_REDO: tl.constexpr = 1.5,  # design effect above which the margin is widened
 ):
     row = tl.program_id(0).to(tl.int64)
     limit = tl.minimum(tl.maximum(tl.load(limit_ptr + row).to(tl.int32), 0), num_cols)
@@ -156,15 +165,37 @@ def _pivot_kernel(
     elif limit <= CAP:  # the whole row fits in the candidate list
         tl.store(pivot_ptr + row, -2147483648)
     else:
-        m = tl.minimum(tl.cdiv(limit, SAMPLE_STRIDE), SAMPLE_PAD)
-        i = tl.arange(0, SAMPLE_PAD)
-        jitter = ((i * -1640531535) >> 20) & 1023  # Fibonacci hash: no aliasing with periodic rows
-        spos = (((i.to(tl.int64) * 1024 + jitter) * limit) // (m.to(tl.int64) * 1024)).to(tl.int32)
-        skey = _keys(logits_ptr + row * stride_lt, spos, i < m)
+        # runs of RUN adjacent scores (one 32-byte sector for RUN = 8), one per stratum of
+        # RUN · SAMPLE_STRIDE columns at a jittered, RUN-aligned start
+        RUNS: tl.constexpr = SAMPLE_PAD // RUN
+        nr = tl.minimum(tl.cdiv(limit, SAMPLE_STRIDE * RUN), RUNS)
+        j = tl.arange(0, RUNS)
+        jitter = ((j * -1640531535) >> 20) & 1023  # Fibonacci hash: no aliasing with periodic rows
+        span = (limit - RUN).to(tl.int64)  # limit > CAP >= RUN here
+        start = (((j.to(tl.int64) * 1024 + jitter) * span) // (nr.to(tl.int64) * 1024)).to(tl.int32)
+        spos = (start // RUN * RUN)[:, None] + tl.arange(0, RUN)[None, :]
+        run_ok = j < nr
+        skey = _keys(logits_ptr + row * stride_lt, spos, run_ok[:, None] & (spos < limit))
+        m = nr * RUN
         e = (TOPK * m).to(tl.float32) / limit.to(tl.float32)
-        r = tl.minimum(tl.maximum((e + z * tl.sqrt(e)).to(tl.int32) + 1, 1), m)
+        var = e * (1.0 - e / m.to(tl.float32))  # binomial: independent samples
         lo = tl.full((), -2147483648, tl.int32)
-        tl.store(pivot_ptr + row, _kth_largest(skey, r, lo))
+        r = tl.minimum(tl.maximum((e + z * tl.sqrt(var)).to(tl.int32) + 1, 1), m)
+        piv = _kth_largest(skey, r, lo)
+        if RUN > 1:
+            # adjacent scores may be correlated: the design effect (the runs' variance of their
+            # counts above the pivot over the binomial one; the cluster-sampling estimator),
+            # and when it is large the search again with the margin widened by its root
+            h = tl.where(run_ok, tl.sum((skey >= piv).to(tl.float32), axis=1), 0.0)
+            nrf = nr.to(tl.float32)
+            hits = tl.sum(h)
+            dev = tl.where(run_ok, h - hits / nrf, 0.0)
+            var_c = tl.sum(dev * dev) * nrf / tl.maximum(nrf - 1.0, 1.0)
+            deff = var_c / tl.maximum(hits * (1.0 - hits / m.to(tl.float32)), 1.0)
+            if deff > DEFF_REDO:
+                r = tl.minimum(tl.maximum((e + z * tl.sqrt(var * deff)).to(tl.int32) + 1, 1), m)
+                piv = _kth_largest(skey, r, lo)
+        tl.store(pivot_ptr + row, piv)
 
 
 @triton.jit
@@ -444,6 +475,8 @@ def indexer_topk(
     select_regs: int | None = None,
     prefetch: bool = False,
     collect_maxnreg: int | None = 64,
+    sample_run: int = 8,
+    pivot_warps: int | None = None,
 ) -> torch.Tensor:
     """Top-k positions per row, as a set.
 
@@ -460,13 +493,17 @@ def indexer_topk(
     the previous row's is compacted (off by default: it holds twice the registers);
     ``collect_maxnreg``: a register cap for the streaming pass, so that 4 programs of 8 warps fit
     on an SM (CUDA only; on an H200, 121 registers → 64 with 16 rows per program took the
-    8192 × 128K causal collect pass from 2.92 to 1.87 ms); ``sample_stride`` (default k/32, at
-    most 32 up to 64K columns and 64 beyond) and ``z`` (default 5): the pivot sample; ``cap`` (a power of two >= topk, default 4·k): candidate list
-    per row (T·cap·8 bytes); ``block``: the whole-row fallback.
+    8192 × 128K causal collect pass from 2.92 to 1.87 ms); ``sample_stride`` (columns per sampled
+    score, default k/32, at most 32), ``sample_run`` (adjacent scores per sampled run, a power of
+    two, default 8; 1: one score per sector, and the default stride 64 beyond 64K columns),
+    ``pivot_warps`` (default 2 to 16 by the sample's size) and ``z`` (default 5): the pivot
+    sample; ``cap`` (a power of two >= topk, default 4·k): candidate list per row (T·cap·8
+    bytes); ``block``: the whole-row fallback.
     """
     out, stages, _ = topk_stages(logits, limit, topk, chunk, num_warps, select_warps,
                                  sample_stride, z, cap, block, rows_per_program,
-                                 select_regs, prefetch, collect_maxnreg)  # fmt: skip
+                                 select_regs, prefetch, collect_maxnreg, sample_run,
+                                 pivot_warps)  # fmt: skip
     for launch in stages:
         launch()
     return out
@@ -487,6 +524,8 @@ def topk_stages(
     select_regs=None,
     prefetch=False,
     collect_maxnreg=64,
+    sample_run=8,
+    pivot_warps=None,
 ):
     """(out, [pivot, collect, finish], count): the launches of :func:`indexer_topk` as closures
     over freshly allocated buffers, for the benchmark's per-stage times (pivot and collect may be
@@ -514,10 +553,15 @@ def topk_stages(
     rows = rows_per_program or max(1, min(32, t * num_chunks // 1024))
     sthreads = min(32 * select_warps, cap)
     # the margin needs e = k / stride >~ 32 sample hits above the k-th score (see the top)
-    # (up to 64K columns a stride of 32: the larger sample's tighter pivot saves more in the
-    # collect and select passes than the sample costs, which is no longer true at 128K)
-    sample_stride = sample_stride or max(1, min(32 if s <= 65536 else 64, next_pow2(topk) // 32))
-    sample_pad = min(next_pow2(triton.cdiv(s, sample_stride)), MAX_SAMPLE)
+    if sample_run < 1 or sample_run != next_pow2(sample_run):
+        raise ValueError(f"sample_run must be a power of two >= 1, got {sample_run}")
+    # one score in 32 (runs of 8 adjacent scores: a 32-byte sector per 8 samples instead of one
+    # per sample); one sector per sampled score (sample_run 1): one score in 32 up to 64K columns
+    # and in 64 beyond, where the larger sample's cost outweighed its tighter pivot (BENCHMARKS.md,
+    # fourth and seventh sessions)
+    stride = 32 if sample_run > 1 or s <= 65536 else 64
+    sample_stride = sample_stride or max(1, min(stride, next_pow2(topk) // 32))
+    sample_pad = max(min(next_pow2(triton.cdiv(s, sample_stride)), MAX_SAMPLE), sample_run)
     limit = limit.contiguous()
     i32 = dict(dtype=torch.int32, device=dev)
     pivot, count = torch.empty(2, t, **i32)
@@ -529,8 +573,8 @@ def topk_stages(
         k = _pivot_kernel[(t,)](
             logits, limit, out, pivot, tab, s, num_chunks, stride_lt, float(z),
             TOPK=topk, TOPK_PAD=next_pow2(topk), CAP=cap, SAMPLE_STRIDE=sample_stride,
-            SAMPLE_PAD=sample_pad, NUM_CHUNKS_PAD=chunks_pad,
-            num_warps=max(4, min(16, sample_pad // 1024)),
+            SAMPLE_PAD=sample_pad, NUM_CHUNKS_PAD=chunks_pad, RUN=sample_run, DEFF_REDO=DEFF_REDO,
+            num_warps=pivot_warps or max(2 if sample_run > 1 else 4, min(16, sample_pad // 1024)),
         )  # fmt: skip
         record("topk_pivot", k)
 
