@@ -23,23 +23,23 @@ SHAPES = [(8192, 32768), (32768, 131072), (131072, 131072)]  # (queries, context
 TOPK, H = 2048, 64
 
 
-def bench(t: int, s: int, config=None, ref=True, tag="", kernel="triton") -> dict:
+def bench(t: int, s: int, config=None, ref=True, tag="", kernel="triton", topk=TOPK) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(t, H, 576, device="cuda", generator=g).to(torch.bfloat16)
     kv = torch.randn(s, 576, device="cuda", generator=g).to(torch.bfloat16)
-    idx = torch.randint(0, s, (t, TOPK), device="cuda", generator=g, dtype=torch.int32)
+    idx = torch.randint(0, s, (t, topk), device="cuda", generator=g, dtype=torch.int32)
     scale = 576**-0.5
     ms = time_ms(lambda: sparse_mla_prefill(q, kv, idx, scale, 512, torch.bfloat16, config, kernel))
     ref_ms = None
     if ref:
         sub = 128
         ref_ms = scaled_ref_ms(lambda: _ref(q[:sub], kv, idx[:sub], scale), sub, t)
-    flops, nbytes = sparse_mla_prefill_cost(t, H, TOPK, out_bytes=2)
+    flops, nbytes = sparse_mla_prefill_cost(t, H, topk, out_bytes=2)
     note = "" if config is None else f"bn{config.block_n} w{config.num_warps} s{config.num_stages} "
     note += resource_report("sparse_mla_fwd")
     if kernel == "ws":
         note, tag = "gluon ws kernel", "_ws" + tag
-    return row(f"sparse_prefill{tag}", f"T={t} S={s} H=64 topk=2048", ms, flops, nbytes, "bf16",
+    return row(f"sparse_prefill{tag}", f"T={t} S={s} H=64 topk={topk}", ms, flops, nbytes, "bf16",
                ref_ms, note)  # fmt: skip
 
 
@@ -54,10 +54,15 @@ def _ref(q, kv, idx, scale):
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--topks", default="2048", help="top-k sizes, comma-separated (2048 is "
+                    "GLM-5.3's; others separate the per-token fixed cost from the per-block one)")
+    args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
     kernels = [k for k in args.kernels.split(",") if k != "ws" or ws_available()]
-    rows = [bench(t, s, kernel=k, ref=k == "triton") for k in kernels for t, s in shapes]
+    topks = [int(x) for x in args.topks.split(",")]
+    rows = [bench(t, s, kernel=k, ref=k == "triton" and kk == TOPK, topk=kk)
+            for k in kernels for t, s in shapes for kk in topks]  # fmt: skip
     if args.sweep:
         for bn, warps, stages in ((32, 8, 2), (32, 8, 3), (64, 16, 2), (32, 16, 3)):
             cfg = SparseMLAConfig(64, bn, warps, stages, 1)
