@@ -46,7 +46,7 @@ import triton.language as tl
 from vllm.attention.ops.indexer import topk_ref
 from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record
 
-__all__ = ["indexer_topk", "topk_ref", "topk_cost", "topk_stages"]
+__all__ = ["indexer_topk", "topk_ref", "topk_cost", "topk_stages", "topk_launch_config"]
 
 INT32_MIN = -2147483648
 MAX_SAMPLE = 16384  # pivot sample held in registers (16 warps × 32 per thread)
@@ -509,9 +509,9 @@ def indexer_topk(
     return out
 
 
-def topk_stages(
-    logits,
-    limit,
+def topk_launch_config(
+    t,
+    s,
     topk,
     chunk=4096,
     num_warps=8,
@@ -527,10 +527,59 @@ def topk_stages(
     sample_run=8,
     pivot_warps=None,
 ):
+    """The four kernels' launch metadata for T rows of S candidates and these tuning knobs (see
+    :func:`indexer_topk`): {"pivot" | "collect" | "select" | "fallback": constexprs plus
+    ``num_warps`` (and the collect's ``maxnreg``)}, and the grid sizes and ``cap``. The launcher
+    and the sm_90 build check (``benchmarks/kernels/aot_triton_sm90.py``) both resolve it here."""
+    cap = cap or 4 * next_pow2(topk)
+    if cap != next_pow2(cap) or cap < max(topk, 2):
+        raise ValueError(f"cap {cap} must be a power of two >= topk {topk}")
+    if sample_run < 1 or sample_run != next_pow2(sample_run):
+        raise ValueError(f"sample_run must be a power of two >= 1, got {sample_run}")
+    threads = 32 * num_warps
+    chunk = max(threads, min(chunk, next_pow2(s)))
+    num_chunks = triton.cdiv(s, chunk)
+    chunks_pad = next_pow2(num_chunks)
+    # several rows per collect program (fewer, longer programs: the look-back waits overlap with
+    # other programs' loads), while keeping ~1000 programs or more
+    rows = rows_per_program or max(1, min(32, t * num_chunks // 1024))
+    sthreads = min(32 * select_warps, cap)
+    # the margin needs e = k / stride >~ 32 sample hits above the k-th score (see the top): one
+    # score in 32 (runs of 8 adjacent scores: a 32-byte sector per 8 samples instead of one per
+    # sample); one sector per sampled score (sample_run 1): one score in 32 up to 64K columns
+    # and in 64 beyond, where the larger sample's cost outweighed its tighter pivot
+    # (BENCHMARKS.md, fourth and seventh sessions)
+    stride = 32 if sample_run > 1 or s <= 65536 else 64
+    sample_stride = sample_stride or max(1, min(stride, next_pow2(topk) // 32))
+    sample_pad = max(min(next_pow2(triton.cdiv(s, sample_stride)), MAX_SAMPLE), sample_run)
+    collect = dict(TOPK=topk, CAP=cap, CHUNK=chunk, THREADS=threads, ROWS=rows,
+                   NUM_CHUNKS_PAD=chunks_pad, PREFETCH=prefetch, num_warps=num_warps)  # fmt: skip
+    if collect_maxnreg:
+        collect["maxnreg"] = collect_maxnreg
+    return dict(
+        cap=cap,
+        num_chunks=num_chunks,
+        collect_grid=triton.cdiv(t, rows) * num_chunks,
+        z=float(z),
+        pivot=dict(
+            TOPK=topk, TOPK_PAD=next_pow2(topk), CAP=cap, SAMPLE_STRIDE=sample_stride,
+            SAMPLE_PAD=sample_pad, NUM_CHUNKS_PAD=chunks_pad, RUN=sample_run, DEFF_REDO=DEFF_REDO,
+            num_warps=pivot_warps or max(2 if sample_run > 1 else 4, min(16, sample_pad // 1024)),
+        ),  # fmt: skip
+        collect=collect,
+        select=dict(TOPK=topk, CAP=cap, THREADS=sthreads,
+                    REGS=select_regs or max(1, min(cap, 4096) // sthreads),
+                    SUB=max(1, min(8, cap // sthreads)), num_warps=select_warps),  # fmt: skip
+        fallback=dict(TOPK=topk, CAP=cap, BLOCK=min(block, max(16, next_pow2(s))), num_warps=4),
+    )
+
+
+def topk_stages(logits, limit, topk, *args, **kwargs):
     """(out, [pivot, collect, finish], count): the launches of :func:`indexer_topk` as closures
     over freshly allocated buffers, for the benchmark's per-stage times (pivot and collect may be
     repeated in that order; finish is the select and fallback launches), and the per-row
-    candidate counts they fill (rows with limit > topk; outside [topk, cap]: the fallback)."""
+    candidate counts they fill (rows with limit > topk; outside [topk, cap]: the fallback).
+    The tuning arguments are :func:`topk_launch_config`'s."""
     if logits.dim() != 2 or limit.shape != (logits.shape[0],):
         raise ValueError(f"logits {tuple(logits.shape)} must be [T, S] with limit [T]")
     check_cuda_or_interpreter(logits, limit)
@@ -541,27 +590,10 @@ def topk_stages(
         return out, [], None
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         logits = logits.float().contiguous()
-    cap = cap or 4 * next_pow2(topk)
-    if cap != next_pow2(cap) or cap < max(topk, 2):
-        raise ValueError(f"cap {cap} must be a power of two >= topk {topk}")
-    threads = 32 * num_warps
-    chunk = max(threads, min(chunk, next_pow2(s)))
-    num_chunks = triton.cdiv(s, chunk)
-    chunks_pad = next_pow2(num_chunks)
-    # several rows per collect program (fewer, longer programs: the look-back waits overlap with
-    # other programs' loads), while keeping ~1000 programs or more
-    rows = rows_per_program or max(1, min(32, t * num_chunks // 1024))
-    sthreads = min(32 * select_warps, cap)
-    # the margin needs e = k / stride >~ 32 sample hits above the k-th score (see the top)
-    if sample_run < 1 or sample_run != next_pow2(sample_run):
-        raise ValueError(f"sample_run must be a power of two >= 1, got {sample_run}")
-    # one score in 32 (runs of 8 adjacent scores: a 32-byte sector per 8 samples instead of one
-    # per sample); one sector per sampled score (sample_run 1): one score in 32 up to 64K columns
-    # and in 64 beyond, where the larger sample's cost outweighed its tighter pivot (BENCHMARKS.md,
-    # fourth and seventh sessions)
-    stride = 32 if sample_run > 1 or s <= 65536 else 64
-    sample_stride = sample_stride or max(1, min(stride, next_pow2(topk) // 32))
-    sample_pad = max(min(next_pow2(triton.cdiv(s, sample_stride)), MAX_SAMPLE), sample_run)
+    cfg = topk_launch_config(t, s, topk, *args, **kwargs)
+    if not logits.is_cuda:
+        cfg["collect"].pop("maxnreg", None)
+    cap, num_chunks = cfg["cap"], cfg["num_chunks"]
     limit = limit.contiguous()
     i32 = dict(dtype=torch.int32, device=dev)
     pivot, count = torch.empty(2, t, **i32)
@@ -571,34 +603,20 @@ def topk_stages(
 
     def pivot_launch():
         k = _pivot_kernel[(t,)](
-            logits, limit, out, pivot, tab, s, num_chunks, stride_lt, float(z),
-            TOPK=topk, TOPK_PAD=next_pow2(topk), CAP=cap, SAMPLE_STRIDE=sample_stride,
-            SAMPLE_PAD=sample_pad, NUM_CHUNKS_PAD=chunks_pad, RUN=sample_run, DEFF_REDO=DEFF_REDO,
-            num_warps=pivot_warps or max(2 if sample_run > 1 else 4, min(16, sample_pad // 1024)),
-        )  # fmt: skip
+            logits, limit, out, pivot, tab, s, num_chunks, stride_lt, cfg["z"], **cfg["pivot"]
+        )
         record("topk_pivot", k)
 
     def collect_launch():
-        k = _collect_kernel[(triton.cdiv(t, rows) * num_chunks,)](
-            logits, limit, pivot, tab, count, cand, t, s, num_chunks, stride_lt,
-            TOPK=topk, CAP=cap, CHUNK=chunk, THREADS=threads, ROWS=rows,
-            NUM_CHUNKS_PAD=chunks_pad, PREFETCH=prefetch, num_warps=num_warps,
-            **({"maxnreg": collect_maxnreg} if collect_maxnreg and logits.is_cuda else {}),
-        )  # fmt: skip
+        k = _collect_kernel[(cfg["collect_grid"],)](
+            logits, limit, pivot, tab, count, cand, t, s, num_chunks, stride_lt, **cfg["collect"]
+        )
         record("topk", k)
 
     def finish_launch():
-        k = _select_kernel[(t,)](
-            limit, pivot, count, cand, out, s, TOPK=topk, CAP=cap, THREADS=sthreads,
-            REGS=select_regs or max(1, min(cap, 4096) // sthreads),
-            SUB=max(1, min(8, cap // sthreads)),
-            num_warps=select_warps,
-        )  # fmt: skip
+        k = _select_kernel[(t,)](limit, pivot, count, cand, out, s, **cfg["select"])
         record("topk_select", k)
-        k = _fallback_kernel[(t,)](
-            logits, limit, count, out, s, stride_lt,
-            TOPK=topk, CAP=cap, BLOCK=min(block, max(16, next_pow2(s))), num_warps=4,
-        )  # fmt: skip
+        k = _fallback_kernel[(t,)](logits, limit, count, out, s, stride_lt, **cfg["fallback"])
         record("topk_fallback", k)
 
     return out, [pivot_launch, collect_launch, finish_launch], count
