@@ -56,22 +56,33 @@ def compile_config(is_fp8: bool, **tuning):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def report(compiled) -> dict:
-    """ptxas -v of the compiled kernel's PTX: registers, spill bytes; the shared memory; the
-    setmaxnreg counts in the PTX; and the SASS text."""
+def ptxas(compiled, sass: bool = True) -> dict:
+    """``ptxas -v`` (sm_90a) of a compiled kernel's PTX: registers and spill bytes, the shared
+    memory, and (``sass``) the disassembly."""
     with tempfile.TemporaryDirectory() as d:
         ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
         r = subprocess.run([_bin("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
                            capture_output=True, text=True, check=True)  # fmt: skip
-        sass = subprocess.run([_bin("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+        text = ""
+        if sass:
+            text = subprocess.run([_bin("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, r.stderr)) else 0  # noqa: E731
+    return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
+                spill_loads=num(r"(\d+) bytes spill loads"), smem=compiled.metadata.shared,
+                sass=text)  # fmt: skip
+
+
+def report(compiled) -> dict:
+    """:func:`ptxas` plus the spills per register region and the setmaxnreg counts in the PTX."""
+    rep = ptxas(compiled)
+    sass = rep["sass"]
     return dict(
         region_spills=region_spills(sass),
-        registers=num(r"Used (\d+) registers"),
-        spill_stores=num(r"(\d+) bytes spill stores"),
-        spill_loads=num(r"(\d+) bytes spill loads"),
+        registers=rep["registers"],
+        spill_stores=rep["spill_stores"],
+        spill_loads=rep["spill_loads"],
         smem=compiled.metadata.shared,
         setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                       compiled.asm["ptx"])}),  # fmt: skip

@@ -5,7 +5,7 @@ The Triton interpreter, which runs the kernels in CI, does not type-check them t
 compiler does (a variable redefined with another type in one branch, for one); this build does,
 and reports each kernel's registers, spills and shared memory from ``ptxas``.
 
-    python benchmarks/kernels/aot_triton_sm90.py [--json] [CASE ...]
+    PYTHONPATH=. python benchmarks/kernels/aot_triton_sm90.py [--json] [CASE ...]
 
 A CASE is ``T,S,K`` or ``T,S,K,key=value,...`` with :func:`indexer_topk`'s tuning knobs (ints,
 floats, true/false), e.g. ``8192,32768,2048`` or ``300,5000,2048,sample_run=1,prefetch=true``.
@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from benchmarks.kernels.aot_sm90 import ptxas
 from vllm.kernels import topk
 
 # argument types of the four kernels (limits as int64, as the model and tests pass them)
@@ -44,10 +41,6 @@ SIGNATURES = {
 }  # fmt: skip
 
 
-def _bin(name: str) -> str:
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
 def compile_kernel(fn, types: dict, meta: dict):
     meta = dict(meta)
     opts = {k: meta.pop(k) for k in ("num_warps", "maxnreg") if k in meta}
@@ -58,18 +51,6 @@ def compile_kernel(fn, types: dict, meta: dict):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptrs}
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=opts)  # fmt: skip
-
-
-def ptxas_report(compiled) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        r = subprocess.run([_bin("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", cubin],
-                           capture_output=True, text=True, check=True)  # fmt: skip
-    num = lambda pat: int(m.group(1)) if (m := re.search(pat, r.stderr)) else 0  # noqa: E731
-    return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
-                smem=compiled.metadata.shared)  # fmt: skip
 
 
 def _parse_case(text: str):
@@ -85,8 +66,9 @@ def _parse_case(text: str):
 def build_case(text: str) -> dict:
     t, s, k, tuning = _parse_case(text)
     cfg = topk.topk_launch_config(t, s, k, **tuning)
-    return {name: ptxas_report(compile_kernel(fn, types, cfg[name]))
+    reps = {name: ptxas(compile_kernel(fn, types, cfg[name]), sass=False)
             for name, (fn, types) in SIGNATURES.items()}  # fmt: skip
+    return {name: {k: v for k, v in rep.items() if k != "sass"} for name, rep in reps.items()}
 
 
 def main() -> None:
