@@ -207,3 +207,32 @@ def test_topk_gpu_one_million():
 
     _check(mod, 2, 1 << 20, 2048, "cuda", seed=1, ties=False,
            limits=torch.tensor([1 << 20, 777_777]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [(dict(sample_run=3), "sample_run must be a power of two"),
+     (dict(sample_run=0), "sample_run must be a power of two"),
+     (dict(cap=3000), "cap 3000 must be a power of two"),
+     (dict(cap=1024), "cap 1024 must be a power of two >= topk")],
+)  # fmt: skip
+def test_topk_launch_config_rejects_bad_tuning(kw, msg):
+    from vllm.kernels.topk import topk_launch_config
+
+    with pytest.raises(ValueError, match=msg):
+        topk_launch_config(8, 40000, 2048, **kw)
+
+
+def test_topk_launch_config_defaults():
+    """The defaults the benchmarks measured: runs of 8, one score in 32, 2 pivot warps for a
+    1024-score sample (32K columns), the sample capped at 16K scores for 1M columns."""
+    from vllm.kernels.topk import MAX_SAMPLE, topk_launch_config
+
+    cfg = topk_launch_config(8192, 32768, 2048)
+    assert (cfg["pivot"]["RUN"], cfg["pivot"]["SAMPLE_STRIDE"]) == (8, 32)
+    assert (cfg["pivot"]["SAMPLE_PAD"], cfg["pivot"]["num_warps"]) == (1024, 2)
+    assert cfg["cap"] == 8192 and cfg["collect"]["maxnreg"] == 64
+    big = topk_launch_config(64, 1 << 20, 2048)
+    assert big["pivot"]["SAMPLE_PAD"] == MAX_SAMPLE and big["pivot"]["num_warps"] == 16
+    old = topk_launch_config(8192, 131072, 2048, sample_run=1)
+    assert (old["pivot"]["SAMPLE_STRIDE"], old["pivot"]["num_warps"]) == (64, 4)
