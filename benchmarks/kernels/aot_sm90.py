@@ -44,7 +44,7 @@ def compile_config(is_fp8: bool, **tuning):
     names = list(kernel.arg_names)
     ints = ("num_heads", "topk", "k_per_split", "stride_qt", "stride_qh", "stride_it", "row_stride",
             "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_lt")  # fmt: skip
-    sig = dict(q_ptr="*bf16", kv_ptr="*u8" if is_fp8 else "*bf16", idx_ptr="*i32",
+    sig = dict(q_ptr="*bf16", kv_ptr="*u8" if is_fp8 else "*bf16", idx_ptr="*i32", trace_ptr="*i64",
                out_ptr="*bf16", lse_ptr="*fp32", scale_log2="fp32", **dict.fromkeys(ints, "i32"),
                **dict.fromkeys(meta, "constexpr"))  # fmt: skip
     sig = {n: sig[n] for n in names}

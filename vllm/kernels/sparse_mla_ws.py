@@ -59,6 +59,26 @@ D_ROPE = gl.constexpr(64)
 BLOCK_H = gl.constexpr(64)
 
 
+TRACE_SLOTS = gl.constexpr(16)
+
+
+@gluon.jit
+def _stamp(trace_ptr, row, slot: gl.constexpr, TRACE: gl.constexpr):
+    """TRACE: the GPU's nanosecond timer (``%globaltimer``) into trace[row, slot]; slot 15 also
+    gets the SM id. For the per-phase timeline of ``benchmarks/kernels/trace_sparse_mla_ws.py``."""
+    if TRACE:
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        zero = gl.full([1], 0, gl.int32, lay)
+        ts = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [zero], dtype=gl.int64,
+                                       is_pure=False, pack=1)  # fmt: skip
+        one = gl.arange(0, 1, layout=lay)
+        gl.store(trace_ptr + row * TRACE_SLOTS + slot + one, ts)
+        if slot == 0:
+            sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=gl.int32,
+                                           is_pure=False, pack=1)  # fmt: skip
+            gl.store(trace_ptr + row * TRACE_SLOTS + 15 + one, sm.to(gl.int64))
+
+
 @gluon.jit
 def _qk(q_nope_s, q_rope_s, kv_st, kr_st, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """Issue S = Q·Kᵀ (nope + rope) asynchronously; the caller waits."""
@@ -328,7 +348,7 @@ def _producer(
     kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split, stride_it,
     row_stride, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr,
-    DEQUANT: gl.constexpr, FP8_STAGED: gl.constexpr,
+    DEQUANT: gl.constexpr, FP8_STAGED: gl.constexpr, trace_ptr, trace_row, TRACE: gl.constexpr,
 ):  # fmt: skip
     n_blocks = k_per_split // BLOCK_N
     k_lo = split * k_per_split
@@ -393,6 +413,9 @@ def _producer(
                     kr_st.slice(r0, FP8_ROWS, dim=0), row_r[:, None] + dr[None, :], mask=(rid_r >= 0)[:, None]
                 )
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+            if i == 0:
+                _stamp(trace_ptr, trace_row, 2, TRACE)
+        _stamp(trace_ptr, trace_row, 3, TRACE)
 
 
 @gluon.jit
@@ -445,12 +468,15 @@ def _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s):
 def _sparse_mla_ws_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, num_heads, topk, k_per_split,
     stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    trace_ptr, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
+    TRACE: gl.constexpr,
 ):  # fmt: skip
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
+    trace_row = t * gl.num_programs(1) + split
+    _stamp(trace_ptr, trace_row, 0, TRACE)
     q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
@@ -458,6 +484,7 @@ def _sparse_mla_ws_kernel(
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 1)
     _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s)
+    _stamp(trace_ptr, trace_row, 1, TRACE)
 
     # the producer is the default partition (see the seesaw kernel), the consumers a worker
     gl.warp_specialize(
@@ -466,7 +493,7 @@ def _sparse_mla_ws_kernel(
                 _producer,
                 (kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split,
                  stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
-                 FP8_ROWS, DEQUANT, FP8_STAGED),
+                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE),
             ),
             (
                 _consumer,
@@ -484,7 +511,8 @@ def _sparse_mla_ws_kernel(
 def _seesaw_consumer(
     q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
     idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
-    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, ROLE: gl.constexpr,
+    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
+    ROLE: gl.constexpr, TRACE: gl.constexpr,
 ):  # fmt: skip
     """One of the two consumer warpgroups of the seesaw schedule (``ROLE`` 0 or 1).
 
@@ -524,6 +552,8 @@ def _seesaw_consumer(
         kk = j * 128 + ROLE * 64 + ci
         rid = gl.convert_layout(gl.load(idx_row + kk, mask=kk < k_lim, other=-1), gl.SliceLayout(0, s_layout))
         mbarrier.wait(ready.index(ROLE), ph)
+        if j == 0:
+            _stamp(trace_ptr, trace_row, 4 + 4 * ROLE, TRACE)
         # a stage index the compiler cannot hoist (j < 2^30): with a constant one, ptxas keeps
         # the 36 loop-invariant wgmma descriptors of this block's QK across the loop (spilled)
         z = j >> 30
@@ -577,6 +607,8 @@ def _seesaw_consumer(
             gl.thread_barrier()
             mbarrier.arrive(empty.index(1))
             m_i = m1
+            if j == 0:
+                _stamp(trace_ptr, trace_row, 5, TRACE)
         else:
             # O_R = (O_R·sc0 + P0·V0_R)·sc1 + P1·V1_R (P0 was written before xbar[0] completed)
             acc = warpgroup_mma(kr_s.index(z), kv_s.index(z).slice(c0, D_NOPE // 2, dim=1), acc,
@@ -592,6 +624,8 @@ def _seesaw_consumer(
             mbarrier.arrive(empty.index(1))
             m_i = m1
 
+    if ROLE == 0:
+        _stamp(trace_ptr, trace_row, 6, TRACE)
     # the row sums: each warpgroup has those of its own blocks, relative to the same final max
     if ROLE == 0:
         l0buf.store(l_i)
@@ -615,6 +649,7 @@ def _seesaw_consumer(
         lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         heads_s = gl.arange(0, BLOCK_H, layout=row_s)
         gl.store(lse_ptr + split * stride_ls + t * stride_lt + heads_s, lse, mask=heads_s < num_heads)
+    _stamp(trace_ptr, trace_row, 7 + 2 * ROLE, TRACE)
 
 
 # one entry per role: a partition's arguments reach it as run-time values, and the role must be a
@@ -622,34 +657,41 @@ def _seesaw_consumer(
 @gluon.jit
 def _seesaw_wg0(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt):  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
+                TRACE: gl.constexpr):  # fmt: skip
     _seesaw_consumer(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, 0)  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
+                0, TRACE)  # fmt: skip
 
 
 @gluon.jit
 def _seesaw_wg1(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt):  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
+                TRACE: gl.constexpr):  # fmt: skip
     _seesaw_consumer(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, 1)  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
+                1, TRACE)  # fmt: skip
 
 
 @gluon.jit
 def _sparse_mla_seesaw_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, num_heads, topk, k_per_split,
     stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    trace_ptr, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
+    TRACE: gl.constexpr,
 ):  # fmt: skip
     """The seesaw-schedule kernel: default partition = the producer (as in
     :func:`_sparse_mla_ws_kernel`), workers = the two consumer warpgroups. Each pair of blocks' P
     lives in the rope slots of its two stages, so shared memory is Q + 2 stages (217.6 KB)."""
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
+    trace_row = t * gl.num_programs(1) + split
+    _stamp(trace_ptr, trace_row, 0, TRACE)
     q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     m0buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
@@ -663,11 +705,12 @@ def _sparse_mla_seesaw_kernel(
         mbarrier.init(xbar.index(s), count=1)
     _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 2)
     _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s)
+    _stamp(trace_ptr, trace_row, 1, TRACE)
 
     cargs = (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
              idx_ptr, out_ptr,
              lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
-             stride_ot, stride_oh, stride_ls, stride_lt)  # fmt: skip
+             stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, TRACE)  # fmt: skip
     # the producer is the default partition: ptxas holds the default partition's code to the
     # launch's register count (168) but gives worker partitions their setmaxnreg count (232)
     gl.warp_specialize(
@@ -676,7 +719,7 @@ def _sparse_mla_seesaw_kernel(
                 _producer,
                 (kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split,
                  stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
-                 FP8_ROWS, DEQUANT, FP8_STAGED),
+                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE),
             ),
             (_seesaw_wg0, cargs),
             (_seesaw_wg1, cargs),
@@ -725,7 +768,7 @@ def is_supported_device(device_index: int) -> bool:
 
 def launch_config(
     is_fp8, row_bytes, producer_regs=None, fp8_rows=None, dequant=None, schedule=None,
-    fp8_staged=None,
+    fp8_staged=None, trace=False,
 ):  # fmt: skip
     """(kernel, launch metadata, block step) of one configuration: the constexprs, ``num_warps``
     and ``maxnreg`` the launcher passes, and the multiple of rows a top-k slice is rounded to.
@@ -745,7 +788,7 @@ def launch_config(
         IS_FP8=is_fp8, ROW_BYTES=row_bytes, BLOCK_N=block_n, NUM_STAGES=num_stages,
         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
         DEQUANT=dequant, CONSUMER_REGS=consumer_regs(producer_regs), FP8_STAGED=fp8_staged,
-        num_warps=PRODUCER_WARPS, maxnreg=launch_maxnreg(),
+        TRACE=trace, num_warps=PRODUCER_WARPS, maxnreg=launch_maxnreg(),
     )  # fmt: skip
     kernel = _sparse_mla_seesaw_kernel if schedule == "seesaw" else _sparse_mla_ws_kernel
     step = 2 * block_n if schedule == "seesaw" else block_n  # seesaw: blocks in pairs
@@ -763,7 +806,8 @@ def sparse_mla_ws(q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, n
     -> bf16; 1: integer bit moves and one bf16 fma)."""
     t, h, _ = q.shape
     k = indices.shape[1]
-    kernel, meta, step = launch_config(is_fp8, row_bytes, **tuning)
+    trace = tuning.pop("trace", None)  # a [T·splits, TRACE_SLOTS] int64 tensor: see _stamp
+    kernel, meta, step = launch_config(is_fp8, row_bytes, trace=trace is not None, **tuning)
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), step) * step
     splits = max(1, triton.cdiv(k, k_per_split))
     odt = torch.float32 if splits > 1 else out_dtype
@@ -773,6 +817,6 @@ def sparse_mla_ws(q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, n
         q, kv_rows, indices, part_o, part_l, sm_scale * 1.4426950408889634, h, k, k_per_split,
         q.stride(0), q.stride(1), indices.stride(0), kv_rows.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
-        **meta,
+        trace if trace is not None else part_l, **meta,
     )  # fmt: skip
     return part_o, part_l
