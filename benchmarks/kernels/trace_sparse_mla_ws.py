@@ -38,12 +38,14 @@ def main():
     ap.add_argument("--t", type=int, default=8192)
     ap.add_argument("--s", type=int, default=32768)
     ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--tune", default="", help="launch_config knobs, e.g. q_async=0,idx_smem=1")
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(a.t, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
     kv = torch.randn(a.s, 576, device="cuda", generator=g).to(torch.bfloat16)
     idx = torch.randint(0, a.s, (a.t, a.topk), device="cuda", generator=g, dtype=torch.int32)
-    run = lambda **kw: sparse_mla_ws(q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, schedule="seesaw", **kw)  # noqa: E731
+    tune = {k: int(v) for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)}
+    run = lambda **kw: sparse_mla_ws(q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, schedule="seesaw", **tune, **kw)  # noqa: E731
     trace = torch.zeros(a.t, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     plain_ms = time_ms(run)
     traced_ms = time_ms(lambda: run(trace=trace))
@@ -53,7 +55,7 @@ def main():
     tr = trace.cpu().double()
     end = torch.maximum(tr[:, 7], tr[:, 9])
     n_pairs = a.topk // 128
-    print(f"T={a.t} S={a.s} topk={a.topk}: plain {plain_ms:.3f} ms, traced {traced_ms:.3f} ms "
+    print(f"T={a.t} S={a.s} topk={a.topk} {a.tune}: plain {plain_ms:.3f} ms, traced {traced_ms:.3f} ms "
           f"({n_pairs} pairs of 64-row blocks per token)")  # fmt: skip
     for name, lo, hi in PHASES:
         d = (end if hi == 99 else tr[:, hi]) - tr[:, lo]

@@ -104,7 +104,9 @@ def test_prefill_interpreter(interp):
 GLM = dict(r=512, rope=64, h=64, topk=2048)
 # ws: the warp-specialised Gluon kernel (Hopper only) with its default consumer schedule, or
 # forced to "seesaw" / "split" (``sparse_mla_ws.SCHEDULE``), and "+staged": FP8 rows through
-# shared memory (``sparse_mla_ws.FP8_STAGED``)
+# shared memory (``sparse_mla_ws.FP8_STAGED``); "+noidx": top-k ids read from global memory, not
+# staged in shared memory (``IDX_SMEM``); "+syncq": the query loaded before the fork, not by
+# cp.async (``Q_ASYNC``)
 KERNELS = ["triton", "ws", "ws-seesaw", "ws-split", "ws-seesaw+staged", "ws-split+staged"]
 
 
@@ -115,9 +117,11 @@ def _need(kernel, monkeypatch=None):
     if kernel.startswith("ws-"):
         from vllm.kernels import sparse_mla_ws
 
-        schedule, _, staged = kernel[3:].partition("+")
+        schedule, *flags = kernel[3:].split("+")
         monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", schedule)
-        monkeypatch.setattr(sparse_mla_ws, "FP8_STAGED", staged == "staged")
+        monkeypatch.setattr(sparse_mla_ws, "FP8_STAGED", "staged" in flags)
+        monkeypatch.setattr(sparse_mla_ws, "IDX_SMEM", "noidx" not in flags)
+        monkeypatch.setattr(sparse_mla_ws, "Q_ASYNC", "syncq" not in flags)
         return "ws"
     return kernel
 
@@ -138,10 +142,15 @@ def test_decode_gpu(cache_dtype, t, h, kernel, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
-@pytest.mark.parametrize("splits,k", [(1, 64), (2, 2048), (3, 2048), (5, 700)])
-@pytest.mark.parametrize("variant", ["ws-split", "ws-seesaw", "ws-split+staged", "ws-seesaw+staged"])
+@pytest.mark.parametrize("splits,k", [(1, 64), (2, 2048), (3, 2048), (5, 700), (1, 3000)])
+@pytest.mark.parametrize(
+    "variant",
+    ["ws-split", "ws-seesaw", "ws-split+staged", "ws-seesaw+staged", "ws-split+staged+noidx+syncq",
+     "ws-seesaw+noidx+syncq", "ws-seesaw+syncq"],
+)  # fmt: skip
 def test_decode_gpu_ws_splits(cache_dtype, splits, k, variant, monkeypatch):
-    """The Gluon kernel's split-K slices (merged like the Triton kernel's), ragged top-k."""
+    """The Gluon kernel's split-K slices (merged like the Triton kernel's), ragged top-k; a
+    3000-row slice is past the shared-memory id copy (IDX_CAP), so its ids come from global."""
     from vllm.kernels import sparse_mla_decode as mod
     from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
 

@@ -27,6 +27,14 @@ rope 64. What the Triton kernel cannot express and this one does:
     pair's second block is needed as soon as its stage is released, so the FP8 producer's load
     plus dequantisation is exposed there (1.156 vs 1.088 ms for ``split`` at T=1024), hence
     ``split`` for FP8 rows.
+- **The top-k ids in shared memory** (``IDX_SMEM``): the slice's ids (up to ``IDX_CAP`` = 2048,
+  8 KB) are loaded once before the fork; the producer's per-batch id reads were dependent global
+  round trips (~2 µs to issue one 64-row block), which left the seesaw consumers waiting for
+  rows: 6.60 → 4.86 µs per pair of blocks at 8192 × 32K (``trace_sparse_mla_ws.py``). The split
+  schedule makes room by putting P in the block's rope slot (as the seesaw does); the FP8 seesaw
+  has no room (233 KB) and reads ids from global memory.
+- **The query by cp.async** (``Q_ASYNC``), arriving on its own barrier, so the first blocks'
+  copies are in flight with it (the query load took 2.6 µs of each program before).
 - **Partitions and registers**: the producer is the default partition and the consumers are
   worker partitions: in local sm_90a compiles (``benchmarks/kernels/aot_sm90.py``) ptxas held
   the default partition's code to the launch's register count (65536 / 384 threads = 168) while
@@ -106,9 +114,12 @@ def _softmax(s, rid, m_i, l2, scale_log2):
 def _consumer(
     q_nope_s, q_rope_s, kv_s, kr_s, p_s, ready, empty,
     idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
-    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, qbar, idx_s,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
 ):  # fmt: skip
+    """The ``split`` schedule's two consumer warpgroups (one partition). With IDX_SMEM the ids
+    come from ``idx_s`` and P_i goes to block i's rope slot (free once both warpgroups' S_i is
+    done; ``p_s`` is then unused), which leaves the shared memory for the ids."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
     )
@@ -128,8 +139,14 @@ def _consumer(
     k_lim = gl.minimum(k_per_split, topk - k_lo)  # valid top-k positions of this slice
 
     # prologue: S_0 and its softmax; the ids of block 1 are fetched a block ahead
-    rid = gl.load(idx_row + cols, mask=cols < k_lim, other=-1)
-    rid_next = gl.load(idx_row + BLOCK_N + cols, mask=BLOCK_N + cols < k_lim, other=-1)
+    if IDX_SMEM:
+        rid = idx_s.index(0).load(gl.SliceLayout(0, s_layout))
+        rid_next = rid
+    else:
+        rid = gl.load(idx_row + cols, mask=cols < k_lim, other=-1)
+        rid_next = gl.load(idx_row + BLOCK_N + cols, mask=BLOCK_N + cols < k_lim, other=-1)
+    if Q_ASYNC:
+        mbarrier.wait(qbar, 0)
     mbarrier.wait(ready.index(0), 0)
     s = _qk(q_nope_s, q_rope_s, kv_s.index(0), kr_s.index(0), s_layout, BLOCK_N)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -141,15 +158,25 @@ def _consumer(
         s_nx = nxt % NUM_STAGES
         # PV_i, then S_{i+1}: stage st is released as soon as PV_i lands, a whole block
         # before the producer's refill is needed; the softmax does not overlap the MMAs
-        p_s.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = warpgroup_mma(p_s, kv_s.index(st), acc, is_async=True)
+        if IDX_SMEM:
+            gl.thread_barrier()  # both warpgroups' S_i, which read the rope slot, are done
+            kr_s.index(st).store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(kr_s.index(st), kv_s.index(st), acc, is_async=True)
+        else:
+            p_s.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            acc = warpgroup_mma(p_s, kv_s.index(st), acc, is_async=True)
         mbarrier.wait(ready.index(s_nx), (nxt // NUM_STAGES) & 1)
         s_next = _qk(q_nope_s, q_rope_s, kv_s.index(s_nx), kr_s.index(s_nx), s_layout, BLOCK_N)
-        rid = rid_next
-        k2 = (i + 2) * BLOCK_N
-        rid_next = gl.load(idx_row + k2 + cols, mask=k2 + cols < k_lim, other=-1)
+        if IDX_SMEM:
+            rid = idx_s.index(nxt).load(gl.SliceLayout(0, s_layout))
+        else:
+            rid = rid_next
+            k2 = (i + 2) * BLOCK_N
+            rid_next = gl.load(idx_row + k2 + cols, mask=k2 + cols < k_lim, other=-1)
         # three commit groups are in flight (PV_i, then S's nope and rope wgmmas), completing in
         # order: leaving two outstanding means PV_i has landed
         acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
@@ -159,10 +186,18 @@ def _consumer(
         p, m_i, l2, alpha = _softmax(s_next, rid, m_i, l2, scale_log2)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     # the last block: PV only
-    p_s.store(p.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
-    acc = warpgroup_mma(p_s, kv_s.index((n_blocks - 1) % NUM_STAGES), acc, is_async=True)
+    st_l = (n_blocks - 1) % NUM_STAGES
+    if IDX_SMEM:
+        gl.thread_barrier()
+        kr_s.index(st_l).store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(kr_s.index(st_l), kv_s.index(st_l), acc, is_async=True)
+    else:
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(p_s, kv_s.index(st_l), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     l_i = gl.sum(l2, axis=1)
 
@@ -273,6 +308,7 @@ def _produce_fp8_staged(
     kv_ptr, idx_row, kv_s, kr_s, sc_s, ready, empty, k_lim, n_blocks,
     ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr, DEQUANT: gl.constexpr,
+    idx_s, IDX_SMEM: gl.constexpr,
 ):  # fmt: skip
     """fp8_ds_mla rows staged through shared memory, so no row is held in registers in flight:
     per block, ``cp.async`` puts the raw e4m3 bytes in the upper half of the stage's own bf16
@@ -304,20 +340,22 @@ def _produce_fp8_staged(
         raw_v = kv_st._reinterpret(gl.uint8, [16 * BLOCK_N, 64], plain)
         mbarrier.wait(empty.index(st), ((i // NUM_STAGES) & 1) ^ 1)
         for r0 in gl.static_range(0, BLOCK_N, FP8_ROWS):
-            k0 = i * BLOCK_N + r0
-            rid = gl.load(idx_row + k0 + r2, mask=k0 + r2 < k_lim, other=-1)
+            rid = _batch_ids(idx_row, idx_s, i, r0, r2, k_lim, FP8_ROWS,
+                gl.SliceLayout(1, tl64), BLOCK_N, IDX_SMEM)  # fmt: skip
             row = (kv_ptr + rid.to(gl.int64) * ROW_BYTES)[:, None] + b2[None, :]
             for g in gl.static_range(8):
                 async_copy.async_copy_global_to_shared(
                     raw_v.slice((8 + g) * BLOCK_N + r0, FP8_ROWS, dim=0), row + 64 * g,
                     mask=(rid >= 0)[:, None],
                 )
-            rid_s = gl.load(idx_row + k0 + rs, mask=k0 + rs < k_lim, other=-1)
+            rid_s = _batch_ids(idx_row, idx_s, i, r0, rs, k_lim, FP8_ROWS,
+                gl.SliceLayout(1, sl), BLOCK_N, IDX_SMEM)  # fmt: skip
             scp = (kv_ptr + rid_s.to(gl.int64) * ROW_BYTES + D_NOPE).to(gl.pointer_type(gl.float32))
             async_copy.async_copy_global_to_shared(
                 sc_st.slice(r0, FP8_ROWS, dim=0), scp[:, None] + cs[None, :], mask=(rid_s >= 0)[:, None]
             )
-            rid_r = gl.load(idx_row + k0 + rr, mask=k0 + rr < k_lim, other=-1)
+            rid_r = _batch_ids(idx_row, idx_s, i, r0, rr, k_lim, FP8_ROWS,
+                gl.SliceLayout(1, rl), BLOCK_N, IDX_SMEM)  # fmt: skip
             rope = (kv_ptr + rid_r.to(gl.int64) * ROW_BYTES + D_NOPE + 4 * (D_NOPE // 128)).to(
                 gl.pointer_type(gl.bfloat16)
             )
@@ -349,6 +387,7 @@ def _producer(
     row_stride, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, FP8_STAGED: gl.constexpr, trace_ptr, trace_row, TRACE: gl.constexpr,
+    idx_s, IDX_SMEM: gl.constexpr,
 ):  # fmt: skip
     n_blocks = k_per_split // BLOCK_N
     k_lo = split * k_per_split
@@ -356,7 +395,8 @@ def _producer(
     k_lim = gl.minimum(k_per_split, topk - k_lo)
     if IS_FP8 and FP8_STAGED:
         _produce_fp8_staged(kv_ptr, idx_row, kv_s, kr_s, sc_s, ready, empty, k_lim, n_blocks,
-                            ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS, DEQUANT)  # fmt: skip
+                            ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS, DEQUANT,
+                            idx_s, IDX_SMEM)  # fmt: skip
     elif IS_FP8:
         # FP8_ROWS rows per chunk: 4 tiles of [rows, 128] e4m3 (16 bytes per thread and load),
         # their fp32 scales and the bf16 rope; the next chunk's loads are in flight while this one
@@ -400,14 +440,14 @@ def _producer(
             kr_st = kr_s.index(st)
             mbarrier.wait(empty.index(st), ((i // NUM_STAGES) & 1) ^ 1)
             for r0 in gl.static_range(0, BLOCK_N, FP8_ROWS):
-                kk = i * BLOCK_N + r0 + rows
-                rid = gl.load(idx_row + kk, mask=kk < k_lim, other=-1)
+                rid = _batch_ids(idx_row, idx_s, i, r0, rows, k_lim, FP8_ROWS,
+                    gl.SliceLayout(1, nl), BLOCK_N, IDX_SMEM)  # fmt: skip
                 row = kv_ptr + rid.to(gl.int64) * row_stride
                 async_copy.async_copy_global_to_shared(
                     kv_st.slice(r0, FP8_ROWS, dim=0), row[:, None] + dn[None, :], mask=(rid >= 0)[:, None]
                 )
-                kk_r = i * BLOCK_N + r0 + rows_r
-                rid_r = gl.load(idx_row + kk_r, mask=kk_r < k_lim, other=-1)
+                rid_r = _batch_ids(idx_row, idx_s, i, r0, rows_r, k_lim, FP8_ROWS,
+                    gl.SliceLayout(1, rl), BLOCK_N, IDX_SMEM)  # fmt: skip
                 row_r = kv_ptr + rid_r.to(gl.int64) * row_stride + D_NOPE
                 async_copy.async_copy_global_to_shared(
                     kr_st.slice(r0, FP8_ROWS, dim=0), row_r[:, None] + dr[None, :], mask=(rid_r >= 0)[:, None]
@@ -465,25 +505,109 @@ def _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s):
 
 
 @gluon.jit
+def _load_query_async(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar):
+    """The query by ``cp.async`` (16-byte pieces, zero-filled past ``num_heads``), not waited
+    for: each default-partition thread's copies arrive on ``qbar`` when they land, so the
+    producer's first blocks are in flight together with the query and the consumers wait on
+    ``qbar`` before their first QK. The fence and barrier publish the barrier inits."""
+    fence_async_shared()
+    gl.thread_barrier()
+    QH: gl.constexpr = 16  # heads per batch: 8 pieces per thread at 4 warps
+    nl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
+    hn = gl.arange(0, QH, layout=gl.SliceLayout(1, nl))
+    dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, nl))
+    for h0 in gl.static_range(0, BLOCK_H, QH):
+        rows = q_ptr + t * stride_qt + (h0 + hn)[:, None] * stride_qh
+        async_copy.async_copy_global_to_shared(
+            q_nope_s.slice(h0, QH, dim=0), rows + dn[None, :], mask=((h0 + hn) < num_heads)[:, None]
+        )
+    hr = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rl))
+    dr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, rl))
+    async_copy.async_copy_global_to_shared(
+        q_rope_s, q_ptr + t * stride_qt + hr[:, None] * stride_qh + D_NOPE + dr[None, :],
+        mask=(hr < num_heads)[:, None],
+    )
+    async_copy.mbarrier_arrive(qbar, increment_count=False)
+
+
+@gluon.jit
+def _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar,
+           Q_ASYNC: gl.constexpr):  # fmt: skip
+    """The query into shared memory: by cp.async arriving on ``qbar`` (Q_ASYNC), or loaded and
+    stored by the default partition before the partitions fork."""
+    if Q_ASYNC:
+        mbarrier.init(qbar, count=gl.num_warps() * 32)
+        _load_query_async(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar)
+    else:
+        _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s)
+
+
+IDX_CAP = gl.constexpr(2048)  # top-k ids of one slice staged in shared memory (8 KB)
+
+
+@gluon.jit
+def _alloc_ids(IDX_SMEM: gl.constexpr):
+    """The shared-memory top-k ids of one slice (a one-row dummy without IDX_SMEM)."""
+    rows: gl.constexpr = IDX_CAP // 64 if IDX_SMEM else 1
+    return gl.allocate_shared_memory(gl.int32, [rows, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, idx_s, IDX_SMEM: gl.constexpr):
+    """IDX_SMEM: the slice's top-k ids (−1 past its end) into ``idx_s`` ([IDX_CAP / 64, 64], one
+    row per 64-row block), so the producer's and consumers' id reads are shared-memory reads,
+    not a dependent global round trip per batch of rows. The caller publishes the stores."""
+    if IDX_SMEM:
+        il: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
+        kk = gl.arange(0, IDX_CAP, layout=il)
+        k_lo = split * k_per_split
+        k_lim = gl.minimum(k_per_split, topk - k_lo)
+        ids = gl.load(idx_ptr + t * stride_it + k_lo + kk, mask=kk < k_lim, other=-1)
+        idx_s._reinterpret(gl.int32, [IDX_CAP], gl.SwizzledSharedLayout(1, 1, 1, [0])).store(ids)
+
+
+@gluon.jit
+def _batch_ids(idx_row, idx_s, blk, r0: gl.constexpr, rows, k_lim, N: gl.constexpr, lay: gl.constexpr,
+               BLOCK_N: gl.constexpr, IDX_SMEM: gl.constexpr):  # fmt: skip
+    """The ids of rows r0 + ``rows`` of block ``blk`` of the slice (``rows``: arange(N) in layout
+    ``lay``; −1 past k_lim): from ``idx_s`` (IDX_SMEM) or global memory."""
+    if IDX_SMEM:
+        return idx_s.index(blk).slice(r0, N).load(lay)
+    else:
+        kk = blk * BLOCK_N + r0 + rows
+        return gl.load(idx_row + kk, mask=kk < k_lim, other=-1)
+
+
+@gluon.jit
 def _sparse_mla_ws_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, num_heads, topk, k_per_split,
     stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     trace_ptr, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
-    TRACE: gl.constexpr,
+    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
 ):  # fmt: skip
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
     trace_row = t * gl.num_programs(1) + split
     _stamp(trace_ptr, trace_row, 0, TRACE)
     q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
-    p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
+    if IDX_SMEM:
+        p_s = kr_s  # P goes to the rope slots (see _consumer); unused
+    else:
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N],
+                                                                      gl.bfloat16)  # fmt: skip
+        p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 1)
-    _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s)
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
+    idx_s = _alloc_ids(IDX_SMEM)
+    _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, idx_s, IDX_SMEM)
+    if IDX_SMEM:
+        gl.thread_barrier()  # the ids are in shared memory before the partitions fork
     _stamp(trace_ptr, trace_row, 1, TRACE)
 
     # the producer is the default partition (see the seesaw kernel), the consumers a worker
@@ -493,13 +617,13 @@ def _sparse_mla_ws_kernel(
                 _producer,
                 (kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split,
                  stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
-                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE),
+                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE, idx_s, IDX_SMEM),
             ),
             (
                 _consumer,
                 (q_nope_s, q_rope_s, kv_s, kr_s, p_s, ready, empty, idx_ptr, out_ptr, lse_ptr, t,
                  split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot,
-                 stride_oh, stride_ls, stride_lt, BLOCK_N, NUM_STAGES),
+                 stride_oh, stride_ls, stride_lt, qbar, idx_s, BLOCK_N, NUM_STAGES, Q_ASYNC, IDX_SMEM),
             ),
         ],
         [8],
@@ -511,8 +635,8 @@ def _sparse_mla_ws_kernel(
 def _seesaw_consumer(
     q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
     idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
-    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
-    ROLE: gl.constexpr, TRACE: gl.constexpr,
+    stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar,
+    idx_s, ROLE: gl.constexpr, TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
 ):  # fmt: skip
     """One of the two consumer warpgroups of the seesaw schedule (``ROLE`` 0 or 1).
 
@@ -547,10 +671,16 @@ def _seesaw_consumer(
     # in that layout keeps 16 64-bit addresses per thread live across the loop: spills)
     il: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     ci = gl.arange(0, 64, layout=il)
+    if Q_ASYNC:
+        mbarrier.wait(qbar, 0)
     for j in range(n_pairs):
         ph = j & 1
-        kk = j * 128 + ROLE * 64 + ci
-        rid = gl.convert_layout(gl.load(idx_row + kk, mask=kk < k_lim, other=-1), gl.SliceLayout(0, s_layout))
+        if IDX_SMEM:
+            rid = idx_s.index(2 * j + ROLE).load(gl.SliceLayout(0, s_layout))
+        else:
+            kk = j * 128 + ROLE * 64 + ci
+            rid = gl.load(idx_row + kk, mask=kk < k_lim, other=-1)
+            rid = gl.convert_layout(rid, gl.SliceLayout(0, s_layout))
         mbarrier.wait(ready.index(ROLE), ph)
         if j == 0:
             _stamp(trace_ptr, trace_row, 4 + 4 * ROLE, TRACE)
@@ -657,23 +787,23 @@ def _seesaw_consumer(
 @gluon.jit
 def _seesaw_wg0(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
-                TRACE: gl.constexpr):  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar,
+                idx_s, TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr):  # fmt: skip
     _seesaw_consumer(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
-                0, TRACE)  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar,
+                idx_s, 0, TRACE, Q_ASYNC, IDX_SMEM)  # fmt: skip
 
 
 @gluon.jit
 def _seesaw_wg1(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
-                TRACE: gl.constexpr):  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar,
+                idx_s, TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr):  # fmt: skip
     _seesaw_consumer(q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
-                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row,
-                1, TRACE)  # fmt: skip
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar,
+                idx_s, 1, TRACE, Q_ASYNC, IDX_SMEM)  # fmt: skip
 
 
 @gluon.jit
@@ -683,7 +813,7 @@ def _sparse_mla_seesaw_kernel(
     trace_ptr, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
-    TRACE: gl.constexpr,
+    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
 ):  # fmt: skip
     """The seesaw-schedule kernel: default partition = the producer (as in
     :func:`_sparse_mla_ws_kernel`), workers = the two consumer warpgroups. Each pair of blocks' P
@@ -704,13 +834,19 @@ def _sparse_mla_seesaw_kernel(
     for s in gl.static_range(4):
         mbarrier.init(xbar.index(s), count=1)
     _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 2)
-    _load_query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s)
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
+    idx_s = _alloc_ids(IDX_SMEM)
+    _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, idx_s, IDX_SMEM)
+    if IDX_SMEM:
+        gl.thread_barrier()  # the ids are in shared memory before the partitions fork
     _stamp(trace_ptr, trace_row, 1, TRACE)
 
     cargs = (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
              idx_ptr, out_ptr,
              lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
-             stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, TRACE)  # fmt: skip
+             stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, TRACE,
+             Q_ASYNC, IDX_SMEM)  # fmt: skip
     # the producer is the default partition: ptxas holds the default partition's code to the
     # launch's register count (168) but gives worker partitions their setmaxnreg count (232)
     gl.warp_specialize(
@@ -719,7 +855,7 @@ def _sparse_mla_seesaw_kernel(
                 _producer,
                 (kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split,
                  stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
-                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE),
+                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE, idx_s, IDX_SMEM),
             ),
             (_seesaw_wg0, cargs),
             (_seesaw_wg1, cargs),
@@ -738,6 +874,10 @@ SCHEDULE = None
 # FP8 rows through shared memory (:func:`_produce_fp8_staged`), not registers: 1.088 vs 1.276 ms
 # at T=1024 on the H200 (BENCHMARKS.md, sixth session)
 FP8_STAGED = True
+# the seesaw kernel's top-k ids (up to IDX_CAP per slice) staged in shared memory
+IDX_SMEM = True
+# the query by cp.async, in flight with the first blocks (False: loaded and stored before the fork)
+Q_ASYNC = True
 
 
 def launch_maxnreg() -> int:
@@ -768,7 +908,7 @@ def is_supported_device(device_index: int) -> bool:
 
 def launch_config(
     is_fp8, row_bytes, producer_regs=None, fp8_rows=None, dequant=None, schedule=None,
-    fp8_staged=None, trace=False,
+    fp8_staged=None, trace=False, q_async=None, idx_smem=None,
 ):  # fmt: skip
     """(kernel, launch metadata, block step) of one configuration: the constexprs, ``num_warps``
     and ``maxnreg`` the launcher passes, and the multiple of rows a top-k slice is rounded to.
@@ -788,11 +928,22 @@ def launch_config(
         IS_FP8=is_fp8, ROW_BYTES=row_bytes, BLOCK_N=block_n, NUM_STAGES=num_stages,
         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
         DEQUANT=dequant, CONSUMER_REGS=consumer_regs(producer_regs), FP8_STAGED=fp8_staged,
-        TRACE=trace, num_warps=PRODUCER_WARPS, maxnreg=launch_maxnreg(),
+        TRACE=trace, Q_ASYNC=Q_ASYNC if q_async is None else bool(q_async),
+        # (no room beside the FP8 seesaw's tile scales: 233 KB)
+        IDX_SMEM=not (is_fp8 and schedule == "seesaw")
+        and (IDX_SMEM if idx_smem is None else bool(idx_smem)),
+        num_warps=PRODUCER_WARPS, maxnreg=launch_maxnreg(),
     )  # fmt: skip
     kernel = _sparse_mla_seesaw_kernel if schedule == "seesaw" else _sparse_mla_ws_kernel
     step = 2 * block_n if schedule == "seesaw" else block_n  # seesaw: blocks in pairs
     return kernel, meta, step
+
+
+def _query_copyable(q: torch.Tensor) -> bool:
+    return (
+        q.dtype == torch.bfloat16 and q.stride(2) == 1 and q.data_ptr() % 16 == 0
+        and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0
+    )  # fmt: skip
 
 
 def sparse_mla_ws(q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, **tuning):
@@ -807,8 +958,12 @@ def sparse_mla_ws(q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, n
     t, h, _ = q.shape
     k = indices.shape[1]
     trace = tuning.pop("trace", None)  # a [T·splits, TRACE_SLOTS] int64 tensor: see _stamp
+    if not _query_copyable(q):  # cp.async moves aligned 16-byte pieces of bf16
+        tuning["q_async"] = False
     kernel, meta, step = launch_config(is_fp8, row_bytes, trace=trace is not None, **tuning)
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), step) * step
+    if k_per_split > IDX_CAP:  # the slice's ids do not fit the shared-memory copy
+        meta["IDX_SMEM"] = False
     splits = max(1, triton.cdiv(k, k_per_split))
     odt = torch.float32 if splits > 1 else out_dtype
     part_o = torch.empty(splits, t, h, D_NOPE, dtype=odt, device=q.device)
