@@ -106,7 +106,8 @@ GLM = dict(r=512, rope=64, h=64, topk=2048)
 # forced to "seesaw" / "split" (``sparse_mla_ws.SCHEDULE``), and "+staged": FP8 rows through
 # shared memory (``sparse_mla_ws.FP8_STAGED``); "+noidx": top-k ids read from global memory, not
 # staged in shared memory (``IDX_SMEM``); "+syncq": the query loaded before the fork, not by
-# cp.async (``Q_ASYNC``)
+# cp.async (``Q_ASYNC``); "+late": the split schedule releases a stage after issuing the next
+# block's QK (``EARLY_RELEASE``)
 KERNELS = ["triton", "ws", "ws-seesaw", "ws-split", "ws-seesaw+staged", "ws-split+staged"]
 
 
@@ -122,6 +123,7 @@ def _need(kernel, monkeypatch=None):
         monkeypatch.setattr(sparse_mla_ws, "FP8_STAGED", "staged" in flags)
         monkeypatch.setattr(sparse_mla_ws, "IDX_SMEM", "noidx" not in flags)
         monkeypatch.setattr(sparse_mla_ws, "Q_ASYNC", "syncq" not in flags)
+        monkeypatch.setattr(sparse_mla_ws, "EARLY_RELEASE", "late" not in flags)
         return "ws"
     return kernel
 
@@ -145,7 +147,7 @@ def test_decode_gpu(cache_dtype, t, h, kernel, monkeypatch):
 @pytest.mark.parametrize("splits,k", [(1, 64), (2, 2048), (3, 2048), (5, 700), (1, 3000)])
 @pytest.mark.parametrize(
     "variant",
-    ["ws-split", "ws-seesaw", "ws-split+staged", "ws-seesaw+staged", "ws-split+staged+noidx+syncq",
+    ["ws-split", "ws-seesaw", "ws-split+staged", "ws-seesaw+staged", "ws-split+staged+noidx+syncq+late",
      "ws-seesaw+noidx+syncq", "ws-seesaw+syncq"],
 )  # fmt: skip
 def test_decode_gpu_ws_splits(cache_dtype, splits, k, variant, monkeypatch):

@@ -88,6 +88,26 @@ def _stamp(trace_ptr, row, slot: gl.constexpr, TRACE: gl.constexpr):
 
 
 @gluon.jit
+def _clk(TRACE: gl.constexpr):
+    """TRACE: the SM's cycle counter (a [1] int64 tensor); else 0."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    zero = gl.full([1], 0, gl.int32, lay)
+    if TRACE:
+        return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [zero], dtype=gl.int64,
+                                         is_pure=False, pack=1)  # fmt: skip
+    else:
+        return zero.to(gl.int64)
+
+
+@gluon.jit
+def _put(trace_ptr, row, slot: gl.constexpr, val, TRACE: gl.constexpr):
+    if TRACE:
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        one = gl.arange(0, 1, layout=lay)
+        gl.store(trace_ptr + row * TRACE_SLOTS + slot + one, val)
+
+
+@gluon.jit
 def _qk(q_nope_s, q_rope_s, kv_st, kr_st, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """Issue S = Q·Kᵀ (nope + rope) asynchronously; the caller waits."""
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
@@ -116,6 +136,7 @@ def _consumer(
     idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
     stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, qbar, idx_s,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
+    trace_ptr, trace_row, TRACE: gl.constexpr, EARLY_RELEASE: gl.constexpr,
 ):  # fmt: skip
     """The ``split`` schedule's two consumer warpgroups (one partition). With IDX_SMEM the ids
     come from ``idx_s`` and P_i goes to block i's rope slot (free once both warpgroups' S_i is
@@ -148,6 +169,9 @@ def _consumer(
     if Q_ASYNC:
         mbarrier.wait(qbar, 0)
     mbarrier.wait(ready.index(0), 0)
+    _stamp(trace_ptr, trace_row, 4, TRACE)
+    a_ready = _clk(False)
+    a_loop0 = _clk(TRACE)
     s = _qk(q_nope_s, q_rope_s, kv_s.index(0), kr_s.index(0), s_layout, BLOCK_N)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     p, m_i, l2, alpha = _softmax(s, rid, m_i, l2, scale_log2)
@@ -169,7 +193,15 @@ def _consumer(
             fence_async_shared()
             gl.thread_barrier()
             acc = warpgroup_mma(p_s, kv_s.index(st), acc, is_async=True)
+        if EARLY_RELEASE:
+            # release stage st as soon as PV_i lands, before waiting for block i+1: the
+            # producer's refill of st (copies, then expansion) starts a block earlier
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()  # both warpgroups are done reading stage st and P_i
+            mbarrier.arrive(empty.index(st))
+        w0 = _clk(TRACE)
         mbarrier.wait(ready.index(s_nx), (nxt // NUM_STAGES) & 1)
+        a_ready += _clk(TRACE) - w0
         s_next = _qk(q_nope_s, q_rope_s, kv_s.index(s_nx), kr_s.index(s_nx), s_layout, BLOCK_N)
         if IDX_SMEM:
             rid = idx_s.index(nxt).load(gl.SliceLayout(0, s_layout))
@@ -177,14 +209,17 @@ def _consumer(
             rid = rid_next
             k2 = (i + 2) * BLOCK_N
             rid_next = gl.load(idx_row + k2 + cols, mask=k2 + cols < k_lim, other=-1)
-        # three commit groups are in flight (PV_i, then S's nope and rope wgmmas), completing in
-        # order: leaving two outstanding means PV_i has landed
-        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
-        gl.thread_barrier()  # both warpgroups are done reading stage st and P_i
-        mbarrier.arrive(empty.index(st))
+        if not EARLY_RELEASE:
+            # three commit groups are in flight (PV_i, then S's nope and rope wgmmas),
+            # completing in order: leaving two outstanding means PV_i has landed
+            acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+            gl.thread_barrier()  # both warpgroups are done reading stage st and P_i
+            mbarrier.arrive(empty.index(st))
         s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
         p, m_i, l2, alpha = _softmax(s_next, rid, m_i, l2, scale_log2)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    _put(trace_ptr, trace_row, 14, a_ready, TRACE)
+    _put(trace_ptr, trace_row, 5, _clk(TRACE) - a_loop0, TRACE)
     # the last block: PV only
     st_l = (n_blocks - 1) % NUM_STAGES
     if IDX_SMEM:
@@ -211,6 +246,7 @@ def _consumer(
     gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
     heads_s = gl.arange(0, BLOCK_H, layout=row_s)
     gl.store(lse_ptr + split * stride_ls + t * stride_lt + heads_s, lse, mask=heads_s < num_heads)
+    _stamp(trace_ptr, trace_row, 7, TRACE)
 
 
 @gluon.jit
@@ -308,7 +344,7 @@ def _produce_fp8_staged(
     kv_ptr, idx_row, kv_s, kr_s, sc_s, ready, empty, k_lim, n_blocks,
     ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr, DEQUANT: gl.constexpr,
-    idx_s, IDX_SMEM: gl.constexpr,
+    idx_s, IDX_SMEM: gl.constexpr, trace_ptr, trace_row, TRACE: gl.constexpr,
 ):  # fmt: skip
     """fp8_ds_mla rows staged through shared memory, so no row is held in registers in flight:
     per block, ``cp.async`` puts the raw e4m3 bytes in the upper half of the stage's own bf16
@@ -331,6 +367,10 @@ def _produce_fp8_staged(
     rl: gl.constexpr = gl.BlockedLayout([1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0])
     rr = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
     cr = gl.arange(0, 64, layout=gl.SliceLayout(0, rl))
+    a_empty = _clk(False)
+    a_issue = _clk(False)
+    a_wait = _clk(False)
+    a_deq = _clk(False)
     for i in range(n_blocks):
         st = i % NUM_STAGES
         kv_st = kv_s.index(st)
@@ -338,7 +378,9 @@ def _produce_fp8_staged(
         sc_st = sc_s.index(st)
         # the stage's 64 KB as [16 · BLOCK_N, 64] bytes: raw group g is rows (8 + g) · BLOCK_N + r
         raw_v = kv_st._reinterpret(gl.uint8, [16 * BLOCK_N, 64], plain)
+        c0 = _clk(TRACE)
         mbarrier.wait(empty.index(st), ((i // NUM_STAGES) & 1) ^ 1)
+        c1 = _clk(TRACE)
         for r0 in gl.static_range(0, BLOCK_N, FP8_ROWS):
             rid = _batch_ids(idx_row, idx_s, i, r0, r2, k_lim, FP8_ROWS,
                 gl.SliceLayout(1, tl64), BLOCK_N, IDX_SMEM)  # fmt: skip
@@ -363,8 +405,10 @@ def _produce_fp8_staged(
                 kr_st.slice(r0, FP8_ROWS, dim=0), rope[:, None] + cr[None, :], mask=(rid_r >= 0)[:, None]
             )
         async_copy.commit_group()
+        c2 = _clk(TRACE)
         async_copy.wait_group(0)
         gl.thread_barrier()  # every producer thread's copies of this block have landed
+        c3 = _clk(TRACE)
         for g in gl.static_range(4):
             _fp8_group_dequant(raw_v, sc_st, kv_st, g, tl64, DEQUANT, BLOCK_N)
         gl.thread_barrier()  # raw groups 0-3 are read: bf16 groups 4-5 may overwrite them
@@ -379,6 +423,15 @@ def _produce_fp8_staged(
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(st))
+        c4 = _clk(TRACE)
+        a_empty += c1 - c0
+        a_issue += c2 - c1
+        a_wait += c3 - c2
+        a_deq += c4 - c3
+    _put(trace_ptr, trace_row, 10, a_empty, TRACE)
+    _put(trace_ptr, trace_row, 11, a_issue, TRACE)
+    _put(trace_ptr, trace_row, 12, a_wait, TRACE)
+    _put(trace_ptr, trace_row, 13, a_deq, TRACE)
 
 
 @gluon.jit
@@ -396,7 +449,7 @@ def _producer(
     if IS_FP8 and FP8_STAGED:
         _produce_fp8_staged(kv_ptr, idx_row, kv_s, kr_s, sc_s, ready, empty, k_lim, n_blocks,
                             ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS, DEQUANT,
-                            idx_s, IDX_SMEM)  # fmt: skip
+                            idx_s, IDX_SMEM, trace_ptr, trace_row, TRACE)  # fmt: skip
     elif IS_FP8:
         # FP8_ROWS rows per chunk: 4 tiles of [rows, 128] e4m3 (16 bytes per thread and load),
         # their fp32 scales and the bf16 rope; the next chunk's loads are in flight while this one
@@ -586,7 +639,7 @@ def _sparse_mla_ws_kernel(
     trace_ptr, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
-    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
+    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, EARLY_RELEASE: gl.constexpr,
 ):  # fmt: skip
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
@@ -623,7 +676,8 @@ def _sparse_mla_ws_kernel(
                 _consumer,
                 (q_nope_s, q_rope_s, kv_s, kr_s, p_s, ready, empty, idx_ptr, out_ptr, lse_ptr, t,
                  split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot,
-                 stride_oh, stride_ls, stride_lt, qbar, idx_s, BLOCK_N, NUM_STAGES, Q_ASYNC, IDX_SMEM),
+                 stride_oh, stride_ls, stride_lt, qbar, idx_s, BLOCK_N, NUM_STAGES, Q_ASYNC, IDX_SMEM,
+                 trace_ptr, trace_row, TRACE, EARLY_RELEASE),
             ),
         ],
         [8],
@@ -813,7 +867,7 @@ def _sparse_mla_seesaw_kernel(
     trace_ptr, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
-    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
+    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, EARLY_RELEASE: gl.constexpr,
 ):  # fmt: skip
     """The seesaw-schedule kernel: default partition = the producer (as in
     :func:`_sparse_mla_ws_kernel`), workers = the two consumer warpgroups. Each pair of blocks' P
@@ -876,6 +930,9 @@ SCHEDULE = None
 FP8_STAGED = True
 # the seesaw kernel's top-k ids (up to IDX_CAP per slice) staged in shared memory
 IDX_SMEM = True
+# split schedule: release a stage when its PV lands, before waiting for the next block (False: after
+# issuing the next block's QK, which overlaps the two but holds the stage until the next is ready)
+EARLY_RELEASE = True
 # the query by cp.async, in flight with the first blocks (False: loaded and stored before the fork)
 Q_ASYNC = True
 
@@ -908,7 +965,7 @@ def is_supported_device(device_index: int) -> bool:
 
 def launch_config(
     is_fp8, row_bytes, producer_regs=None, fp8_rows=None, dequant=None, schedule=None,
-    fp8_staged=None, trace=False, q_async=None, idx_smem=None,
+    fp8_staged=None, trace=False, q_async=None, idx_smem=None, early_release=None,
 ):  # fmt: skip
     """(kernel, launch metadata, block step) of one configuration: the constexprs, ``num_warps``
     and ``maxnreg`` the launcher passes, and the multiple of rows a top-k slice is rounded to.
@@ -932,6 +989,7 @@ def launch_config(
         # (no room beside the FP8 seesaw's tile scales: 233 KB)
         IDX_SMEM=not (is_fp8 and schedule == "seesaw")
         and (IDX_SMEM if idx_smem is None else bool(idx_smem)),
+        EARLY_RELEASE=EARLY_RELEASE if early_release is None else bool(early_release),
         num_warps=PRODUCER_WARPS, maxnreg=launch_maxnreg(),
     )  # fmt: skip
     kernel = _sparse_mla_seesaw_kernel if schedule == "seesaw" else _sparse_mla_ws_kernel
