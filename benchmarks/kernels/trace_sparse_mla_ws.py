@@ -9,6 +9,13 @@ phases and the gap between consecutive programs on an SM. The stamps cost a few 
 stores, so the traced run is a little slower than the plain one (both are printed).
 
     PYTHONPATH=. python benchmarks/kernels/trace_sparse_mla_ws.py [--t 8192] [--s 32768] [--topk 2048]
+
+``--fp8-decode T`` instead traces the split schedule on fp8_ds_mla rows (the decode benchmark's
+inputs: 16 requests × 128K, random top-k 2048) and prints SM cycles per 64-row block, summed over
+each program by ``%clock64`` reads in the staged FP8 producer (waiting for a free stage, issuing
+the copies, waiting for them, expanding to bf16 and signalling) and in the consumers (waiting for
+a ready block; the whole loop). The traced build runs the producer at 56 registers (at 40 the
+counters spill).
 """
 
 from __future__ import annotations
@@ -33,18 +40,57 @@ PHASES = [  # (name, from slot, to slot)
 ]
 
 
+FP8_COUNTERS = [  # (name, slot): cycles summed over a program's blocks
+    ("producer: wait for a free stage", 10),
+    ("producer: issue the copies", 11),
+    ("producer: wait for the copies", 12),
+    ("producer: expand to bf16, signal", 13),
+    ("consumers: wait for a ready block", 14),
+    ("consumers: whole loop", 5),
+]
+
+
+def fp8_decode(t: int, tune: dict) -> None:
+    from benchmarks.kernels import bench_sparse_mla_decode as bd
+
+    _, cache, slots, q = bd.make_inputs(t, "fp8_ds_mla")
+    rows = cache.view(-1, cache.shape[-1])
+
+    def run(**kw):
+        return sparse_mla_ws(q, rows, True, 656, slots, 1 / 16, torch.bfloat16, 1, **kw)
+
+    trace = torch.zeros(t, TRACE_SLOTS, dtype=torch.int64, device="cuda")
+    traced_tune = {"producer_regs": 56, **tune}
+    plain_ms = time_ms(lambda: run(**tune))
+    traced_ms = time_ms(lambda: run(trace=trace, **traced_tune))
+    trace.zero_()
+    run(trace=trace, **traced_tune)
+    torch.cuda.synchronize()
+    tr = trace.cpu().double()
+    n_blocks = 2048 // 64
+    print(f"fp8 decode T={t} {tune}: plain {plain_ms:.3f} ms, traced {traced_ms:.3f} ms "
+          f"({n_blocks} blocks of 64 rows per token)")  # fmt: skip
+    for name, slot in FP8_COUNTERS:
+        c = tr[:, slot].median().item()
+        print(f"  {name:36s} {c / n_blocks:8.0f} cycles per block (program median)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--t", type=int, default=8192)
     ap.add_argument("--s", type=int, default=32768)
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--tune", default="", help="launch_config knobs, e.g. q_async=0,idx_smem=1")
+    ap.add_argument("--fp8-decode", type=int, default=0, metavar="T",
+                    help="trace the FP8 split schedule on T decode queries instead")  # fmt: skip
     a = ap.parse_args()
+    tune = {k: int(v) for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)}
+    if a.fp8_decode:
+        return fp8_decode(a.fp8_decode, tune)
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(a.t, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
     kv = torch.randn(a.s, 576, device="cuda", generator=g).to(torch.bfloat16)
     idx = torch.randint(0, a.s, (a.t, a.topk), device="cuda", generator=g, dtype=torch.int32)
-    tune = {k: int(v) for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)}
     run = lambda **kw: sparse_mla_ws(q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, schedule="seesaw", **tune, **kw)  # noqa: E731
     trace = torch.zeros(a.t, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     plain_ms = time_ms(run)
