@@ -133,6 +133,23 @@ def _softmax(s, rid, m_i, l2, scale_log2):
 
 
 @gluon.jit
+def _issue_pv(p, acc, p_s, kr_s, kv_s, st, IDX_SMEM: gl.constexpr):
+    """P (bf16) to shared memory, then issue acc += P·V of stage st (async). With IDX_SMEM P goes
+    to the stage's rope slot, once both warpgroups' QK (which read it) are done."""
+    if IDX_SMEM:
+        gl.thread_barrier()  # both warpgroups' S of this stage, which read the rope slot, are done
+        kr_s.index(st).store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        return warpgroup_mma(kr_s.index(st), kv_s.index(st), acc, is_async=True)
+    else:
+        p_s.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        return warpgroup_mma(p_s, kv_s.index(st), acc, is_async=True)
+
+
+@gluon.jit
 def _consumer(
     q_nope_s, q_rope_s, kv_s, kr_s, p_s, ready, empty,
     idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
@@ -182,19 +199,8 @@ def _consumer(
         st = i % NUM_STAGES
         nxt = i + 1
         s_nx = nxt % NUM_STAGES
-        # PV_i, then S_{i+1}: stage st is released as soon as PV_i lands, a whole block
-        # before the producer's refill is needed; the softmax does not overlap the MMAs
-        if IDX_SMEM:
-            gl.thread_barrier()  # both warpgroups' S_i, which read the rope slot, are done
-            kr_s.index(st).store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = warpgroup_mma(kr_s.index(st), kv_s.index(st), acc, is_async=True)
-        else:
-            p_s.store(p.to(gl.bfloat16))
-            fence_async_shared()
-            gl.thread_barrier()
-            acc = warpgroup_mma(p_s, kv_s.index(st), acc, is_async=True)
+        # PV_i, then S_{i+1}; the softmax does not overlap the MMAs
+        acc = _issue_pv(p, acc, p_s, kr_s, kv_s, st, IDX_SMEM)
         if EARLY_RELEASE:
             # release stage st as soon as PV_i lands, before waiting for block i+1: the
             # producer's refill of st (copies, then expansion) starts a block earlier
@@ -223,18 +229,7 @@ def _consumer(
     _put(trace_ptr, trace_row, 14, a_ready, TRACE)
     _put(trace_ptr, trace_row, 5, _clk(TRACE) - a_loop0, TRACE)
     # the last block: PV only
-    st_l = (n_blocks - 1) % NUM_STAGES
-    if IDX_SMEM:
-        gl.thread_barrier()
-        kr_s.index(st_l).store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = warpgroup_mma(kr_s.index(st_l), kv_s.index(st_l), acc, is_async=True)
-    else:
-        p_s.store(p.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = warpgroup_mma(p_s, kv_s.index(st_l), acc, is_async=True)
+    acc = _issue_pv(p, acc, p_s, kr_s, kv_s, (n_blocks - 1) % NUM_STAGES, IDX_SMEM)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     l_i = gl.sum(l2, axis=1)
 
@@ -602,24 +597,23 @@ IDX_CAP = gl.constexpr(2048)  # top-k ids of one slice staged in shared memory (
 
 
 @gluon.jit
-def _alloc_ids(IDX_SMEM: gl.constexpr):
-    """The shared-memory top-k ids of one slice (a one-row dummy without IDX_SMEM)."""
+def _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM: gl.constexpr):
+    """Allocate ``idx_s`` and, with IDX_SMEM, load the slice's top-k ids into it (−1 past its
+    end; [IDX_CAP / 64, 64], one row per 64-row block) and publish them before the fork, so the
+    producer's and consumers' id reads are shared-memory reads, not a dependent global round
+    trip per batch of rows. Without IDX_SMEM ``idx_s`` is a one-row dummy."""
     rows: gl.constexpr = IDX_CAP // 64 if IDX_SMEM else 1
-    return gl.allocate_shared_memory(gl.int32, [rows, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-
-
-@gluon.jit
-def _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, idx_s, IDX_SMEM: gl.constexpr):
-    """IDX_SMEM: the slice's top-k ids (−1 past its end) into ``idx_s`` ([IDX_CAP / 64, 64], one
-    row per 64-row block), so the producer's and consumers' id reads are shared-memory reads,
-    not a dependent global round trip per batch of rows. The caller publishes the stores."""
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    idx_s = gl.allocate_shared_memory(gl.int32, [rows, 64], flat)
     if IDX_SMEM:
         il: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
         kk = gl.arange(0, IDX_CAP, layout=il)
         k_lo = split * k_per_split
         k_lim = gl.minimum(k_per_split, topk - k_lo)
         ids = gl.load(idx_ptr + t * stride_it + k_lo + kk, mask=kk < k_lim, other=-1)
-        idx_s._reinterpret(gl.int32, [IDX_CAP], gl.SwizzledSharedLayout(1, 1, 1, [0])).store(ids)
+        idx_s._reinterpret(gl.int32, [IDX_CAP], flat).store(ids)
+        gl.thread_barrier()
+    return idx_s
 
 
 @gluon.jit
@@ -659,10 +653,7 @@ def _sparse_mla_ws_kernel(
     _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 1)
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
-    idx_s = _alloc_ids(IDX_SMEM)
-    _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, idx_s, IDX_SMEM)
-    if IDX_SMEM:
-        gl.thread_barrier()  # the ids are in shared memory before the partitions fork
+    idx_s = _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM)
     _stamp(trace_ptr, trace_row, 1, TRACE)
 
     # the producer is the default partition (see the seesaw kernel), the consumers a worker
@@ -892,10 +883,7 @@ def _sparse_mla_seesaw_kernel(
     _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 2)
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
-    idx_s = _alloc_ids(IDX_SMEM)
-    _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, idx_s, IDX_SMEM)
-    if IDX_SMEM:
-        gl.thread_barrier()  # the ids are in shared memory before the partitions fork
+    idx_s = _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM)
     _stamp(trace_ptr, trace_row, 1, TRACE)
 
     cargs = (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
