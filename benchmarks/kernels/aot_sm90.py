@@ -7,7 +7,8 @@ the launcher resolves it (:func:`vllm.kernels.sparse_mla_ws.launch_config`), wit
 divisibility hints (without them the allocation differs from the GPU's).
 
     python benchmarks/kernels/aot_sm90.py [--fp8] [--schedule split|seesaw] [--register-fp8]
-        [--producer-regs N] [--fp8-rows N] [--dequant 0|1] [--sass-hist] [--dump DIR] [--json]
+        [--producer-regs N] [--fp8-rows N] [--dequant 0|1] [--tune k=v,...] [--sass-hist]
+        [--dump DIR] [--json]
 
 Run it in a process without TRITON_INTERPRET=1 (the kernel tests' CPU runs set it).
 """
@@ -114,12 +115,15 @@ def main() -> None:
     ap.add_argument("--producer-regs", type=int, default=None)
     ap.add_argument("--fp8-rows", type=int, default=None)
     ap.add_argument("--dequant", type=int, default=None)
+    ap.add_argument("--tune", default="", help="other launch_config knobs as integers, e.g. "
+                    "trace=1,idx_smem=0,q_async=0,early_release=0")  # fmt: skip
     ap.add_argument("--sass-hist", action="store_true")
     ap.add_argument("--dump", default=None, help="write the ptx and sass there")
     ap.add_argument("--json", action="store_true", help="print the report (no SASS) as one JSON line")
     a = ap.parse_args()
     tuning = dict(schedule=a.schedule, producer_regs=a.producer_regs, fp8_rows=a.fp8_rows,
                   dequant=a.dequant, fp8_staged=False if a.register_fp8 else None)  # fmt: skip
+    tuning.update({k: int(v) for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)})
     k = compile_config(a.fp8, **tuning)
     rep = report(k)
     if a.json:

@@ -28,6 +28,13 @@ CONFIGS = [
     pytest.param([], 256, id="bf16-default-seesaw"),
     pytest.param(["--fp8"], 64, id="fp8-default-split-staged"),
     pytest.param(["--fp8", "--register-fp8"], 256, id="fp8-register-producer"),
+    # the variants the GPU tests select, and the timeline builds of trace_sparse_mla_ws.py
+    pytest.param(
+        ["--fp8", "--tune", "idx_smem=0,q_async=0,early_release=0"], 64, id="fp8-old-order"
+    ),
+    pytest.param(["--tune", "idx_smem=0,q_async=0"], 256, id="bf16-ids-from-global"),
+    pytest.param(["--fp8", "--producer-regs", "56", "--tune", "trace=1"], 64, id="fp8-traced"),
+    pytest.param(["--tune", "trace=1"], 256, id="bf16-traced"),
 ]
 
 
