@@ -181,7 +181,6 @@ def _consumer(
     # prologue: S_0 and its softmax; the ids of block 1 are fetched a block ahead
     if IDX_SMEM:
         rid = idx_s.index(0).load(gl.SliceLayout(0, s_layout))
-        rid_next = rid
     else:
         rid = gl.load(idx_row + cols, mask=cols < k_lim, other=-1)
         rid_next = gl.load(idx_row + BLOCK_N + cols, mask=BLOCK_N + cols < k_lim, other=-1)
@@ -918,7 +917,8 @@ SCHEDULE = None
 # FP8 rows through shared memory (:func:`_produce_fp8_staged`), not registers: 1.088 vs 1.276 ms
 # at T=1024 on the H200 (BENCHMARKS.md, sixth session)
 FP8_STAGED = True
-# the seesaw kernel's top-k ids (up to IDX_CAP per slice) staged in shared memory
+# a slice's top-k ids (up to IDX_CAP) staged in shared memory, in both kernels except the FP8
+# seesaw (no room); longer slices read them from global memory
 IDX_SMEM = True
 # split schedule: release a stage when its PV lands, before waiting for the next block (False: after
 # issuing the next block's QK, which overlaps the two but holds the stage until the next is ready)
