@@ -11,7 +11,7 @@ import itertools
 import torch
 
 from benchmarks.kernels.bench_sparse_mla_decode import make_inputs
-from benchmarks.kernels.common import measure_peaks, time_ms
+from benchmarks.kernels.common import measure_peaks, time_ms, time_ms_graph
 from vllm.kernels.sparse_mla_fwd import RowFormat, default_config, sparse_mla_flops, sparse_mla_fwd
 from vllm.kernels.sparse_mla_ws import sparse_mla_ws
 
@@ -26,6 +26,9 @@ def main():
     ap.add_argument("--staged", default="0,1", help="FP8 rows staged through shared memory (0/1)")
     ap.add_argument("--configs", default="", help="explicit FP8 configs dequant:regs:rows,... "
                     "(instead of the product of the three lists)")
+    ap.add_argument("--tunes", default="", help="other launch_config knobs for the FP8 configs: "
+                    "sets separated by ';', each k=v,... (integers), e.g. ';consumer_expand=1'")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (decode)")
     ap.add_argument("--prefill", default="8192x32768", help="TxS prefill shapes, comma-separated")
     args = ap.parse_args()
     peaks = measure_peaks()
@@ -38,7 +41,9 @@ def main():
             rows = cache.view(-1, cache.shape[-1])
             cfg = default_config(t, 64, 2048, layout.is_fp8, q.device)
             flops = sparse_mla_flops(t, 64, 2048, 576, 512)
-            base = _time(sparse_mla_fwd, q, rows, fmt, slots, 0.06, torch.bfloat16, kernel="triton")
+            base = (_time_graph if args.graph else _time)(
+                sparse_mla_fwd, q, rows, fmt, slots, 0.06, torch.bfloat16, kernel="triton"
+            )
             _print(f"decode {cache_dtype} T={t}", "triton", base, flops, peaks, base)
             if not layout.is_fp8:
                 grid = [("0", "40", "16")]
@@ -48,11 +53,16 @@ def main():
                 grid = itertools.product(args.dequant.split(","), args.producer_regs.split(","),
                                          args.fp8_rows.split(","))  # fmt: skip
             stg = args.staged.split(",") if layout.is_fp8 else ["0"]
-            for (dq, pr, fr), sch, sg in itertools.product(list(grid), args.schedules.split(","), stg):
+            tunes = [dict((k, int(v)) for k, v in (kv.split("=") for kv in ts.split(",") if kv))
+                     for ts in (args.tunes.split(";") if layout.is_fp8 else [""])]  # fmt: skip
+            timer = _time_graph if args.graph else _time
+            for (dq, pr, fr), sch, sg, tune in itertools.product(
+                list(grid), args.schedules.split(","), stg, tunes
+            ):
                 kw = dict(dequant=int(dq), producer_regs=int(pr), fp8_rows=int(fr), schedule=sch,
-                          fp8_staged=sg == "1")  # fmt: skip
+                          fp8_staged=sg == "1", **tune)  # fmt: skip
                 try:
-                    ms = _time(sparse_mla_ws, q, rows, layout.is_fp8, fmt.row_bytes, slots, 0.06,
+                    ms = timer(sparse_mla_ws, q, rows, layout.is_fp8, fmt.row_bytes, slots, 0.06,
                                torch.bfloat16, cfg.num_splits, **kw)  # fmt: skip
                 except Exception as e:  # e.g. a partition over the register file: report it
                     print(f"  {kw}: {type(e).__name__}: {str(e)[:100]}")
@@ -76,6 +86,10 @@ def main():
 
 def _time(fn, *args, **kwargs) -> float:
     return time_ms(lambda: fn(*args, **kwargs))
+
+
+def _time_graph(fn, *args, **kwargs) -> float:
+    return time_ms_graph(lambda: fn(*args, **kwargs))
 
 
 def _print(case, config, ms, flops, peaks, base):

@@ -14,7 +14,8 @@ stores, so the traced run is a little slower than the plain one (both are printe
 inputs: 16 requests × 128K, random top-k 2048) and prints SM cycles per 64-row block, summed over
 each program by ``%clock64`` reads in the staged FP8 producer (waiting for a free stage, issuing
 the copies, waiting for them, expanding to bf16 and signalling) and in the consumers (waiting for
-a ready block; the whole loop). The traced build runs the producer at 56 registers (at 40 the
+a ready block; with ``consumer_expand=1`` expanding the next block; waiting for PV, then for QK;
+the whole loop). The traced build runs the producer at 56 registers (at 40 the
 counters spill).
 """
 
@@ -46,7 +47,19 @@ FP8_COUNTERS = [  # (name, slot): cycles summed over a program's blocks
     ("producer: wait for the copies", 12),
     ("producer: expand to bf16, signal", 13),
     ("consumers: wait for a ready block", 14),
+    ("consumers: expand the next block", 6),  # consumer_expand=1
+    ("consumers: wait for PV (and release)", 8),
+    ("consumers: wait for QK", 9),
     ("consumers: whole loop", 5),
+]
+ASYM_COUNTERS = [  # schedule=asym: the producer only issues; the expander and the scorer
+    ("producer: wait for a free stage", 10),
+    ("producer: issue the copies", 11),
+    ("expander: wait for the copies", 9),
+    ("expander: expand the next block", 6),
+    ("expander: wait for P and alpha", 8),
+    ("scorer: wait for an expanded block", 14),
+    ("scorer: whole loop", 5),
 ]
 
 
@@ -70,7 +83,7 @@ def fp8_decode(t: int, tune: dict) -> None:
     n_blocks = 2048 // 64
     print(f"fp8 decode T={t} {tune}: plain {plain_ms:.3f} ms, traced {traced_ms:.3f} ms "
           f"({n_blocks} blocks of 64 rows per token)")  # fmt: skip
-    for name, slot in FP8_COUNTERS:
+    for name, slot in ASYM_COUNTERS if tune.get("schedule") == "asym" else FP8_COUNTERS:
         c = tr[:, slot].median().item()
         print(f"  {name:36s} {c / n_blocks:8.0f} cycles per block (program median)")
 
@@ -84,7 +97,7 @@ def main():
     ap.add_argument("--fp8-decode", type=int, default=0, metavar="T",
                     help="trace the FP8 split schedule on T decode queries instead")  # fmt: skip
     a = ap.parse_args()
-    tune = {k: int(v) for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)}
+    tune = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)}
     if a.fp8_decode:
         return fp8_decode(a.fp8_decode, tune)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -107,8 +107,15 @@ GLM = dict(r=512, rope=64, h=64, topk=2048)
 # shared memory (``sparse_mla_ws.FP8_STAGED``); "+noidx": top-k ids read from global memory, not
 # staged in shared memory (``IDX_SMEM``); "+syncq": the query loaded before the fork, not by
 # cp.async (``Q_ASYNC``); "+late": the split schedule releases a stage after issuing the next
-# block's QK (``EARLY_RELEASE``)
-KERNELS = ["triton", "ws", "ws-seesaw", "ws-split", "ws-seesaw+staged", "ws-split+staged"]
+# block's QK (``EARLY_RELEASE``); "+cexp": the consumers expand the staged FP8 rows
+# (``FP8_CONSUMER_EXPAND``); "+wide": the raw bytes copied a row per warp instruction
+# (``WIDE_COPY``); "+s4": the tile scales 4 bytes per copy (``SCALE_BYTES``); "+r64": 64 rows per
+# producer batch (``STAGED_FP8_ROWS``); "ws-asym": the FP8 schedule with a scoring and an
+# expanding warpgroup (``FP8_SCHEDULE``; bf16 rows keep theirs). Flags not named are off, so
+# "ws-split+staged" is the producer-expanded FP8 path and "ws" the module's defaults.
+KERNELS = ["triton", "ws", "ws-seesaw", "ws-split", "ws-seesaw+staged", "ws-split+staged",
+           "ws-split+staged+cexp+wide+s4+r64", "ws-split+staged+cexp", "ws-asym+staged+wide+s4",
+           "ws-asym+staged"]  # fmt: skip
 
 
 def _need(kernel, monkeypatch=None):
@@ -119,11 +126,19 @@ def _need(kernel, monkeypatch=None):
         from vllm.kernels import sparse_mla_ws
 
         schedule, *flags = kernel[3:].split("+")
-        monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", schedule)
+        if schedule == "asym":  # fp8_ds_mla rows only: bf16 rows keep their default
+            monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", None)
+            monkeypatch.setattr(sparse_mla_ws, "FP8_SCHEDULE", "asym")
+        else:
+            monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", schedule)
         monkeypatch.setattr(sparse_mla_ws, "FP8_STAGED", "staged" in flags)
         monkeypatch.setattr(sparse_mla_ws, "IDX_SMEM", "noidx" not in flags)
         monkeypatch.setattr(sparse_mla_ws, "Q_ASYNC", "syncq" not in flags)
         monkeypatch.setattr(sparse_mla_ws, "EARLY_RELEASE", "late" not in flags)
+        monkeypatch.setattr(sparse_mla_ws, "FP8_CONSUMER_EXPAND", "cexp" in flags)
+        monkeypatch.setattr(sparse_mla_ws, "WIDE_COPY", "wide" in flags)
+        monkeypatch.setattr(sparse_mla_ws, "SCALE_BYTES", 4 if "s4" in flags else 16)
+        monkeypatch.setattr(sparse_mla_ws, "STAGED_FP8_ROWS", 64 if "r64" in flags else 32)
         return "ws"
     return kernel
 
@@ -148,7 +163,9 @@ def test_decode_gpu(cache_dtype, t, h, kernel, monkeypatch):
 @pytest.mark.parametrize(
     "variant",
     ["ws-split", "ws-seesaw", "ws-split+staged", "ws-seesaw+staged", "ws-split+staged+noidx+syncq+late",
-     "ws-seesaw+noidx+syncq", "ws-seesaw+syncq"],
+     "ws-seesaw+noidx+syncq", "ws-seesaw+syncq", "ws-split+staged+cexp", "ws-split+staged+cexp+wide+s4+r64",
+     "ws-split+staged+cexp+noidx+syncq", "ws-split+staged+wide+s4", "ws-split+staged+cexp+wide+s4+late",
+     "ws-asym+staged+wide+s4", "ws-asym+staged+noidx+syncq", "ws-seesaw+staged+wide+s4", "ws"],
 )  # fmt: skip
 def test_decode_gpu_ws_splits(cache_dtype, splits, k, variant, monkeypatch):
     """The Gluon kernel's split-K slices (merged like the Triton kernel's), ragged top-k; a

@@ -27,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = [
     pytest.param([], 256, id="bf16-default-seesaw"),
     pytest.param(["--fp8"], 64, id="fp8-default-split-staged"),
+    pytest.param(["--fp8", "--tune", "consumer_expand=0,wide_copy=0,scale_bytes=16"], 64,
+                 id="fp8-producer-expands"),  # fmt: skip
+    pytest.param(["--fp8", "--schedule", "asym"], 64, id="fp8-asym"),
     pytest.param(["--fp8", "--register-fp8"], 256, id="fp8-register-producer"),
     # the variants the GPU tests select, and the timeline builds of trace_sparse_mla_ws.py
     pytest.param(
@@ -67,3 +70,9 @@ def test_launch_config_rejects_unknown_schedule():
 
     with pytest.raises(ValueError, match="schedule"):
         ws.launch_config(False, 1152, schedule="pingpong")
+    with pytest.raises(ValueError, match="asym"):  # FP8 rows only
+        ws.launch_config(False, 1152, schedule="asym")
+    with pytest.raises(ValueError, match="consumer_expand"):  # the seesaw has no expansion step
+        ws.launch_config(True, 656, schedule="seesaw", consumer_expand=True)
+    with pytest.raises(ValueError, match="scale_bytes"):
+        ws.launch_config(True, 656, scale_bytes=8)

@@ -9,11 +9,14 @@ rope 64. What the Triton kernel cannot express and this one does:
   - bf16 rows with ``cp.async`` (16-byte pieces, zero-filled for −1 slots), each thread's copies
     signalling the stage's ``ready`` barrier when they land;
   - fp8_ds_mla rows, by default *staged* (:func:`_produce_fp8_staged`): ``cp.async`` puts the
-    raw bytes into the upper half of the stage's own bf16 buffer, then the producer expands them
-    in place to bf16 (e4m3 · the tile's fp32 scale) and signals; it holds no row in registers,
-    so it runs in 40 registers and leaves the consumers 232. The older register path (rows
-    loaded into registers, two chunks in flight, 120 registers) stays as ``fp8_staged=False``.
-- **Two consumer warpgroups**, each owning 256 of the 512 value columns, in one of two schedules:
+    raw bytes into the upper half of the stage's own bf16 buffer (a row's 512 bytes per warp
+    instruction, ``WIDE_COPY``; the tile scales 4 bytes per thread, ``SCALE_BYTES``), and the
+    rows are expanded in place to bf16 (e4m3 · the tile's fp32 scale, :func:`_expand_stage`) by
+    the consumers while the previous block's PV runs (``FP8_CONSUMER_EXPAND``), or by the
+    producer before it signals. Either way the producer holds no row in registers, so it runs
+    in 40 registers and leaves the consumers 232. The older register path (rows loaded into
+    registers, two chunks in flight, 120 registers) stays as ``fp8_staged=False``.
+- **Two consumer warpgroups**, each owning 256 of the 512 value columns, in one of three schedules:
   - ``split`` (fp8_ds_mla rows): both warpgroups work on the same block, each scoring half of its
     columns; they issue PV of block i, wait for it and release block i's stage to the producer
     (``empty`` barrier), then wait for block i+1 and issue its QK (``EARLY_RELEASE``; holding the
@@ -29,6 +32,12 @@ rope 64. What the Triton kernel cannot express and this one does:
     pair's second block is needed as soon as its stage is released, so the FP8 producer's load
     plus dequantisation is exposed there (1.156 vs 1.088 ms for ``split`` at T=1024), hence
     ``split`` for FP8 rows.
+  - ``asym`` (FP8 rows, :func:`_asym_scorer` / :func:`_asym_expander`): one warpgroup expands
+    block i+1 while the other scores block i (QK at N = 64, so Q is read once per block, not
+    twice; full-row softmax, no row-max exchange); both then do PV on their value columns. The
+    scorer is busy ~3,900 cycles per block against the split consumers' ~5,200, but with two
+    stages the refill of a stage (released after both PVs, then issued, landed and expanded)
+    is exposed: it measured level with ``split`` (BENCHMARKS.md, ninth session).
 - **The top-k ids in shared memory** (``IDX_SMEM``): the slice's ids (up to ``IDX_CAP`` = 2048,
   8 KB) are loaded once before the fork; the producer's per-batch id reads were dependent global
   round trips (~2 µs to issue one 64-row block), which left the seesaw consumers waiting for
@@ -156,10 +165,16 @@ def _consumer(
     stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, qbar, idx_s,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
     trace_ptr, trace_row, TRACE: gl.constexpr, EARLY_RELEASE: gl.constexpr,
+    sc_s, CONSUMER_EXPAND: gl.constexpr, DEQUANT: gl.constexpr,
 ):  # fmt: skip
     """The ``split`` schedule's two consumer warpgroups (one partition). With IDX_SMEM the ids
     come from ``idx_s`` and P_i goes to block i's rope slot (free once both warpgroups' S_i is
-    done; ``p_s`` is then unused), which leaves the shared memory for the ids."""
+    done; ``p_s`` is then unused), which leaves the shared memory for the ids. With
+    CONSUMER_EXPAND the stages hold raw FP8 rows: the consumers expand block i+1
+    (:func:`_expand_stage`, all 256 threads) while PV_i runs on the tensor cores, then release
+    stage i (the early-release order)."""
+    # [64 rows, 64 bytes] over the 8 warps: 16 bytes per thread
+    xl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
     )
@@ -187,8 +202,14 @@ def _consumer(
     if Q_ASYNC:
         mbarrier.wait(qbar, 0)
     mbarrier.wait(ready.index(0), 0)
+    if CONSUMER_EXPAND:
+        _expand_stage(kv_s.index(0), sc_s.index(0), xl, DEQUANT, BLOCK_N, True)
+        gl.thread_barrier()  # both warpgroups' halves of block 0 are expanded
     _stamp(trace_ptr, trace_row, 4, TRACE)
     a_ready = _clk(False)
+    a_expand = _clk(False)
+    a_pv = _clk(False)
+    a_qk = _clk(False)
     a_loop0 = _clk(TRACE)
     s = _qk(q_nope_s, q_rope_s, kv_s.index(0), kr_s.index(0), s_layout, BLOCK_N)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -200,15 +221,32 @@ def _consumer(
         s_nx = nxt % NUM_STAGES
         # PV_i, then S_{i+1}; the softmax does not overlap the MMAs
         acc = _issue_pv(p, acc, p_s, kr_s, kv_s, st, IDX_SMEM)
-        if EARLY_RELEASE:
+        if CONSUMER_EXPAND:
+            # block i+1's rows are expanded while PV_i runs; then stage i is released
+            w0 = _clk(TRACE)
+            mbarrier.wait(ready.index(s_nx), (nxt // NUM_STAGES) & 1)
+            w1 = _clk(TRACE)
+            a_ready += w1 - w0
+            _expand_stage(kv_s.index(s_nx), sc_s.index(s_nx), xl, DEQUANT, BLOCK_N, True)
+            w2 = _clk(TRACE)
+            a_expand += w2 - w1
+            if EARLY_RELEASE:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                gl.thread_barrier()  # stage st and P_i are read; block i+1 is expanded (both halves)
+                mbarrier.arrive(empty.index(st))
+                a_pv += _clk(TRACE) - w2
+            else:
+                gl.thread_barrier()  # block i+1 is expanded (both halves): S_{i+1} follows PV_i
+        elif EARLY_RELEASE:
             # release stage st as soon as PV_i lands, before waiting for block i+1: the
             # producer's refill of st (copies, then expansion) starts a block earlier
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()  # both warpgroups are done reading stage st and P_i
             mbarrier.arrive(empty.index(st))
-        w0 = _clk(TRACE)
-        mbarrier.wait(ready.index(s_nx), (nxt // NUM_STAGES) & 1)
-        a_ready += _clk(TRACE) - w0
+        if not CONSUMER_EXPAND:
+            w0 = _clk(TRACE)
+            mbarrier.wait(ready.index(s_nx), (nxt // NUM_STAGES) & 1)
+            a_ready += _clk(TRACE) - w0
         s_next = _qk(q_nope_s, q_rope_s, kv_s.index(s_nx), kr_s.index(s_nx), s_layout, BLOCK_N)
         if IDX_SMEM:
             rid = idx_s.index(nxt).load(gl.SliceLayout(0, s_layout))
@@ -216,16 +254,23 @@ def _consumer(
             rid = rid_next
             k2 = (i + 2) * BLOCK_N
             rid_next = gl.load(idx_row + k2 + cols, mask=k2 + cols < k_lim, other=-1)
+        w3 = _clk(TRACE)
         if not EARLY_RELEASE:
             # three commit groups are in flight (PV_i, then S's nope and rope wgmmas),
             # completing in order: leaving two outstanding means PV_i has landed
             acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
             gl.thread_barrier()  # both warpgroups are done reading stage st and P_i
             mbarrier.arrive(empty.index(st))
+        w4 = _clk(TRACE)
         s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_next,))
+        a_pv += w4 - w3
+        a_qk += _clk(TRACE) - w4
         p, m_i, l2, alpha = _softmax(s_next, rid, m_i, l2, scale_log2)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     _put(trace_ptr, trace_row, 14, a_ready, TRACE)
+    _put(trace_ptr, trace_row, 6, a_expand, TRACE)
+    _put(trace_ptr, trace_row, 8, a_pv, TRACE)
+    _put(trace_ptr, trace_row, 9, a_qk, TRACE)
     _put(trace_ptr, trace_row, 5, _clk(TRACE) - a_loop0, TRACE)
     # the last block: PV only
     acc = _issue_pv(p, acc, p_s, kr_s, kv_s, (n_blocks - 1) % NUM_STAGES, IDX_SMEM)
@@ -336,11 +381,65 @@ def _fp8_group_dequant(raw_v, sc_v, kv_st, g: gl.constexpr, dl: gl.constexpr, DE
 
 
 @gluon.jit
+def _expand_stage(kv_st, sc_st, dl: gl.constexpr, DEQUANT: gl.constexpr, BLOCK_N: gl.constexpr,
+                  PHASED: gl.constexpr = False):  # fmt: skip
+    """Expand a stage's staged e4m3 rows in place to bf16, by the calling partition's threads
+    (``dl``: a [rows, 64 bytes] layout over them): the raw bytes sit in the upper half of the
+    stage's bf16 buffer, group-major (group g = e4m3 columns 64g..64g+63 of every row, 4 KB), the
+    tile scales in ``sc_st``. bf16 groups 4-7 overwrite raw groups 0-7, so a barrier separates each
+    overwrite from the loads of what it overwrites: groups 0-3 (no overlap), barrier, 4-5 (over
+    raw 0-3), raw 6-7 into registers, barrier, 6-7 (over raw 4-7). ``PHASED`` (for a partition
+    with registers to spare): raw groups 0-3 into registers, bf16 0-3; raw 4-7 into registers,
+    barrier, bf16 4-7. The compiler's shared-memory hazard analysis puts a barrier between any
+    two accesses of one buffer (it does not see that the slices are disjoint), so the phased
+    order has 9 barriers per expansion where the group-by-group order has 14 (sm_90a PTX of the
+    consumers' build), and measured 0.93-0.97 vs 1.01 ms at T=1024. Ends with the
+    fence that publishes the stores to wgmma; the caller's barrier then publishes them across
+    warps."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    raw_v = kv_st._reinterpret(gl.uint8, [16 * BLOCK_N, 64], plain)
+    if PHASED:
+        for h in gl.static_range(2):
+            r0 = raw_v.slice((8 + 4 * h) * BLOCK_N, BLOCK_N, dim=0).load(dl)
+            r1 = raw_v.slice((9 + 4 * h) * BLOCK_N, BLOCK_N, dim=0).load(dl)
+            r2 = raw_v.slice((10 + 4 * h) * BLOCK_N, BLOCK_N, dim=0).load(dl)
+            r3 = raw_v.slice((11 + 4 * h) * BLOCK_N, BLOCK_N, dim=0).load(dl)
+            s0 = sc_st.slice(2 * h, 1, dim=1).load(dl)
+            s1 = sc_st.slice(2 * h + 1, 1, dim=1).load(dl)
+            if h == 1:
+                gl.thread_barrier()  # raw groups 4-7 are read: bf16 groups 4-7 may overwrite them
+            kv_st.slice((4 * h) * 64, 64, dim=1).store(_dequant_2d(r0, s0, DEQUANT))
+            kv_st.slice((4 * h + 1) * 64, 64, dim=1).store(_dequant_2d(r1, s0, DEQUANT))
+            kv_st.slice((4 * h + 2) * 64, 64, dim=1).store(_dequant_2d(r2, s1, DEQUANT))
+            kv_st.slice((4 * h + 3) * 64, 64, dim=1).store(_dequant_2d(r3, s1, DEQUANT))
+        fence_async_shared()
+    else:
+        _expand_by_group(raw_v, kv_st, sc_st, dl, DEQUANT, BLOCK_N)
+
+
+@gluon.jit
+def _expand_by_group(raw_v, kv_st, sc_st, dl: gl.constexpr, DEQUANT: gl.constexpr, BLOCK_N: gl.constexpr):
+    for g in gl.static_range(4):
+        _fp8_group_dequant(raw_v, sc_st, kv_st, g, dl, DEQUANT, BLOCK_N)
+    gl.thread_barrier()  # raw groups 0-3 are read: bf16 groups 4-5 may overwrite them
+    _fp8_group_dequant(raw_v, sc_st, kv_st, 4, dl, DEQUANT, BLOCK_N)
+    _fp8_group_dequant(raw_v, sc_st, kv_st, 5, dl, DEQUANT, BLOCK_N)
+    raw6 = raw_v.slice(14 * BLOCK_N, BLOCK_N, dim=0).load(dl)
+    raw7 = raw_v.slice(15 * BLOCK_N, BLOCK_N, dim=0).load(dl)
+    sc3 = sc_st.slice(3, 1, dim=1).load(dl)
+    gl.thread_barrier()  # raw groups 4-7 are read: bf16 groups 6-7 may overwrite them
+    kv_st.slice(6 * 64, 64, dim=1).store(_dequant_2d(raw6, sc3, DEQUANT))
+    kv_st.slice(7 * 64, 64, dim=1).store(_dequant_2d(raw7, sc3, DEQUANT))
+    fence_async_shared()
+
+
+@gluon.jit
 def _produce_fp8_staged(
     kv_ptr, idx_row, kv_s, kr_s, sc_s, ready, empty, k_lim, n_blocks,
     ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr, DEQUANT: gl.constexpr,
     idx_s, IDX_SMEM: gl.constexpr, trace_ptr, trace_row, TRACE: gl.constexpr,
+    CONSUMER_EXPAND: gl.constexpr, SCALE_BYTES: gl.constexpr, WIDE_COPY: gl.constexpr,
 ):  # fmt: skip
     """fp8_ds_mla rows staged through shared memory, so no row is held in registers in flight:
     per block, ``cp.async`` puts the raw e4m3 bytes in the upper half of the stage's own bf16
@@ -349,20 +448,34 @@ def _produce_fp8_staged(
     place, g = 0..7, to the bf16 column groups (8 KB each, lower half first). bf16 groups 4-7
     overwrite raw groups 0-7, so a barrier separates each overwrite from the loads of what it
     overwrites: groups 0-3 (no overlap), barrier, 4-5 (over raw 0-3), raw 6-7 into registers,
-    barrier, 6-7 (over raw 4-7)."""
+    barrier, 6-7 (over raw 4-7). With CONSUMER_EXPAND the producer only issues the copies (each
+    thread's arriving on ``ready`` when they land) and the consumers expand the block
+    (:func:`_expand_stage`) while the previous block's PV runs."""
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     # [rows, 64 bytes] tiles, 16 bytes per thread: each group's cp.async copies (FP8_ROWS rows)
     # and its dequantisation (the block's rows)
     tl64: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [PRODUCER_WARPS, 1], [1, 0])
     r2 = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, tl64))
     b2 = gl.arange(0, 64, layout=gl.SliceLayout(0, tl64))
-    sl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [PRODUCER_WARPS, 1], [1, 0])
+    # the tile scales (4 fp32 per row): 16 bytes per thread (one thread per row, so the rows repeat
+    # across the warps) or 4 (one scale per thread)
+    if SCALE_BYTES == 16:
+        sl: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [PRODUCER_WARPS, 1], [1, 0])
+    else:
+        sl: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [PRODUCER_WARPS, 1], [1, 0])
     rs = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, sl))
     cs = gl.arange(0, 4, layout=gl.SliceLayout(0, sl))
     VR: gl.constexpr = FP8_ROWS * 64 // (PRODUCER_WARPS * 32)
     rl: gl.constexpr = gl.BlockedLayout([1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0])
     rr = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
     cr = gl.arange(0, 64, layout=gl.SliceLayout(0, rl))
+    # WIDE_COPY: the raw bytes as [8 groups, rows, 64 bytes], a warp's copy covering one row's
+    # 512 contiguous bytes (else [rows, 64 bytes] per group: 8 rows' 64 bytes per warp copy)
+    wl: gl.constexpr = gl.BlockedLayout([1, 1, 16], [8, 1, 4], [1, PRODUCER_WARPS, 1], [2, 0, 1])
+    wg = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, wl)))
+    wr = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(2, wl)))
+    wb = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, wl)))
+    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     a_empty = _clk(False)
     a_issue = _clk(False)
     a_wait = _clk(False)
@@ -378,14 +491,25 @@ def _produce_fp8_staged(
         mbarrier.wait(empty.index(st), ((i // NUM_STAGES) & 1) ^ 1)
         c1 = _clk(TRACE)
         for r0 in gl.static_range(0, BLOCK_N, FP8_ROWS):
-            rid = _batch_ids(idx_row, idx_s, i, r0, r2, k_lim, FP8_ROWS,
-                gl.SliceLayout(1, tl64), BLOCK_N, IDX_SMEM)  # fmt: skip
-            row = (kv_ptr + rid.to(gl.int64) * ROW_BYTES)[:, None] + b2[None, :]
-            for g in gl.static_range(8):
+            if WIDE_COPY:
+                rid = _batch_ids(idx_row, idx_s, i, r0, wr, k_lim, FP8_ROWS,
+                    gl.SliceLayout(0, gl.SliceLayout(2, wl)), BLOCK_N, IDX_SMEM)  # fmt: skip
+                row = (kv_ptr + rid.to(gl.int64) * ROW_BYTES)[None, :, None]
+                src = row + (64 * wg)[:, None, None] + wb[None, None, :]
+                raw3 = kv_st._reinterpret(gl.uint8, [16, BLOCK_N, 64], plain3)
                 async_copy.async_copy_global_to_shared(
-                    raw_v.slice((8 + g) * BLOCK_N + r0, FP8_ROWS, dim=0), row + 64 * g,
-                    mask=(rid >= 0)[:, None],
+                    raw3.slice(8, 8, dim=0).slice(r0, FP8_ROWS, dim=1), src,
+                    mask=(rid >= 0)[None, :, None],
                 )
+            else:
+                rid = _batch_ids(idx_row, idx_s, i, r0, r2, k_lim, FP8_ROWS,
+                    gl.SliceLayout(1, tl64), BLOCK_N, IDX_SMEM)  # fmt: skip
+                row = (kv_ptr + rid.to(gl.int64) * ROW_BYTES)[:, None] + b2[None, :]
+                for g in gl.static_range(8):
+                    async_copy.async_copy_global_to_shared(
+                        raw_v.slice((8 + g) * BLOCK_N + r0, FP8_ROWS, dim=0), row + 64 * g,
+                        mask=(rid >= 0)[:, None],
+                    )
             rid_s = _batch_ids(idx_row, idx_s, i, r0, rs, k_lim, FP8_ROWS,
                 gl.SliceLayout(1, sl), BLOCK_N, IDX_SMEM)  # fmt: skip
             scp = (kv_ptr + rid_s.to(gl.int64) * ROW_BYTES + D_NOPE).to(gl.pointer_type(gl.float32))
@@ -400,26 +524,21 @@ def _produce_fp8_staged(
             async_copy.async_copy_global_to_shared(
                 kr_st.slice(r0, FP8_ROWS, dim=0), rope[:, None] + cr[None, :], mask=(rid_r >= 0)[:, None]
             )
-        async_copy.commit_group()
-        c2 = _clk(TRACE)
-        async_copy.wait_group(0)
-        gl.thread_barrier()  # every producer thread's copies of this block have landed
-        c3 = _clk(TRACE)
-        for g in gl.static_range(4):
-            _fp8_group_dequant(raw_v, sc_st, kv_st, g, tl64, DEQUANT, BLOCK_N)
-        gl.thread_barrier()  # raw groups 0-3 are read: bf16 groups 4-5 may overwrite them
-        _fp8_group_dequant(raw_v, sc_st, kv_st, 4, tl64, DEQUANT, BLOCK_N)
-        _fp8_group_dequant(raw_v, sc_st, kv_st, 5, tl64, DEQUANT, BLOCK_N)
-        raw6 = raw_v.slice(14 * BLOCK_N, BLOCK_N, dim=0).load(tl64)
-        raw7 = raw_v.slice(15 * BLOCK_N, BLOCK_N, dim=0).load(tl64)
-        sc3 = sc_st.slice(3, 1, dim=1).load(tl64)
-        gl.thread_barrier()  # raw groups 4-7 are read: bf16 groups 6-7 may overwrite them
-        kv_st.slice(6 * 64, 64, dim=1).store(_dequant_2d(raw6, sc3, DEQUANT))
-        kv_st.slice(7 * 64, 64, dim=1).store(_dequant_2d(raw7, sc3, DEQUANT))
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(ready.index(st))
-        c4 = _clk(TRACE)
+        if CONSUMER_EXPAND:
+            async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+            c2 = _clk(TRACE)
+            c3 = c2
+            c4 = c2
+        else:
+            async_copy.commit_group()
+            c2 = _clk(TRACE)
+            async_copy.wait_group(0)
+            gl.thread_barrier()  # every producer thread's copies of this block have landed
+            c3 = _clk(TRACE)
+            _expand_stage(kv_st, sc_st, tl64, DEQUANT, BLOCK_N)
+            gl.thread_barrier()
+            mbarrier.arrive(ready.index(st))
+            c4 = _clk(TRACE)
         a_empty += c1 - c0
         a_issue += c2 - c1
         a_wait += c3 - c2
@@ -436,7 +555,8 @@ def _producer(
     row_stride, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, FP8_STAGED: gl.constexpr, trace_ptr, trace_row, TRACE: gl.constexpr,
-    idx_s, IDX_SMEM: gl.constexpr,
+    idx_s, IDX_SMEM: gl.constexpr, CONSUMER_EXPAND: gl.constexpr, SCALE_BYTES: gl.constexpr,
+    WIDE_COPY: gl.constexpr,
 ):  # fmt: skip
     n_blocks = k_per_split // BLOCK_N
     k_lo = split * k_per_split
@@ -445,7 +565,8 @@ def _producer(
     if IS_FP8 and FP8_STAGED:
         _produce_fp8_staged(kv_ptr, idx_row, kv_s, kr_s, sc_s, ready, empty, k_lim, n_blocks,
                             ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS, FP8_ROWS, DEQUANT,
-                            idx_s, IDX_SMEM, trace_ptr, trace_row, TRACE)  # fmt: skip
+                            idx_s, IDX_SMEM, trace_ptr, trace_row, TRACE, CONSUMER_EXPAND,
+                            SCALE_BYTES, WIDE_COPY)  # fmt: skip
     elif IS_FP8:
         # FP8_ROWS rows per chunk: 4 tiles of [rows, 128] e4m3 (16 bytes per thread and load),
         # their fp32 scales and the bf16 rope; the next chunk's loads are in flight while this one
@@ -524,13 +645,13 @@ def _alloc_rows_and_query(IS_FP8: gl.constexpr, FP8_STAGED: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _init_stage_barriers(ready, empty, IS_FP8: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _init_stage_barriers(ready, empty, ONE_ARRIVAL: gl.constexpr, NUM_STAGES: gl.constexpr,
                          PRODUCER_WARPS: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
-    """``ready``: one arrival per FP8 block (the producer's, after its barrier), or one per
-    producer thread for bf16 rows (each thread's cp.async copies); ``empty``: one per consumer
-    partition that reads the stage."""
+    """``ready``: one arrival per block when the producer expands FP8 rows itself (its arrival
+    after its barrier: ``ONE_ARRIVAL``), else one per producer thread (each thread's cp.async
+    copies); ``empty``: one per consumer partition that reads the stage."""
     for s in gl.static_range(NUM_STAGES):
-        if IS_FP8:
+        if ONE_ARRIVAL:
             mbarrier.init(ready.index(s), count=1)
         else:
             mbarrier.init(ready.index(s), count=PRODUCER_WARPS * 32)
@@ -635,6 +756,7 @@ def _sparse_mla_ws_kernel(
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
     TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, EARLY_RELEASE: gl.constexpr,
+    CONSUMER_EXPAND: gl.constexpr, SCALE_BYTES: gl.constexpr, WIDE_COPY: gl.constexpr,
 ):  # fmt: skip
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
@@ -649,7 +771,7 @@ def _sparse_mla_ws_kernel(
         p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 1)
+    _init_stage_barriers(ready, empty, IS_FP8 and not CONSUMER_EXPAND, NUM_STAGES, PRODUCER_WARPS, 1)
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
     idx_s = _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM)
@@ -662,14 +784,15 @@ def _sparse_mla_ws_kernel(
                 _producer,
                 (kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split,
                  stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
-                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE, idx_s, IDX_SMEM),
+                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE, idx_s, IDX_SMEM,
+                 CONSUMER_EXPAND, SCALE_BYTES, WIDE_COPY),
             ),
             (
                 _consumer,
                 (q_nope_s, q_rope_s, kv_s, kr_s, p_s, ready, empty, idx_ptr, out_ptr, lse_ptr, t,
                  split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot,
                  stride_oh, stride_ls, stride_lt, qbar, idx_s, BLOCK_N, NUM_STAGES, Q_ASYNC, IDX_SMEM,
-                 trace_ptr, trace_row, TRACE, EARLY_RELEASE),
+                 trace_ptr, trace_row, TRACE, EARLY_RELEASE, sc_s, CONSUMER_EXPAND, DEQUANT),
             ),
         ],
         [8],
@@ -860,6 +983,7 @@ def _sparse_mla_seesaw_kernel(
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
     TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, EARLY_RELEASE: gl.constexpr,
+    CONSUMER_EXPAND: gl.constexpr, SCALE_BYTES: gl.constexpr, WIDE_COPY: gl.constexpr,
 ):  # fmt: skip
     """The seesaw-schedule kernel: default partition = the producer (as in
     :func:`_sparse_mla_ws_kernel`), workers = the two consumer warpgroups. Each pair of blocks' P
@@ -879,17 +1003,12 @@ def _sparse_mla_seesaw_kernel(
     xbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(4):
         mbarrier.init(xbar.index(s), count=1)
-    _init_stage_barriers(ready, empty, IS_FP8, NUM_STAGES, PRODUCER_WARPS, 2)
+    _init_stage_barriers(ready, empty, IS_FP8 and not CONSUMER_EXPAND, NUM_STAGES, PRODUCER_WARPS, 2)
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
     idx_s = _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM)
     _stamp(trace_ptr, trace_row, 1, TRACE)
 
-    cargs = (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
-             idx_ptr, out_ptr,
-             lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
-             stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, TRACE,
-             Q_ASYNC, IDX_SMEM)  # fmt: skip
     # the producer is the default partition: ptxas holds the default partition's code to the
     # launch's register count (168) but gives worker partitions their setmaxnreg count (232)
     gl.warp_specialize(
@@ -898,10 +1017,233 @@ def _sparse_mla_seesaw_kernel(
                 _producer,
                 (kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split,
                  stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
-                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE, idx_s, IDX_SMEM),
+                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE, idx_s, IDX_SMEM,
+                 CONSUMER_EXPAND, SCALE_BYTES, WIDE_COPY),
             ),
-            (_seesaw_wg0, cargs),
-            (_seesaw_wg1, cargs),
+            # the argument tuples are written out: a tuple bound to a name first holds its
+            # constexprs as run-time values (the partitions would then branch on the flags)
+            (_seesaw_wg0, (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
+                 idx_ptr, out_ptr,
+                 lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
+                 stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, TRACE,
+                 Q_ASYNC, IDX_SMEM)),
+            (_seesaw_wg1, (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
+                 idx_ptr, out_ptr,
+                 lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
+                 stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, TRACE,
+                 Q_ASYNC, IDX_SMEM)),
+        ],
+        [4, 4],
+        [CONSUMER_REGS, CONSUMER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _asym_scorer(
+    q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr, out_ptr, lse_ptr,
+    t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot, stride_oh,
+    stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT: gl.constexpr,
+    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
+):  # fmt: skip
+    """The ``asym`` schedule's scoring warpgroup: per block, once the expander has expanded it
+    (``xbar[st]``), the whole S = Q·Kᵀ (N = 64: Q read once per block), the online softmax of full
+    rows (no row-max exchange), P into the block's rope slot and the rescale factor into
+    row 4·st of the tile-scale buffer (signalled on ``xbar[2 + st]``), then O_L = O_L·α + P·V_L over value columns
+    0-255 and its release of the stage. Writes the row sums to ``lbuf`` (``xbar[4]``) and the
+    LSE at the end."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_NOPE // 2, 16]
+    )
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    n_blocks = k_per_split // 64
+    k_lo = split * k_per_split
+    idx_row = idx_ptr + t * stride_it + k_lo
+    k_lim = gl.minimum(k_per_split, topk - k_lo)
+    acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
+    il: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ci = gl.arange(0, 64, layout=il)
+    if Q_ASYNC:
+        mbarrier.wait(qbar, 0)
+    a_wait = _clk(False)
+    a_loop0 = _clk(TRACE)
+    for i in range(n_blocks):
+        st = i % 2
+        ph = (i // 2) & 1
+        if IDX_SMEM:
+            rid = idx_s.index(i).load(gl.SliceLayout(0, s_layout))
+        else:
+            kk = i * 64 + ci
+            rid = gl.load(idx_row + kk, mask=kk < k_lim, other=-1)
+            rid = gl.convert_layout(rid, gl.SliceLayout(0, s_layout))
+        w0 = _clk(TRACE)
+        mbarrier.wait(xbar.index(st), ph)  # block i is expanded
+        a_wait += _clk(TRACE) - w0
+        s = _qk(q_nope_s, q_rope_s, kv_s.index(st), kr_s.index(st), s_layout, 64)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = gl.where((rid >= 0)[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        # P_i into block i's rope slot (only this warpgroup's QK read it), α_i beside it
+        kr_s.index(st).store(p.to(gl.bfloat16))
+        abuf.index(4 * st).store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(xbar.index(2 + st))
+        # α back from shared memory in the accumulator's row layout (a layout conversion would
+        # need scratch shared memory, and there is none left)
+        acc = acc * abuf.index(4 * st).load(row_o)[:, None]
+        acc = warpgroup_mma(kr_s.index(st), kv_s.index(st).slice(0, D_NOPE // 2, dim=1), acc,
+                            is_async=True)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(st))
+    _put(trace_ptr, trace_row, 14, a_wait, TRACE)
+    _put(trace_ptr, trace_row, 5, _clk(TRACE) - a_loop0, TRACE)
+    lbuf.store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(xbar.index(4))
+    has = l_i > 0.0
+    l_safe = gl.where(has, l_i, 1.0)
+    l_o = lbuf.load(row_o)
+    out = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    heads_o = gl.arange(0, BLOCK_H, layout=row_o)
+    dn = gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
+    lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    heads_s = gl.arange(0, BLOCK_H, layout=row_s)
+    gl.store(lse_ptr + split * stride_ls + t * stride_lt + heads_s, lse, mask=heads_s < num_heads)
+    _stamp(trace_ptr, trace_row, 7, TRACE)
+
+
+@gluon.jit
+def _asym_expander(
+    q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr, out_ptr, lse_ptr,
+    t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot, stride_oh,
+    stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT: gl.constexpr,
+    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
+):  # fmt: skip
+    """The ``asym`` schedule's expanding warpgroup: expands block i+1's staged FP8 rows to bf16
+    (:func:`_expand_stage`; signalled on ``xbar[st]``) while the scorer works on block i, then,
+    given P_i and α_i, O_R = O_R·α_i + P_i·V_R over value columns 256-511 and its release of the
+    stage. Divides by the scorer's row sums at the end."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_NOPE // 2, 16]
+    )
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # [rows, 64 bytes] over the 4 warps, 16 bytes per thread
+    xl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    n_blocks = k_per_split // 64
+    acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, o_layout)
+    a_ready = _clk(False)
+    a_exp = _clk(False)
+    a_p = _clk(False)
+    mbarrier.wait(ready.index(0), 0)
+    _expand_stage(kv_s.index(0), sc_s.index(0), xl, DEQUANT, 64, True)
+    gl.thread_barrier()
+    mbarrier.arrive(xbar.index(0))
+    for i in range(n_blocks):
+        st = i % 2
+        nx = i + 1
+        if nx < n_blocks:
+            s_nx = nx % 2
+            w0 = _clk(TRACE)
+            mbarrier.wait(ready.index(s_nx), (nx // 2) & 1)
+            w1 = _clk(TRACE)
+            _expand_stage(kv_s.index(s_nx), sc_s.index(s_nx), xl, DEQUANT, 64, True)
+            gl.thread_barrier()
+            mbarrier.arrive(xbar.index(s_nx))
+            w2 = _clk(TRACE)
+            a_ready += w1 - w0
+            a_exp += w2 - w1
+        w3 = _clk(TRACE)
+        mbarrier.wait(xbar.index(2 + st), (i // 2) & 1)  # P_i and α_i are written
+        a_p += _clk(TRACE) - w3
+        alpha = abuf.index(4 * st).load(row_o)
+        acc = acc * alpha[:, None]
+        acc = warpgroup_mma(kr_s.index(st), kv_s.index(st).slice(D_NOPE // 2, D_NOPE // 2, dim=1), acc,
+                            is_async=True)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(st))
+    _put(trace_ptr, trace_row, 9, a_ready, TRACE)
+    _put(trace_ptr, trace_row, 6, a_exp, TRACE)
+    _put(trace_ptr, trace_row, 8, a_p, TRACE)
+    mbarrier.wait(xbar.index(4), 0)
+    l_i = lbuf.load(row_o)
+    l_safe = gl.where(l_i > 0.0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    heads_o = gl.arange(0, BLOCK_H, layout=row_o)
+    dn = D_NOPE // 2 + gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
+
+
+@gluon.jit
+def _sparse_mla_asym_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, lse_ptr, scale_log2, num_heads, topk, k_per_split,
+    stride_qt, stride_qh, stride_it, row_stride, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    trace_ptr, IS_FP8: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, FP8_ROWS: gl.constexpr,
+    DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
+    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, EARLY_RELEASE: gl.constexpr,
+    CONSUMER_EXPAND: gl.constexpr, SCALE_BYTES: gl.constexpr, WIDE_COPY: gl.constexpr,
+):  # fmt: skip
+    """The ``asym`` schedule (staged fp8_ds_mla rows, 64-row blocks in 2 stages): the producer
+    only issues the copies; one consumer warpgroup expands the FP8 rows, the other scores."""
+    t = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+    trace_row = t * gl.num_programs(1) + split
+    _stamp(trace_ptr, trace_row, 0, TRACE)
+    q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
+    # α_i and the row sums live in the tile-scale buffer (no shared memory is left): as [8, 64]
+    # fp32, stage st's scales are rows 4·st .. 4·st + 3. α_i goes to row 4·st once block i is
+    # expanded (its scales read) and is read before the stage is released (and refilled); the
+    # row sums go to row 1 after every block is expanded
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    sv = sc_s._reinterpret(gl.float32, [4 * NUM_STAGES, BLOCK_H], flat)
+    abuf = sv
+    lbuf = sv.index(1)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # xbar[st]: block expanded; xbar[2 + st]: P and α written; xbar[4]: row sums written
+    xbar = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(5):
+        mbarrier.init(xbar.index(s), count=1)
+    _init_stage_barriers(ready, empty, False, NUM_STAGES, PRODUCER_WARPS, 2)
+    qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
+    idx_s = _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM)
+    _stamp(trace_ptr, trace_row, 1, TRACE)
+    gl.warp_specialize(
+        [
+            (
+                _producer,
+                (kv_ptr, idx_ptr, kv_s, kr_s, sc_s, ready, empty, t, split, topk, k_per_split,
+                 stride_it, row_stride, IS_FP8, ROW_BYTES, BLOCK_N, NUM_STAGES, PRODUCER_WARPS,
+                 FP8_ROWS, DEQUANT, FP8_STAGED, trace_ptr, trace_row, TRACE, idx_s, IDX_SMEM,
+                 True, SCALE_BYTES, WIDE_COPY),
+            ),
+            # the argument tuples are written out: a tuple bound to a name first holds its
+            # constexprs as run-time values (the partitions would then branch on the flags)
+            (_asym_scorer, (q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr, out_ptr,
+                 lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
+                 stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT,
+                 TRACE, Q_ASYNC, IDX_SMEM)),
+            (_asym_expander, (q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr, out_ptr,
+                 lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
+                 stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT,
+                 TRACE, Q_ASYNC, IDX_SMEM)),
         ],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
@@ -914,9 +1256,13 @@ FP8_DEQUANT = 0
 # the seesaw pair's second block is needed as soon as its stage is released, which exposes the
 # FP8 producer's load + dequantisation: 1.156 vs 1.088 ms staged); or force one
 SCHEDULE = None
+# the default schedule for fp8_ds_mla rows (when SCHEDULE is None): "split" or "asym"
+FP8_SCHEDULE = "split"
 # FP8 rows through shared memory (:func:`_produce_fp8_staged`), not registers: 1.088 vs 1.276 ms
 # at T=1024 on the H200 (BENCHMARKS.md, sixth session)
 FP8_STAGED = True
+# rows per cp.async batch of the staged FP8 producer
+STAGED_FP8_ROWS = 32
 # a slice's top-k ids (up to IDX_CAP) staged in shared memory, in both kernels except the FP8
 # seesaw (no room); longer slices read them from global memory
 IDX_SMEM = True
@@ -925,6 +1271,18 @@ IDX_SMEM = True
 EARLY_RELEASE = True
 # the query by cp.async, in flight with the first blocks (False: loaded and stored before the fork)
 Q_ASYNC = True
+# staged FP8 rows in the split schedule: the consumers expand them (during the previous block's
+# PV) instead of the producer, which then only issues copies; with WIDE_COPY and SCALE_BYTES
+# 0.931-0.965 vs 0.974-0.988 ms at T=1024, 0.065 vs 0.072 ms at T=64 (BENCHMARKS.md, ninth
+# session). The compiler puts a barrier between any two shared-memory accesses of one buffer
+# (it does not see disjoint slices), so fewer, wider copies and stores mean fewer barriers
+FP8_CONSUMER_EXPAND = True
+# bytes per cp.async of the staged FP8 tile scales: 4 (one scale per thread) or 16 (a row's 4
+# scales per thread: 32 rows per warp instruction, repeated across the warps)
+SCALE_BYTES = 4
+# staged FP8 raw bytes copied a row (512 bytes) per warp instruction, in one copy op per batch of
+# rows, not 8 rows' 64 bytes in one op per column group
+WIDE_COPY = True
 
 
 def launch_maxnreg() -> int:
@@ -956,18 +1314,30 @@ def is_supported_device(device_index: int) -> bool:
 def launch_config(
     is_fp8, row_bytes, producer_regs=None, fp8_rows=None, dequant=None, schedule=None,
     fp8_staged=None, trace=False, q_async=None, idx_smem=None, early_release=None,
+    consumer_expand=None, scale_bytes=None, wide_copy=None,
 ):  # fmt: skip
     """(kernel, launch metadata, block step) of one configuration: the constexprs, ``num_warps``
     and ``maxnreg`` the launcher passes, and the multiple of rows a top-k slice is rounded to.
     ``benchmarks/kernels/aot_sm90.py`` and the build test compile exactly this."""
     fp8_staged = bool(is_fp8 and (FP8_STAGED if fp8_staged is None else fp8_staged))
-    fp8_rows = fp8_rows or (32 if fp8_staged else 16)
+    fp8_rows = fp8_rows or (STAGED_FP8_ROWS if fp8_staged else 16)
     dequant = FP8_DEQUANT if dequant is None else dequant
     if producer_regs is None:
         producer_regs = default_producer_regs(is_fp8 and not fp8_staged)
-    schedule = schedule or SCHEDULE or ("split" if is_fp8 else "seesaw")
-    if schedule not in ("split", "seesaw"):
-        raise ValueError(f"schedule must be 'split' or 'seesaw', got {schedule!r}")
+    schedule = schedule or SCHEDULE or (FP8_SCHEDULE if is_fp8 else "seesaw")
+    if schedule not in ("split", "seesaw", "asym"):
+        raise ValueError(f"schedule must be 'split', 'seesaw' or 'asym', got {schedule!r}")
+    if schedule == "asym" and not fp8_staged:
+        raise ValueError("the asym schedule needs staged fp8_ds_mla rows")
+    if consumer_expand and not (fp8_staged and schedule in ("split", "asym")):
+        raise ValueError("consumer_expand needs staged fp8_ds_mla rows and the split schedule")
+    consumer_expand = schedule == "asym" or (
+        (FP8_CONSUMER_EXPAND if consumer_expand is None else bool(consumer_expand))
+        and fp8_staged and schedule == "split"
+    )
+    scale_bytes = SCALE_BYTES if scale_bytes is None else scale_bytes
+    if scale_bytes not in (4, 16):
+        raise ValueError(f"scale_bytes must be 4 or 16, got {scale_bytes!r}")
     # 64-row blocks in 2 stages fill the shared memory; the register file is split evenly at
     # launch and rebalanced by setmaxnreg
     block_n, num_stages = 64, 2
@@ -980,9 +1350,12 @@ def launch_config(
         IDX_SMEM=not (is_fp8 and schedule == "seesaw")
         and (IDX_SMEM if idx_smem is None else bool(idx_smem)),
         EARLY_RELEASE=EARLY_RELEASE if early_release is None else bool(early_release),
+        CONSUMER_EXPAND=consumer_expand, SCALE_BYTES=scale_bytes,
+        WIDE_COPY=WIDE_COPY if wide_copy is None else bool(wide_copy),
         num_warps=PRODUCER_WARPS, maxnreg=launch_maxnreg(),
     )  # fmt: skip
-    kernel = _sparse_mla_seesaw_kernel if schedule == "seesaw" else _sparse_mla_ws_kernel
+    kernel = dict(seesaw=_sparse_mla_seesaw_kernel, split=_sparse_mla_ws_kernel,
+                  asym=_sparse_mla_asym_kernel)[schedule]  # fmt: skip
     step = 2 * block_n if schedule == "seesaw" else block_n  # seesaw: blocks in pairs
     return kernel, meta, step
 
