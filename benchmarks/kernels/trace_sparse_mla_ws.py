@@ -97,7 +97,8 @@ def main():
     ap.add_argument("--fp8-decode", type=int, default=0, metavar="T",
                     help="trace the FP8 split schedule on T decode queries instead")  # fmt: skip
     a = ap.parse_args()
-    tune = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)}
+    pairs = (kv.split("=") for kv in a.tune.split(",") if kv)
+    tune = {k: int(v) if v.isdigit() else v for k, v in pairs}
     if a.fp8_decode:
         return fp8_decode(a.fp8_decode, tune)
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -109,13 +109,15 @@ GLM = dict(r=512, rope=64, h=64, topk=2048)
 # cp.async (``Q_ASYNC``); "+late": the split schedule releases a stage after issuing the next
 # block's QK (``EARLY_RELEASE``); "+cexp": the consumers expand the staged FP8 rows
 # (``FP8_CONSUMER_EXPAND``); "+wide": the raw bytes copied a row per warp instruction
-# (``WIDE_COPY``); "+s4": the tile scales 4 bytes per copy (``SCALE_BYTES``); "+r64": 64 rows per
+# (``WIDE_COPY``); "+s4": the tile scales 4 bytes per copy (``SCALE_BYTES``; these two apply where
+# the consumers expand, as in "ws-asym", whose rows the expander expands); "+r64": 64 rows per
 # producer batch (``STAGED_FP8_ROWS``); "ws-asym": the FP8 schedule with a scoring and an
-# expanding warpgroup (``FP8_SCHEDULE``; bf16 rows keep theirs). Flags not named are off, so
+# expanding warpgroup (``FP8_SCHEDULE``; bf16 rows keep theirs), "+b32" in 32-row blocks and 4
+# stages (``ASYM_BLOCK_N``). Flags not named are off, so
 # "ws-split+staged" is the producer-expanded FP8 path and "ws" the module's defaults.
 KERNELS = ["triton", "ws", "ws-seesaw", "ws-split", "ws-seesaw+staged", "ws-split+staged",
            "ws-split+staged+cexp+wide+s4+r64", "ws-split+staged+cexp", "ws-asym+staged+wide+s4",
-           "ws-asym+staged"]  # fmt: skip
+           "ws-asym+staged", "ws-asym+staged+wide+s4+b32"]  # fmt: skip
 
 
 def _need(kernel, monkeypatch=None):
@@ -139,6 +141,7 @@ def _need(kernel, monkeypatch=None):
         monkeypatch.setattr(sparse_mla_ws, "WIDE_COPY", "wide" in flags)
         monkeypatch.setattr(sparse_mla_ws, "SCALE_BYTES", 4 if "s4" in flags else 16)
         monkeypatch.setattr(sparse_mla_ws, "STAGED_FP8_ROWS", 64 if "r64" in flags else 32)
+        monkeypatch.setattr(sparse_mla_ws, "ASYM_BLOCK_N", 32 if "b32" in flags else 64)
         return "ws"
     return kernel
 
@@ -162,10 +165,12 @@ def test_decode_gpu(cache_dtype, t, h, kernel, monkeypatch):
 @pytest.mark.parametrize("splits,k", [(1, 64), (2, 2048), (3, 2048), (5, 700), (1, 3000)])
 @pytest.mark.parametrize(
     "variant",
-    ["ws-split", "ws-seesaw", "ws-split+staged", "ws-seesaw+staged", "ws-split+staged+noidx+syncq+late",
-     "ws-seesaw+noidx+syncq", "ws-seesaw+syncq", "ws-split+staged+cexp", "ws-split+staged+cexp+wide+s4+r64",
-     "ws-split+staged+cexp+noidx+syncq", "ws-split+staged+wide+s4", "ws-split+staged+cexp+wide+s4+late",
-     "ws-asym+staged+wide+s4", "ws-asym+staged+noidx+syncq", "ws-seesaw+staged+wide+s4", "ws"],
+    ["ws-split", "ws-seesaw", "ws-split+staged", "ws-seesaw+staged",
+     "ws-split+staged+noidx+syncq+late", "ws-seesaw+noidx+syncq", "ws-seesaw+syncq",
+     "ws-split+staged+cexp", "ws-split+staged+cexp+wide+s4+r64", "ws-split+staged+cexp+noidx+syncq",
+     "ws-split+staged+cexp+wide+s4+late", "ws-asym+staged+wide+s4", "ws-asym+staged+noidx+syncq",
+     "ws", "ws-asym+staged+wide+s4+b32",
+     "ws-asym+staged+b32+noidx+syncq"],
 )  # fmt: skip
 def test_decode_gpu_ws_splits(cache_dtype, splits, k, variant, monkeypatch):
     """The Gluon kernel's split-K slices (merged like the Triton kernel's), ragged top-k; a

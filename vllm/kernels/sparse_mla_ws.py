@@ -37,7 +37,9 @@ rope 64. What the Triton kernel cannot express and this one does:
     twice; full-row softmax, no row-max exchange); both then do PV on their value columns. The
     scorer is busy ~3,900 cycles per block against the split consumers' ~5,200, but with two
     stages the refill of a stage (released after both PVs, then issued, landed and expanded)
-    is exposed: it measured level with ``split`` (BENCHMARKS.md, ninth session).
+    is exposed: it measured level with ``split`` (BENCHMARKS.md, ninth session). In 32-row
+    blocks and 4 stages (``ASYM_BLOCK_N``) the refill is hidden but QK is back at N = 32 and
+    one warpgroup's expansion is the limit: slower (1.050 vs 0.951 ms at T=1024).
 - **The top-k ids in shared memory** (``IDX_SMEM``): the slice's ids (up to ``IDX_CAP`` = 2048,
   8 KB) are loaded once before the fork; the producer's per-batch id reads were dependent global
   round trips (~2 µs to issue one 64-row block), which left the seesaw consumers waiting for
@@ -232,7 +234,7 @@ def _consumer(
             a_expand += w2 - w1
             if EARLY_RELEASE:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                gl.thread_barrier()  # stage st and P_i are read; block i+1 is expanded (both halves)
+                gl.thread_barrier()  # stage st and P_i are read; block i+1 is expanded (all of it)
                 mbarrier.arrive(empty.index(st))
                 a_pv += _clk(TRACE) - w2
             else:
@@ -418,7 +420,8 @@ def _expand_stage(kv_st, sc_st, dl: gl.constexpr, DEQUANT: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _expand_by_group(raw_v, kv_st, sc_st, dl: gl.constexpr, DEQUANT: gl.constexpr, BLOCK_N: gl.constexpr):
+def _expand_by_group(raw_v, kv_st, sc_st, dl: gl.constexpr, DEQUANT: gl.constexpr,
+                     BLOCK_N: gl.constexpr):  # fmt: skip
     for g in gl.static_range(4):
         _fp8_group_dequant(raw_v, sc_st, kv_st, g, dl, DEQUANT, BLOCK_N)
     gl.thread_barrier()  # raw groups 0-3 are read: bf16 groups 4-5 may overwrite them
@@ -717,14 +720,15 @@ IDX_CAP = gl.constexpr(2048)  # top-k ids of one slice staged in shared memory (
 
 
 @gluon.jit
-def _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM: gl.constexpr):
+def _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM: gl.constexpr,
+               BLOCK_N: gl.constexpr = 64):  # fmt: skip
     """Allocate ``idx_s`` and, with IDX_SMEM, load the slice's top-k ids into it (−1 past its
-    end; [IDX_CAP / 64, 64], one row per 64-row block) and publish them before the fork, so the
+    end; [IDX_CAP / BLOCK_N, BLOCK_N], one row per block) and publish them before the fork, so the
     producer's and consumers' id reads are shared-memory reads, not a dependent global round
     trip per batch of rows. Without IDX_SMEM ``idx_s`` is a one-row dummy."""
-    rows: gl.constexpr = IDX_CAP // 64 if IDX_SMEM else 1
+    rows: gl.constexpr = IDX_CAP // BLOCK_N if IDX_SMEM else 1
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    idx_s = gl.allocate_shared_memory(gl.int32, [rows, 64], flat)
+    idx_s = gl.allocate_shared_memory(gl.int32, [rows, BLOCK_N], flat)
     if IDX_SMEM:
         il: gl.constexpr = gl.BlockedLayout([4], [32], [gl.num_warps()], [0])
         kk = gl.arange(0, IDX_CAP, layout=il)
@@ -771,7 +775,8 @@ def _sparse_mla_ws_kernel(
         p_s = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    _init_stage_barriers(ready, empty, IS_FP8 and not CONSUMER_EXPAND, NUM_STAGES, PRODUCER_WARPS, 1)
+    one_arrival: gl.constexpr = IS_FP8 and not CONSUMER_EXPAND  # the producer expands: one arrival
+    _init_stage_barriers(ready, empty, one_arrival, NUM_STAGES, PRODUCER_WARPS, 1)
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
     idx_s = _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM)
@@ -1003,7 +1008,8 @@ def _sparse_mla_seesaw_kernel(
     xbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(4):
         mbarrier.init(xbar.index(s), count=1)
-    _init_stage_barriers(ready, empty, IS_FP8 and not CONSUMER_EXPAND, NUM_STAGES, PRODUCER_WARPS, 2)
+    one_arrival: gl.constexpr = IS_FP8 and not CONSUMER_EXPAND
+    _init_stage_barriers(ready, empty, one_arrival, NUM_STAGES, PRODUCER_WARPS, 2)
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
     idx_s = _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM)
@@ -1022,16 +1028,18 @@ def _sparse_mla_seesaw_kernel(
             ),
             # the argument tuples are written out: a tuple bound to a name first holds its
             # constexprs as run-time values (the partitions would then branch on the flags)
-            (_seesaw_wg0, (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
-                 idx_ptr, out_ptr,
-                 lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
-                 stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, TRACE,
-                 Q_ASYNC, IDX_SMEM)),
-            (_seesaw_wg1, (q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
-                 idx_ptr, out_ptr,
-                 lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
-                 stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, TRACE,
-                 Q_ASYNC, IDX_SMEM)),
+            (_seesaw_wg0, (
+                q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
+                idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
+                stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr,
+                trace_row, qbar, idx_s, TRACE, Q_ASYNC, IDX_SMEM,
+            )),
+            (_seesaw_wg1, (
+                q_nope_s, q_rope_s, kv_s, kr_s, ready, empty, xbar, m0buf, m1buf, l0buf, l1buf,
+                idx_ptr, out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split,
+                stride_it, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr,
+                trace_row, qbar, idx_s, TRACE, Q_ASYNC, IDX_SMEM,
+            )),
         ],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
@@ -1043,23 +1051,27 @@ def _asym_scorer(
     q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr, out_ptr, lse_ptr,
     t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT: gl.constexpr,
-    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
+    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
     """The ``asym`` schedule's scoring warpgroup: per block, once the expander has expanded it
-    (``xbar[st]``), the whole S = Q·Kᵀ (N = 64: Q read once per block), the online softmax of full
-    rows (no row-max exchange), P into the block's rope slot and the rescale factor into
-    row 4·st of the tile-scale buffer (signalled on ``xbar[2 + st]``), then O_L = O_L·α + P·V_L over value columns
-    0-255 and its release of the stage. Writes the row sums to ``lbuf`` (``xbar[4]``) and the
-    LSE at the end."""
+    (``xbar[st]``), the whole S = Q·Kᵀ (N = BLOCK_N: Q read once per block), the online softmax
+    of full rows (no row-max exchange), P into the block's rope slot and the rescale factor into
+    the tile-scale buffer (signalled on ``xbar[NUM_STAGES + st]``), then O_L = O_L·α + P·V_L
+    over value columns 0-255 and its release of the stage. Writes the row sums to ``lbuf``
+    (``xbar[2 · NUM_STAGES]``) and the LSE at the end."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_NOPE // 2, 16]
     )
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    n_blocks = k_per_split // 64
+    n_blocks = k_per_split // BLOCK_N
+    RPS: gl.constexpr = BLOCK_N // 16  # rows of the [·, 64] fp32 view per stage of tile scales
+    # P_i [heads, BLOCK_N] in block i's rope slot ([BLOCK_N, 64]: the same bytes)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     k_lo = split * k_per_split
     idx_row = idx_ptr + t * stride_it + k_lo
     k_lim = gl.minimum(k_per_split, topk - k_lo)
@@ -1067,24 +1079,24 @@ def _asym_scorer(
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
     il: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    ci = gl.arange(0, 64, layout=il)
+    ci = gl.arange(0, BLOCK_N, layout=il)
     if Q_ASYNC:
         mbarrier.wait(qbar, 0)
     a_wait = _clk(False)
     a_loop0 = _clk(TRACE)
     for i in range(n_blocks):
-        st = i % 2
-        ph = (i // 2) & 1
+        st = i % NUM_STAGES
+        ph = (i // NUM_STAGES) & 1
         if IDX_SMEM:
             rid = idx_s.index(i).load(gl.SliceLayout(0, s_layout))
         else:
-            kk = i * 64 + ci
+            kk = i * BLOCK_N + ci
             rid = gl.load(idx_row + kk, mask=kk < k_lim, other=-1)
             rid = gl.convert_layout(rid, gl.SliceLayout(0, s_layout))
         w0 = _clk(TRACE)
         mbarrier.wait(xbar.index(st), ph)  # block i is expanded
         a_wait += _clk(TRACE) - w0
-        s = _qk(q_nope_s, q_rope_s, kv_s.index(st), kr_s.index(st), s_layout, 64)
+        s = _qk(q_nope_s, q_rope_s, kv_s.index(st), kr_s.index(st), s_layout, BLOCK_N)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = gl.where((rid >= 0)[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -1094,15 +1106,16 @@ def _asym_scorer(
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         # P_i into block i's rope slot (only this warpgroup's QK read it), α_i beside it
-        kr_s.index(st).store(p.to(gl.bfloat16))
-        abuf.index(4 * st).store(alpha)
+        p_s = kr_s.index(st)._reinterpret(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
+        p_s.store(p.to(gl.bfloat16))
+        abuf.index(RPS * st).store(alpha)
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(xbar.index(2 + st))
+        mbarrier.arrive(xbar.index(NUM_STAGES + st))
         # α back from shared memory in the accumulator's row layout (a layout conversion would
         # need scratch shared memory, and there is none left)
-        acc = acc * abuf.index(4 * st).load(row_o)[:, None]
-        acc = warpgroup_mma(kr_s.index(st), kv_s.index(st).slice(0, D_NOPE // 2, dim=1), acc,
+        acc = acc * abuf.index(RPS * st).load(row_o)[:, None]
+        acc = warpgroup_mma(p_s, kv_s.index(st).slice(0, D_NOPE // 2, dim=1), acc,
                             is_async=True)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
@@ -1111,7 +1124,7 @@ def _asym_scorer(
     _put(trace_ptr, trace_row, 5, _clk(TRACE) - a_loop0, TRACE)
     lbuf.store(l_i)
     gl.thread_barrier()
-    mbarrier.arrive(xbar.index(4))
+    mbarrier.arrive(xbar.index(2 * NUM_STAGES))
     has = l_i > 0.0
     l_safe = gl.where(has, l_i, 1.0)
     l_o = lbuf.load(row_o)
@@ -1131,7 +1144,8 @@ def _asym_expander(
     q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr, out_ptr, lse_ptr,
     t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT: gl.constexpr,
-    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr,
+    TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
     """The ``asym`` schedule's expanding warpgroup: expands block i+1's staged FP8 rows to bf16
     (:func:`_expand_stage`; signalled on ``xbar[st]``) while the scorer works on block i, then,
@@ -1143,35 +1157,38 @@ def _asym_expander(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     # [rows, 64 bytes] over the 4 warps, 16 bytes per thread
     xl: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    n_blocks = k_per_split // 64
+    n_blocks = k_per_split // BLOCK_N
+    RPS: gl.constexpr = BLOCK_N // 16
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], gl.bfloat16)
     acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, o_layout)
     a_ready = _clk(False)
     a_exp = _clk(False)
     a_p = _clk(False)
     mbarrier.wait(ready.index(0), 0)
-    _expand_stage(kv_s.index(0), sc_s.index(0), xl, DEQUANT, 64, True)
+    _expand_stage(kv_s.index(0), sc_s.index(0), xl, DEQUANT, BLOCK_N, True)
     gl.thread_barrier()
     mbarrier.arrive(xbar.index(0))
     for i in range(n_blocks):
-        st = i % 2
+        st = i % NUM_STAGES
         nx = i + 1
         if nx < n_blocks:
-            s_nx = nx % 2
+            s_nx = nx % NUM_STAGES
             w0 = _clk(TRACE)
-            mbarrier.wait(ready.index(s_nx), (nx // 2) & 1)
+            mbarrier.wait(ready.index(s_nx), (nx // NUM_STAGES) & 1)
             w1 = _clk(TRACE)
-            _expand_stage(kv_s.index(s_nx), sc_s.index(s_nx), xl, DEQUANT, 64, True)
+            _expand_stage(kv_s.index(s_nx), sc_s.index(s_nx), xl, DEQUANT, BLOCK_N, True)
             gl.thread_barrier()
             mbarrier.arrive(xbar.index(s_nx))
             w2 = _clk(TRACE)
             a_ready += w1 - w0
             a_exp += w2 - w1
         w3 = _clk(TRACE)
-        mbarrier.wait(xbar.index(2 + st), (i // 2) & 1)  # P_i and α_i are written
+        mbarrier.wait(xbar.index(NUM_STAGES + st), (i // NUM_STAGES) & 1)  # P_i, α_i written
         a_p += _clk(TRACE) - w3
-        alpha = abuf.index(4 * st).load(row_o)
+        alpha = abuf.index(RPS * st).load(row_o)
         acc = acc * alpha[:, None]
-        acc = warpgroup_mma(kr_s.index(st), kv_s.index(st).slice(D_NOPE // 2, D_NOPE // 2, dim=1), acc,
+        p_s = kr_s.index(st)._reinterpret(gl.bfloat16, [BLOCK_H, BLOCK_N], p_layout)
+        acc = warpgroup_mma(p_s, kv_s.index(st).slice(D_NOPE // 2, D_NOPE // 2, dim=1), acc,
                             is_async=True)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
@@ -1179,7 +1196,7 @@ def _asym_expander(
     _put(trace_ptr, trace_row, 9, a_ready, TRACE)
     _put(trace_ptr, trace_row, 6, a_exp, TRACE)
     _put(trace_ptr, trace_row, 8, a_p, TRACE)
-    mbarrier.wait(xbar.index(4), 0)
+    mbarrier.wait(xbar.index(2 * NUM_STAGES), 0)
     l_i = lbuf.load(row_o)
     l_safe = gl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -1211,19 +1228,20 @@ def _sparse_mla_asym_kernel(
     # expanded (its scales read) and is read before the stage is released (and refilled); the
     # row sums go to row 1 after every block is expanded
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    sv = sc_s._reinterpret(gl.float32, [4 * NUM_STAGES, BLOCK_H], flat)
+    sv = sc_s._reinterpret(gl.float32, [NUM_STAGES * BLOCK_N // 16, BLOCK_H], flat)
     abuf = sv
     lbuf = sv.index(1)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    # xbar[st]: block expanded; xbar[2 + st]: P and α written; xbar[4]: row sums written
-    xbar = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(5):
+    # xbar[st]: block expanded; xbar[NUM_STAGES + st]: P and α written; xbar[2 · NUM_STAGES]:
+    # row sums written
+    xbar = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES + 1, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(2 * NUM_STAGES + 1):
         mbarrier.init(xbar.index(s), count=1)
     _init_stage_barriers(ready, empty, False, NUM_STAGES, PRODUCER_WARPS, 2)
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     _query(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rope_s, qbar, Q_ASYNC)
-    idx_s = _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM)
+    idx_s = _stage_ids(idx_ptr, t, stride_it, split, k_per_split, topk, IDX_SMEM, BLOCK_N)
     _stamp(trace_ptr, trace_row, 1, TRACE)
     gl.warp_specialize(
         [
@@ -1236,14 +1254,18 @@ def _sparse_mla_asym_kernel(
             ),
             # the argument tuples are written out: a tuple bound to a name first holds its
             # constexprs as run-time values (the partitions would then branch on the flags)
-            (_asym_scorer, (q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr, out_ptr,
-                 lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
-                 stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT,
-                 TRACE, Q_ASYNC, IDX_SMEM)),
-            (_asym_expander, (q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr, out_ptr,
-                 lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os,
-                 stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT,
-                 TRACE, Q_ASYNC, IDX_SMEM)),
+            (_asym_scorer, (
+                q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr,
+                out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar,
+                idx_s, DEQUANT, TRACE, Q_ASYNC, IDX_SMEM, BLOCK_N, NUM_STAGES,
+            )),
+            (_asym_expander, (
+                q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr,
+                out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
+                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar,
+                idx_s, DEQUANT, TRACE, Q_ASYNC, IDX_SMEM, BLOCK_N, NUM_STAGES,
+            )),
         ],
         [4, 4],
         [CONSUMER_REGS, CONSUMER_REGS],
@@ -1258,6 +1280,8 @@ FP8_DEQUANT = 0
 SCHEDULE = None
 # the default schedule for fp8_ds_mla rows (when SCHEDULE is None): "split" or "asym"
 FP8_SCHEDULE = "split"
+# the asym schedule's blocks: 64 rows in 2 stages or 32 rows in 4
+ASYM_BLOCK_N = 64
 # FP8 rows through shared memory (:func:`_produce_fp8_staged`), not registers: 1.088 vs 1.276 ms
 # at T=1024 on the H200 (BENCHMARKS.md, sixth session)
 FP8_STAGED = True
@@ -1281,7 +1305,9 @@ FP8_CONSUMER_EXPAND = True
 # scales per thread: 32 rows per warp instruction, repeated across the warps)
 SCALE_BYTES = 4
 # staged FP8 raw bytes copied a row (512 bytes) per warp instruction, in one copy op per batch of
-# rows, not 8 rows' 64 bytes in one op per column group
+# rows, not 8 rows' 64 bytes in one op per column group. This and SCALE_BYTES apply where the
+# consumers expand the rows; the producer-expanded path was slower with them (1.050 vs 0.975 ms)
+# and keeps 64-byte copies and 16-byte scale copies unless a launch asks (``wide_copy=``)
 WIDE_COPY = True
 
 
@@ -1314,7 +1340,7 @@ def is_supported_device(device_index: int) -> bool:
 def launch_config(
     is_fp8, row_bytes, producer_regs=None, fp8_rows=None, dequant=None, schedule=None,
     fp8_staged=None, trace=False, q_async=None, idx_smem=None, early_release=None,
-    consumer_expand=None, scale_bytes=None, wide_copy=None,
+    consumer_expand=None, scale_bytes=None, wide_copy=None, asym_block_n=None,
 ):  # fmt: skip
     """(kernel, launch metadata, block step) of one configuration: the constexprs, ``num_warps``
     and ``maxnreg`` the launcher passes, and the multiple of rows a top-k slice is rounded to.
@@ -1330,17 +1356,22 @@ def launch_config(
     if schedule == "asym" and not fp8_staged:
         raise ValueError("the asym schedule needs staged fp8_ds_mla rows")
     if consumer_expand and not (fp8_staged and schedule in ("split", "asym")):
-        raise ValueError("consumer_expand needs staged fp8_ds_mla rows and the split schedule")
+        raise ValueError("consumer_expand needs staged fp8_ds_mla rows and the split or asym schedule")
     consumer_expand = schedule == "asym" or (
         (FP8_CONSUMER_EXPAND if consumer_expand is None else bool(consumer_expand))
         and fp8_staged and schedule == "split"
     )
-    scale_bytes = SCALE_BYTES if scale_bytes is None else scale_bytes
+    # the wide raw copies and 4-byte scale copies pay off when the consumers expand the rows; the
+    # producer-expanded path keeps its copies unless told otherwise (1.050 vs 0.975 ms at T=1024)
+    scale_bytes = (SCALE_BYTES if consumer_expand else 16) if scale_bytes is None else scale_bytes
+    wide_copy = (WIDE_COPY and consumer_expand) if wide_copy is None else bool(wide_copy)
     if scale_bytes not in (4, 16):
         raise ValueError(f"scale_bytes must be 4 or 16, got {scale_bytes!r}")
     # 64-row blocks in 2 stages fill the shared memory; the register file is split evenly at
     # launch and rebalanced by setmaxnreg
     block_n, num_stages = 64, 2
+    if schedule == "asym" and (ASYM_BLOCK_N if asym_block_n is None else asym_block_n) == 32:
+        block_n, num_stages = 32, 4  # the same shared memory in twice as many stages
     meta = dict(
         IS_FP8=is_fp8, ROW_BYTES=row_bytes, BLOCK_N=block_n, NUM_STAGES=num_stages,
         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=producer_regs, FP8_ROWS=fp8_rows,
@@ -1351,7 +1382,7 @@ def launch_config(
         and (IDX_SMEM if idx_smem is None else bool(idx_smem)),
         EARLY_RELEASE=EARLY_RELEASE if early_release is None else bool(early_release),
         CONSUMER_EXPAND=consumer_expand, SCALE_BYTES=scale_bytes,
-        WIDE_COPY=WIDE_COPY if wide_copy is None else bool(wide_copy),
+        WIDE_COPY=wide_copy,
         num_warps=PRODUCER_WARPS, maxnreg=launch_maxnreg(),
     )  # fmt: skip
     kernel = dict(seesaw=_sparse_mla_seesaw_kernel, split=_sparse_mla_ws_kernel,
