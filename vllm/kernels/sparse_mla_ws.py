@@ -1403,10 +1403,13 @@ def sparse_mla_ws(q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, n
     split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``).
 
     ``tuning`` (the result does not depend on it beyond bf16 rounding; see
-    :func:`launch_config`): ``schedule`` ("split" / "seesaw"), ``fp8_staged`` (FP8 rows through
-    shared memory or registers), ``producer_regs`` (the producer's setmaxnreg), ``fp8_rows``
-    (rows per producer batch) and ``dequant`` (0: e4m3 -> fp32 conversion instructions, scale,
-    -> bf16; 1: integer bit moves and one bf16 fma)."""
+    :func:`launch_config`): ``schedule`` ("split" / "seesaw" / "asym"), ``fp8_staged`` (FP8 rows
+    through shared memory or registers), ``producer_regs`` (the producer's setmaxnreg),
+    ``fp8_rows`` (rows per producer batch), ``dequant`` (0: e4m3 -> fp32 conversion
+    instructions, scale, -> bf16; 1: integer bit moves and one bf16 fma), ``consumer_expand``,
+    ``wide_copy``, ``scale_bytes``, ``asym_block_n``, ``q_async``, ``idx_smem`` and
+    ``early_release`` (module defaults: ``FP8_CONSUMER_EXPAND``, ``WIDE_COPY``, ``SCALE_BYTES``,
+    ``ASYM_BLOCK_N``, ``Q_ASYNC``, ``IDX_SMEM``, ``EARLY_RELEASE``)."""
     t, h, _ = q.shape
     k = indices.shape[1]
     trace = tuning.pop("trace", None)  # a [T·splits, TRACE_SLOTS] int64 tensor: see _stamp
