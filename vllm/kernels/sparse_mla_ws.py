@@ -1223,10 +1223,11 @@ def _sparse_mla_asym_kernel(
     trace_row = t * gl.num_programs(1) + split
     _stamp(trace_ptr, trace_row, 0, TRACE)
     q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
-    # α_i and the row sums live in the tile-scale buffer (no shared memory is left): as [8, 64]
-    # fp32, stage st's scales are rows 4·st .. 4·st + 3. α_i goes to row 4·st once block i is
-    # expanded (its scales read) and is read before the stage is released (and refilled); the
-    # row sums go to row 1 after every block is expanded
+    # α_i and the row sums live in the tile-scale buffer (no shared memory is left): as
+    # [NUM_STAGES · BLOCK_N / 16, 64] fp32, stage st's scales are the BLOCK_N / 16 rows from
+    # (BLOCK_N / 16)·st. α_i goes to the first of them once block i is expanded (its scales
+    # read) and is read before the stage is released (and refilled); the row sums go to row 1
+    # after every block is expanded
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     sv = sc_s._reinterpret(gl.float32, [NUM_STAGES * BLOCK_N // 16, BLOCK_H], flat)
     abuf = sv
