@@ -1216,8 +1216,9 @@ def _sparse_mla_asym_kernel(
     TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, EARLY_RELEASE: gl.constexpr,
     CONSUMER_EXPAND: gl.constexpr, SCALE_BYTES: gl.constexpr, WIDE_COPY: gl.constexpr,
 ):  # fmt: skip
-    """The ``asym`` schedule (staged fp8_ds_mla rows, 64-row blocks in 2 stages): the producer
-    only issues the copies; one consumer warpgroup expands the FP8 rows, the other scores."""
+    """The ``asym`` schedule (staged fp8_ds_mla rows; 64-row blocks in 2 stages, or 32 in 4):
+    the producer only issues the copies; one consumer warpgroup expands the FP8 rows, the other
+    scores."""
     t = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
     trace_row = t * gl.num_programs(1) + split
@@ -1229,9 +1230,8 @@ def _sparse_mla_asym_kernel(
     # read) and is read before the stage is released (and refilled); the row sums go to row 1
     # after every block is expanded
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    sv = sc_s._reinterpret(gl.float32, [NUM_STAGES * BLOCK_N // 16, BLOCK_H], flat)
-    abuf = sv
-    lbuf = sv.index(1)
+    abuf = sc_s._reinterpret(gl.float32, [NUM_STAGES * BLOCK_N // 16, BLOCK_H], flat)
+    lbuf = abuf.index(1)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     # xbar[st]: block expanded; xbar[NUM_STAGES + st]: P and α written; xbar[2 · NUM_STAGES]:
