@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--producer-regs", type=int, default=None)
     ap.add_argument("--fp8-rows", type=int, default=None)
     ap.add_argument("--dequant", type=int, default=None)
-    ap.add_argument("--tune", default="", help="other launch_config knobs as integers, e.g. "
+    ap.add_argument("--tune", default="", help="other launch_config knobs (integers or names), e.g. "
                     "trace=1,idx_smem=0,q_async=0,early_release=0")  # fmt: skip
     ap.add_argument("--sass-hist", action="store_true")
     ap.add_argument("--dump", default=None, help="write the ptx and sass there")
@@ -123,7 +123,8 @@ def main() -> None:
     a = ap.parse_args()
     tuning = dict(schedule=a.schedule, producer_regs=a.producer_regs, fp8_rows=a.fp8_rows,
                   dequant=a.dequant, fp8_staged=False if a.register_fp8 else None)  # fmt: skip
-    tuning.update({k: int(v) for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)})
+    tuning.update({k: int(v) if v.lstrip("-").isdigit() else v
+                   for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)})
     k = compile_config(a.fp8, **tuning)
     rep = report(k)
     if a.json:

@@ -53,7 +53,8 @@ def main():
                 grid = itertools.product(args.dequant.split(","), args.producer_regs.split(","),
                                          args.fp8_rows.split(","))  # fmt: skip
             stg = args.staged.split(",") if layout.is_fp8 else ["0"]
-            tunes = [dict((k, int(v)) for k, v in (kv.split("=") for kv in ts.split(",") if kv))
+            tunes = [dict((k, int(v) if v.isdigit() else v)
+                          for k, v in (kv.split("=") for kv in ts.split(",") if kv))
                      for ts in (args.tunes.split(";") if layout.is_fp8 else [""])]  # fmt: skip
             timer = _time_graph if args.graph else _time
             for (dq, pr, fr), sch, sg, tune in itertools.product(

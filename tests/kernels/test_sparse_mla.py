@@ -113,11 +113,14 @@ GLM = dict(r=512, rope=64, h=64, topk=2048)
 # the consumers expand, as in "ws-asym", whose rows the expander expands); "+r64": 64 rows per
 # producer batch (``STAGED_FP8_ROWS``); "ws-asym": the FP8 schedule with a scoring and an
 # expanding warpgroup (``FP8_SCHEDULE``; bf16 rows keep theirs), "+b32" in 32-row blocks and 4
-# stages (``ASYM_BLOCK_N``). Flags not named are off, so
+# stages (``ASYM_BLOCK_N``), "+pvf" with the expander's PV before its expansion (``ASYM_ORDER``),
+# "+halves" with S begun on the first half of the expanded columns (``ASYM_HALVES``).
+# Flags not named are off, so
 # "ws-split+staged" is the producer-expanded FP8 path and "ws" the module's defaults.
 KERNELS = ["triton", "ws", "ws-seesaw", "ws-split", "ws-seesaw+staged", "ws-split+staged",
            "ws-split+staged+cexp+wide+s4+r64", "ws-split+staged+cexp", "ws-asym+staged+wide+s4",
-           "ws-asym+staged", "ws-asym+staged+wide+s4+b32"]  # fmt: skip
+           "ws-asym+staged", "ws-asym+staged+wide+s4+b32", "ws-asym+staged+wide+s4+pvf",
+           "ws-asym+staged+wide+s4+halves", "ws-asym+staged+wide+s4+pvf+halves"]  # fmt: skip
 
 
 def _need(kernel, monkeypatch=None):
@@ -131,6 +134,7 @@ def _need(kernel, monkeypatch=None):
         if schedule == "asym":  # fp8_ds_mla rows only: bf16 rows keep their default
             monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", None)
             monkeypatch.setattr(sparse_mla_ws, "FP8_SCHEDULE", "asym")
+            monkeypatch.setattr(sparse_mla_ws, "FP8_ONE_WAVE_SCHEDULE", "asym")
         else:
             monkeypatch.setattr(sparse_mla_ws, "SCHEDULE", schedule)
         monkeypatch.setattr(sparse_mla_ws, "FP8_STAGED", "staged" in flags)
@@ -142,6 +146,8 @@ def _need(kernel, monkeypatch=None):
         monkeypatch.setattr(sparse_mla_ws, "SCALE_BYTES", 4 if "s4" in flags else 16)
         monkeypatch.setattr(sparse_mla_ws, "STAGED_FP8_ROWS", 64 if "r64" in flags else 32)
         monkeypatch.setattr(sparse_mla_ws, "ASYM_BLOCK_N", 32 if "b32" in flags else 64)
+        monkeypatch.setattr(sparse_mla_ws, "ASYM_ORDER", "pv_first" if "pvf" in flags else "expand_first")
+        monkeypatch.setattr(sparse_mla_ws, "ASYM_HALVES", "halves" in flags)
         return "ws"
     return kernel
 
@@ -170,7 +176,9 @@ def test_decode_gpu(cache_dtype, t, h, kernel, monkeypatch):
      "ws-split+staged+cexp", "ws-split+staged+cexp+wide+s4+r64", "ws-split+staged+cexp+noidx+syncq",
      "ws-split+staged+cexp+wide+s4+late", "ws-asym+staged+wide+s4", "ws-asym+staged+noidx+syncq",
      "ws", "ws-asym+staged+wide+s4+b32",
-     "ws-asym+staged+b32+noidx+syncq"],
+     "ws-asym+staged+b32+noidx+syncq", "ws-asym+staged+wide+s4+pvf", "ws-asym+staged+b32+pvf",
+     "ws-asym+staged+wide+s4+halves", "ws-asym+staged+noidx+syncq+pvf+halves",
+     "ws-asym+staged+b32+halves"],
 )  # fmt: skip
 def test_decode_gpu_ws_splits(cache_dtype, splits, k, variant, monkeypatch):
     """The Gluon kernel's split-K slices (merged like the Triton kernel's), ragged top-k; a

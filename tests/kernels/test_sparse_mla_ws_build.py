@@ -30,6 +30,11 @@ CONFIGS = [
     pytest.param(["--fp8", "--tune", "consumer_expand=0,wide_copy=0,scale_bytes=16"], 64,
                  id="fp8-producer-expands"),  # fmt: skip
     pytest.param(["--fp8", "--schedule", "asym"], 64, id="fp8-asym"),
+    pytest.param(["--fp8", "--tune", "one_wave=1"], 64, id="fp8-default-one-wave-asym"),
+    pytest.param(["--fp8", "--schedule", "asym", "--tune", "asym_order=expand_first"], 64,
+                 id="fp8-asym-expand-first"),  # fmt: skip
+    pytest.param(["--fp8", "--schedule", "asym", "--tune", "asym_halves=1"], 64,
+                 id="fp8-asym-halves"),  # fmt: skip
     pytest.param(["--fp8", "--register-fp8"], 256, id="fp8-register-producer"),
     # the variants the GPU tests select, and the timeline builds of trace_sparse_mla_ws.py
     pytest.param(
@@ -74,5 +79,24 @@ def test_launch_config_rejects_unknown_schedule():
         ws.launch_config(False, 1152, schedule="asym")
     with pytest.raises(ValueError, match="consumer_expand"):  # the seesaw has no expansion step
         ws.launch_config(True, 656, schedule="seesaw", consumer_expand=True)
+    with pytest.raises(ValueError, match="asym_order"):
+        ws.launch_config(True, 656, schedule="asym", asym_order="late")
+    with pytest.raises(ValueError, match="asym_order"):  # the split schedule has no such choice
+        ws.launch_config(True, 656, schedule="split", asym_order="pv_first")
     with pytest.raises(ValueError, match="scale_bytes"):
         ws.launch_config(True, 656, scale_bytes=8)
+
+
+def test_launch_config_one_wave_default():
+    """fp8_ds_mla rows take the asym schedule (PV before expansion) when the launch fits the SMs
+    at one program each, the split schedule otherwise; bf16 rows and register FP8 rows keep
+    theirs; an explicit schedule wins."""
+    pytest.importorskip("triton.experimental.gluon")
+    from vllm.kernels import sparse_mla_ws as ws
+
+    kernel, meta, _ = ws.launch_config(True, 656, one_wave=True)
+    assert kernel is ws._sparse_mla_asym_kernel and meta["ASYM_PV_FIRST"]
+    assert ws.launch_config(True, 656)[0] is ws._sparse_mla_ws_kernel
+    assert ws.launch_config(True, 656, one_wave=True, schedule="split")[0] is ws._sparse_mla_ws_kernel
+    assert ws.launch_config(True, 656, one_wave=True, fp8_staged=False)[0] is ws._sparse_mla_ws_kernel
+    assert ws.launch_config(False, 1152, one_wave=True)[0] is ws._sparse_mla_seesaw_kernel

@@ -32,14 +32,22 @@ rope 64. What the Triton kernel cannot express and this one does:
     pair's second block is needed as soon as its stage is released, so the FP8 producer's load
     plus dequantisation is exposed there (1.156 vs 1.088 ms for ``split`` at T=1024), hence
     ``split`` for FP8 rows.
-  - ``asym`` (FP8 rows, :func:`_asym_scorer` / :func:`_asym_expander`): one warpgroup expands
-    block i+1 while the other scores block i (QK at N = 64, so Q is read once per block, not
-    twice; full-row softmax, no row-max exchange); both then do PV on their value columns. The
-    scorer is busy ~3,900 cycles per block against the split consumers' ~5,200, but with two
-    stages the refill of a stage (released after both PVs, then issued, landed and expanded)
-    is exposed: it measured level with ``split`` (BENCHMARKS.md, ninth session). In 32-row
-    blocks and 4 stages (``ASYM_BLOCK_N``) the refill is hidden but QK is back at N = 32 and
-    one warpgroup's expansion is the limit: slower (1.050 vs 0.951 ms at T=1024).
+  - ``asym`` (FP8 rows, :func:`_asym_scorer` / :func:`_asym_expander`): one warpgroup scores
+    block i (QK at N = 64, so Q is read once per block, not twice; full-row softmax, no row-max
+    exchange), the other expands the FP8 rows; both do PV on their value columns. The
+    expander's order per block (``ASYM_ORDER``): ``expand_first`` expands block i+1 while the
+    scorer scores block i, but releases stage i only after both, so the stage's refill (copies
+    issued ~1,460 cycles, landed, expanded ~1,620) is exposed: the expander waits ~2,750 cycles
+    per block for copies, the scorer ~1,950 for expanded blocks. ``pv_first`` (the default) does
+    PV_i and releases stage i first: the refill is hidden (~190 cycles of copy wait) but the
+    expansion no longer overlaps the scorer's QK. Neither beats ``split`` at many waves (T=1024:
+    0.934 / 0.965 vs 0.906 ms), but ``pv_first`` does on launches of at most one program per SM
+    (T=64: 62.1 vs 64.6 µs), where it is the default (``FP8_ONE_WAVE_SCHEDULE``). ``ASYM_HALVES``
+    signals the scorer once value columns 0-255 are expanded, so their part of S overlaps the
+    rest of the expansion: level or slower (the expansion, sharing shared-memory bandwidth with
+    that QK, took 2,774 cycles instead of ~1,625). In 32-row blocks and 4 stages
+    (``ASYM_BLOCK_N``) the refill is hidden but QK is back at N = 32 and one warpgroup's
+    expansion is the limit: slower (1.050 vs 0.951 ms at T=1024).
 - **The top-k ids in shared memory** (``IDX_SMEM``): the slice's ids (up to ``IDX_CAP`` = 2048,
   8 KB) are loaded once before the fork; the producer's per-batch id reads were dependent global
   round trips (~2 µs to issue one 64-row block), which left the seesaw consumers waiting for
@@ -1052,7 +1060,7 @@ def _asym_scorer(
     t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT: gl.constexpr,
     TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
+    NUM_STAGES: gl.constexpr, HALVES: gl.constexpr,
 ):  # fmt: skip
     """The ``asym`` schedule's scoring warpgroup: per block, once the expander has expanded it
     (``xbar[st]``), the whole S = Q·Kᵀ (N = BLOCK_N: Q read once per block), the online softmax
@@ -1094,9 +1102,26 @@ def _asym_scorer(
             rid = gl.load(idx_row + kk, mask=kk < k_lim, other=-1)
             rid = gl.convert_layout(rid, gl.SliceLayout(0, s_layout))
         w0 = _clk(TRACE)
-        mbarrier.wait(xbar.index(st), ph)  # block i is expanded
-        a_wait += _clk(TRACE) - w0
-        s = _qk(q_nope_s, q_rope_s, kv_s.index(st), kr_s.index(st), s_layout, BLOCK_N)
+        if HALVES:
+            # value columns 0-255 (and the rope, copied as is) are expanded: their part of S
+            # runs while the expander does columns 256-511
+            mbarrier.wait(xbar.index(2 * NUM_STAGES + 1 + st), ph)
+            a_wait += _clk(TRACE) - w0
+            s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, s_layout)
+            s = warpgroup_mma(q_nope_s.slice(0, D_NOPE // 2, dim=1),
+                              kv_s.index(st).slice(0, D_NOPE // 2, dim=1).permute((1, 0)), s,
+                              use_acc=False, is_async=True)  # fmt: skip
+            s = warpgroup_mma(q_rope_s, kr_s.index(st).permute((1, 0)), s, is_async=True)
+            w0 = _clk(TRACE)
+            mbarrier.wait(xbar.index(st), ph)  # block i is expanded
+            a_wait += _clk(TRACE) - w0
+            s = warpgroup_mma(q_nope_s.slice(D_NOPE // 2, D_NOPE // 2, dim=1),
+                              kv_s.index(st).slice(D_NOPE // 2, D_NOPE // 2, dim=1).permute((1, 0)),
+                              s, is_async=True)  # fmt: skip
+        else:
+            mbarrier.wait(xbar.index(st), ph)  # block i is expanded
+            a_wait += _clk(TRACE) - w0
+            s = _qk(q_nope_s, q_rope_s, kv_s.index(st), kr_s.index(st), s_layout, BLOCK_N)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = gl.where((rid >= 0)[None, :], s * scale_log2, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -1140,12 +1165,61 @@ def _asym_scorer(
 
 
 @gluon.jit
+def _expand_stage_halves(kv_st, sc_st, dl: gl.constexpr, DEQUANT: gl.constexpr,
+                         BLOCK_N: gl.constexpr, bar_lo):  # fmt: skip
+    """:func:`_expand_stage` in its phased order, arriving on ``bar_lo`` once bf16 column groups
+    0-3 are written and published (they overwrite no raw bytes), so their part of S can start
+    while groups 4-7 are expanded. Ends with the fence; the caller's barrier follows."""
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    raw_v = kv_st._reinterpret(gl.uint8, [16 * BLOCK_N, 64], plain)
+    for h in gl.static_range(2):
+        r0 = raw_v.slice((8 + 4 * h) * BLOCK_N, BLOCK_N, dim=0).load(dl)
+        r1 = raw_v.slice((9 + 4 * h) * BLOCK_N, BLOCK_N, dim=0).load(dl)
+        r2 = raw_v.slice((10 + 4 * h) * BLOCK_N, BLOCK_N, dim=0).load(dl)
+        r3 = raw_v.slice((11 + 4 * h) * BLOCK_N, BLOCK_N, dim=0).load(dl)
+        s0 = sc_st.slice(2 * h, 1, dim=1).load(dl)
+        s1 = sc_st.slice(2 * h + 1, 1, dim=1).load(dl)
+        if h == 1:
+            gl.thread_barrier()  # raw groups 4-7 are read: bf16 groups 4-7 may overwrite them
+        kv_st.slice((4 * h) * 64, 64, dim=1).store(_dequant_2d(r0, s0, DEQUANT))
+        kv_st.slice((4 * h + 1) * 64, 64, dim=1).store(_dequant_2d(r1, s0, DEQUANT))
+        kv_st.slice((4 * h + 2) * 64, 64, dim=1).store(_dequant_2d(r2, s1, DEQUANT))
+        kv_st.slice((4 * h + 3) * 64, 64, dim=1).store(_dequant_2d(r3, s1, DEQUANT))
+        fence_async_shared()
+        if h == 0:
+            gl.thread_barrier()  # every thread's groups 0-3 are written
+            mbarrier.arrive(bar_lo)
+
+
+@gluon.jit
+def _asym_expand_next(kv_s, sc_s, ready, xbar, xl: gl.constexpr, nx, a_ready, a_exp,
+                      DEQUANT: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      TRACE: gl.constexpr, HALVES: gl.constexpr):  # fmt: skip
+    """The expander's step for block ``nx``: wait for its copies, expand it, signal the scorer
+    (``xbar[stage]``; with HALVES also ``xbar[2 · NUM_STAGES + 1 + stage]`` once value columns
+    0-255 are done). Returns the traced wait and expansion cycles, accumulated."""
+    s_nx = nx % NUM_STAGES
+    w0 = _clk(TRACE)
+    mbarrier.wait(ready.index(s_nx), (nx // NUM_STAGES) & 1)
+    w1 = _clk(TRACE)
+    if HALVES:
+        _expand_stage_halves(kv_s.index(s_nx), sc_s.index(s_nx), xl, DEQUANT, BLOCK_N,
+                             xbar.index(2 * NUM_STAGES + 1 + s_nx))  # fmt: skip
+    else:
+        _expand_stage(kv_s.index(s_nx), sc_s.index(s_nx), xl, DEQUANT, BLOCK_N, True)
+    gl.thread_barrier()
+    mbarrier.arrive(xbar.index(s_nx))
+    w2 = _clk(TRACE)
+    return a_ready + (w1 - w0), a_exp + (w2 - w1)
+
+
+@gluon.jit
 def _asym_expander(
     q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr, out_ptr, lse_ptr,
     t, split, scale_log2, num_heads, topk, k_per_split, stride_it, stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt, trace_ptr, trace_row, qbar, idx_s, DEQUANT: gl.constexpr,
     TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
+    NUM_STAGES: gl.constexpr, PV_FIRST: gl.constexpr, HALVES: gl.constexpr,
 ):  # fmt: skip
     """The ``asym`` schedule's expanding warpgroup: expands block i+1's staged FP8 rows to bf16
     (:func:`_expand_stage`; signalled on ``xbar[st]``) while the scorer works on block i, then,
@@ -1164,24 +1238,21 @@ def _asym_expander(
     a_ready = _clk(False)
     a_exp = _clk(False)
     a_p = _clk(False)
-    mbarrier.wait(ready.index(0), 0)
-    _expand_stage(kv_s.index(0), sc_s.index(0), xl, DEQUANT, BLOCK_N, True)
-    gl.thread_barrier()
-    mbarrier.arrive(xbar.index(0))
+    if HALVES:
+        a_ready, a_exp = _asym_expand_next(kv_s, sc_s, ready, xbar, xl, 0, a_ready, a_exp, DEQUANT,
+                                           BLOCK_N, NUM_STAGES, TRACE, HALVES)  # fmt: skip
+    else:
+        mbarrier.wait(ready.index(0), 0)
+        _expand_stage(kv_s.index(0), sc_s.index(0), xl, DEQUANT, BLOCK_N, True)
+        gl.thread_barrier()
+        mbarrier.arrive(xbar.index(0))
     for i in range(n_blocks):
         st = i % NUM_STAGES
         nx = i + 1
-        if nx < n_blocks:
-            s_nx = nx % NUM_STAGES
-            w0 = _clk(TRACE)
-            mbarrier.wait(ready.index(s_nx), (nx // NUM_STAGES) & 1)
-            w1 = _clk(TRACE)
-            _expand_stage(kv_s.index(s_nx), sc_s.index(s_nx), xl, DEQUANT, BLOCK_N, True)
-            gl.thread_barrier()
-            mbarrier.arrive(xbar.index(s_nx))
-            w2 = _clk(TRACE)
-            a_ready += w1 - w0
-            a_exp += w2 - w1
+        if not PV_FIRST:
+            if nx < n_blocks:
+                a_ready, a_exp = _asym_expand_next(kv_s, sc_s, ready, xbar, xl, nx, a_ready, a_exp,
+                                                   DEQUANT, BLOCK_N, NUM_STAGES, TRACE, HALVES)  # fmt: skip
         w3 = _clk(TRACE)
         mbarrier.wait(xbar.index(NUM_STAGES + st), (i // NUM_STAGES) & 1)  # P_i, α_i written
         a_p += _clk(TRACE) - w3
@@ -1193,6 +1264,10 @@ def _asym_expander(
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(empty.index(st))
+        if PV_FIRST:
+            if nx < n_blocks:
+                a_ready, a_exp = _asym_expand_next(kv_s, sc_s, ready, xbar, xl, nx, a_ready, a_exp,
+                                                   DEQUANT, BLOCK_N, NUM_STAGES, TRACE, HALVES)  # fmt: skip
     _put(trace_ptr, trace_row, 9, a_ready, TRACE)
     _put(trace_ptr, trace_row, 6, a_exp, TRACE)
     _put(trace_ptr, trace_row, 8, a_p, TRACE)
@@ -1215,6 +1290,7 @@ def _sparse_mla_asym_kernel(
     DEQUANT: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP8_STAGED: gl.constexpr,
     TRACE: gl.constexpr, Q_ASYNC: gl.constexpr, IDX_SMEM: gl.constexpr, EARLY_RELEASE: gl.constexpr,
     CONSUMER_EXPAND: gl.constexpr, SCALE_BYTES: gl.constexpr, WIDE_COPY: gl.constexpr,
+    ASYM_PV_FIRST: gl.constexpr, ASYM_HALVES: gl.constexpr,
 ):  # fmt: skip
     """The ``asym`` schedule (staged fp8_ds_mla rows; 64-row blocks in 2 stages, or 32 in 4):
     the producer only issues the copies; one consumer warpgroup expands the FP8 rows, the other
@@ -1235,9 +1311,9 @@ def _sparse_mla_asym_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     # xbar[st]: block expanded; xbar[NUM_STAGES + st]: P and α written; xbar[2 · NUM_STAGES]:
-    # row sums written
-    xbar = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES + 1, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(2 * NUM_STAGES + 1):
+    # row sums written; xbar[2 · NUM_STAGES + 1 + st]: value columns 0-255 expanded (ASYM_HALVES)
+    xbar = gl.allocate_shared_memory(gl.int64, [3 * NUM_STAGES + 1, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(3 * NUM_STAGES + 1):
         mbarrier.init(xbar.index(s), count=1)
     _init_stage_barriers(ready, empty, False, NUM_STAGES, PRODUCER_WARPS, 2)
     qbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1259,13 +1335,13 @@ def _sparse_mla_asym_kernel(
                 q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar,
-                idx_s, DEQUANT, TRACE, Q_ASYNC, IDX_SMEM, BLOCK_N, NUM_STAGES,
+                idx_s, DEQUANT, TRACE, Q_ASYNC, IDX_SMEM, BLOCK_N, NUM_STAGES, ASYM_HALVES,
             )),
             (_asym_expander, (
                 q_nope_s, q_rope_s, kv_s, kr_s, sc_s, ready, empty, xbar, abuf, lbuf, idx_ptr,
                 out_ptr, lse_ptr, t, split, scale_log2, num_heads, topk, k_per_split, stride_it,
                 stride_os, stride_ot, stride_oh, stride_ls, stride_lt, trace_ptr, trace_row, qbar,
-                idx_s, DEQUANT, TRACE, Q_ASYNC, IDX_SMEM, BLOCK_N, NUM_STAGES,
+                idx_s, DEQUANT, TRACE, Q_ASYNC, IDX_SMEM, BLOCK_N, NUM_STAGES, ASYM_PV_FIRST, ASYM_HALVES,
             )),
         ],
         [4, 4],
@@ -1281,8 +1357,21 @@ FP8_DEQUANT = 0
 SCHEDULE = None
 # the default schedule for fp8_ds_mla rows (when SCHEDULE is None): "split" or "asym"
 FP8_SCHEDULE = "split"
+# the default for fp8_ds_mla rows when the launch has at most one program per SM (decode batches
+# up to ~the SM count, split-K included): asym with ASYM_ORDER measured 62.1 vs 64.6 µs at T=64,
+# 37.0 vs 38.9 at T=32, 117.7 vs 119.1 at T=128; at two waves and more split is ahead (0.229 vs
+# 0.231 ms at T=256, 0.906 vs 0.965 at T=1024; BENCHMARKS.md, tenth session)
+FP8_ONE_WAVE_SCHEDULE = "asym"
 # the asym schedule's blocks: 64 rows in 2 stages or 32 rows in 4
 ASYM_BLOCK_N = 64
+# the asym expander's order per block: "expand_first" (expand block i+1, then PV_i: the expansion
+# overlaps the scorer's QK, but stage i is released only after it, so its refill is exposed) or
+# "pv_first" (PV_i and the release of stage i, then expand block i+1: the refill has a whole block
+# to land, but the expansion no longer overlaps the scorer's QK)
+ASYM_ORDER = "pv_first"
+# the asym expander signals when value columns 0-255 are expanded, and the scorer issues their
+# part of S (and the rope's) before waiting for columns 256-511
+ASYM_HALVES = False
 # FP8 rows through shared memory (:func:`_produce_fp8_staged`), not registers: 1.088 vs 1.276 ms
 # at T=1024 on the H200 (BENCHMARKS.md, sixth session)
 FP8_STAGED = True
@@ -1332,6 +1421,11 @@ def default_producer_regs(register_fp8: bool) -> int:
     return 120 if register_fp8 else 40
 
 
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 @functools.lru_cache(maxsize=4)
 def is_supported_device(device_index: int) -> bool:
     """Hopper (sm_90) only: the kernel issues wgmma."""
@@ -1341,17 +1435,20 @@ def is_supported_device(device_index: int) -> bool:
 def launch_config(
     is_fp8, row_bytes, producer_regs=None, fp8_rows=None, dequant=None, schedule=None,
     fp8_staged=None, trace=False, q_async=None, idx_smem=None, early_release=None,
-    consumer_expand=None, scale_bytes=None, wide_copy=None, asym_block_n=None,
+    consumer_expand=None, scale_bytes=None, wide_copy=None, asym_block_n=None, asym_order=None,
+    asym_halves=None, one_wave=False,
 ):  # fmt: skip
     """(kernel, launch metadata, block step) of one configuration: the constexprs, ``num_warps``
     and ``maxnreg`` the launcher passes, and the multiple of rows a top-k slice is rounded to.
+    ``one_wave``: the launch has at most one program per SM (picks the FP8 default schedule).
     ``benchmarks/kernels/aot_sm90.py`` and the build test compile exactly this."""
     fp8_staged = bool(is_fp8 and (FP8_STAGED if fp8_staged is None else fp8_staged))
     fp8_rows = fp8_rows or (STAGED_FP8_ROWS if fp8_staged else 16)
     dequant = FP8_DEQUANT if dequant is None else dequant
     if producer_regs is None:
         producer_regs = default_producer_regs(is_fp8 and not fp8_staged)
-    schedule = schedule or SCHEDULE or (FP8_SCHEDULE if is_fp8 else "seesaw")
+    fp8_default = FP8_ONE_WAVE_SCHEDULE if one_wave and fp8_staged else FP8_SCHEDULE
+    schedule = schedule or SCHEDULE or (fp8_default if is_fp8 else "seesaw")
     if schedule not in ("split", "seesaw", "asym"):
         raise ValueError(f"schedule must be 'split', 'seesaw' or 'asym', got {schedule!r}")
     if schedule == "asym" and not fp8_staged:
@@ -1386,6 +1483,14 @@ def launch_config(
         WIDE_COPY=wide_copy,
         num_warps=PRODUCER_WARPS, maxnreg=launch_maxnreg(),
     )  # fmt: skip
+    if schedule == "asym":
+        asym_order = asym_order or ASYM_ORDER
+        if asym_order not in ("expand_first", "pv_first"):
+            raise ValueError(f"asym_order must be 'expand_first' or 'pv_first', got {asym_order!r}")
+        meta["ASYM_PV_FIRST"] = asym_order == "pv_first"
+        meta["ASYM_HALVES"] = bool(ASYM_HALVES if asym_halves is None else asym_halves)
+    elif asym_order is not None or asym_halves is not None:
+        raise ValueError("asym_order and asym_halves apply to the asym schedule only")
     kernel = dict(seesaw=_sparse_mla_seesaw_kernel, split=_sparse_mla_ws_kernel,
                   asym=_sparse_mla_asym_kernel)[schedule]  # fmt: skip
     step = 2 * block_n if schedule == "seesaw" else block_n  # seesaw: blocks in pairs
@@ -1408,15 +1513,20 @@ def sparse_mla_ws(q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, n
     through shared memory or registers), ``producer_regs`` (the producer's setmaxnreg),
     ``fp8_rows`` (rows per producer batch), ``dequant`` (0: e4m3 -> fp32 conversion
     instructions, scale, -> bf16; 1: integer bit moves and one bf16 fma), ``consumer_expand``,
-    ``wide_copy``, ``scale_bytes``, ``asym_block_n``, ``q_async``, ``idx_smem`` and
-    ``early_release`` (module defaults: ``FP8_CONSUMER_EXPAND``, ``WIDE_COPY``, ``SCALE_BYTES``,
-    ``ASYM_BLOCK_N``, ``Q_ASYNC``, ``IDX_SMEM``, ``EARLY_RELEASE``)."""
+    ``wide_copy``, ``scale_bytes``, ``asym_block_n``, ``asym_order``, ``asym_halves``,
+    ``q_async``, ``idx_smem`` and ``early_release`` (module defaults: ``FP8_CONSUMER_EXPAND``,
+    ``WIDE_COPY``, ``SCALE_BYTES``, ``ASYM_BLOCK_N``, ``ASYM_ORDER``, ``ASYM_HALVES``,
+    ``Q_ASYNC``, ``IDX_SMEM``, ``EARLY_RELEASE``). Without ``schedule``, fp8_ds_mla rows take
+    ``FP8_ONE_WAVE_SCHEDULE`` when ``T · num_splits`` programs fit the SMs at one each, else
+    ``FP8_SCHEDULE``."""
     t, h, _ = q.shape
     k = indices.shape[1]
     trace = tuning.pop("trace", None)  # a [T·splits, TRACE_SLOTS] int64 tensor: see _stamp
     if not _query_copyable(q):  # cp.async moves aligned 16-byte pieces of bf16
         tuning["q_async"] = False
-    kernel, meta, step = launch_config(is_fp8, row_bytes, trace=trace is not None, **tuning)
+    one_wave = t * max(1, num_splits) <= _num_sms(q.device.index)
+    kernel, meta, step = launch_config(is_fp8, row_bytes, trace=trace is not None, one_wave=one_wave,
+                                       **tuning)  # fmt: skip
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), num_splits), step) * step
     if k_per_split > IDX_CAP:  # the slice's ids do not fit the shared-memory copy
         meta["IDX_SMEM"] = False
