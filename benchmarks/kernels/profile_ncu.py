@@ -6,8 +6,11 @@ Run it under ``ncu`` (the GPU machine has it; ``--clock-control none`` leaves th
         --section SpeedOfLight --section Occupancy --section WarpStateStats \
         python3 benchmarks/kernels/profile_ncu.py topk --rows 8192 --cols 131072 --causal
 
-Ops: ``topk`` (random fp32 logits, causal limits as in a prefill chunk, or full rows) and
-``indexer_write`` (FP8 indexer keys to random or paged slots of a 1M-slot cache). Each launch is
+Ops: ``topk`` (random fp32 logits, causal limits as in a prefill chunk, or full rows),
+``indexer_write`` (FP8 indexer keys to random or paged slots of a 1M-slot cache) and
+``sparse_mla_decode`` (``--rows`` decode queries on bench_sparse_mla_decode's inputs, ``--cache``
+fp8_ds_mla or auto, ``--kernel`` triton or ws; ``--ws-set NAME=VALUE,...`` overrides
+``sparse_mla_ws`` module defaults, e.g. ``FP8_ONE_WAVE_SCHEDULE=split``). Each launch is
 the whole op, so pick the kernel with ``--kernel-name``; ``--launches`` runs it that many times.
 """
 
@@ -49,16 +52,37 @@ def indexer_write(args):
     return lambda: write_indexer_cache(cache, k, slots, layout)
 
 
+def sparse_mla_decode(args):
+    import math
+
+    from benchmarks.kernels.bench_sparse_mla_decode import make_inputs
+    from vllm.kernels import sparse_mla_ws
+    from vllm.kernels.sparse_mla_decode import sparse_mla_decode as decode
+
+    for kv in filter(None, args.ws_set.split(",")):
+        name, value = kv.split("=")
+        if not hasattr(sparse_mla_ws, name):
+            raise SystemExit(f"sparse_mla_ws has no {name}")
+        setattr(sparse_mla_ws, name, int(value) if value.lstrip("-").isdigit() else value)
+    layout, cache, slots, q = make_inputs(args.rows, args.cache)
+    scale = 1 / math.sqrt(256)
+    return lambda: decode(q, cache, slots, layout, scale, torch.bfloat16, kernel=args.kernel)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("op", choices=["topk", "indexer_write"])
+    p.add_argument("op", choices=["topk", "indexer_write", "sparse_mla_decode"])
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--cols", type=int, default=131072)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--paged", action="store_true")
     p.add_argument("--launches", type=int, default=2)
+    p.add_argument("--cache", default="fp8_ds_mla", choices=["fp8_ds_mla", "auto"])
+    p.add_argument("--kernel", default="ws", choices=["triton", "ws"])
+    p.add_argument("--ws-set", default="", help="sparse_mla_ws module defaults, NAME=VALUE,...")
     args = p.parse_args()
-    fn = {"topk": topk, "indexer_write": indexer_write}[args.op](args)
+    ops = {"topk": topk, "indexer_write": indexer_write, "sparse_mla_decode": sparse_mla_decode}
+    fn = ops[args.op](args)
     for _ in range(args.launches):
         fn()
     torch.cuda.synchronize()
