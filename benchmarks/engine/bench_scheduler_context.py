@@ -58,10 +58,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args()
     ckpt = tempfile.mkdtemp(prefix="bench-sched-")
-    write_checkpoint(ckpt, dict(TINY_CONFIG), tiny_state_dict(dict(TINY_CONFIG), seed=1), tokenizer=False)
+    write_checkpoint(
+        ckpt, dict(TINY_CONFIG), tiny_state_dict(dict(TINY_CONFIG), seed=1), tokenizer=False
+    )
     print(f"{'batch':>6} {'context':>8} {'schedule+update ms/step':>24}")
     for ctx in args.contexts:
-        print(f"{args.batch:>6} {ctx:>8} {measure(ckpt, args.batch, ctx, args.steps):>24.2f}", flush=True)
+        print(
+            f"{args.batch:>6} {ctx:>8} {measure(ckpt, args.batch, ctx, args.steps):>24.2f}",
+            flush=True,
+        )
     return 0
 
 

@@ -50,21 +50,38 @@ def _sync(dev):
         torch.cuda.synchronize()
 
 
-def run(path: str, device: str, batch: int, steps: int, dtype: torch.dtype, sampling: str = "topp") -> dict:
+def run(
+    path: str, device: str, batch: int, steps: int, dtype: torch.dtype, sampling: str = "topp"
+) -> dict:
     dev = torch.device(device)
-    cfg = EngineArgs(model=path, device=device, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 16),
-                     kv_cache_memory_bytes=2 * 2**30 if device == "cuda" else 256 * 2**20,
-                     dtype="bfloat16" if dtype == torch.bfloat16 else "float32").create_engine_config()
+    cfg = EngineArgs(
+        model=path,
+        device=device,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch * 16),
+        kv_cache_memory_bytes=2 * 2**30 if device == "cuda" else 256 * 2**20,
+        dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+    ).create_engine_config()
     model = build_model(path, dtype=cfg.model_config.dtype, device=dev)
     runner = ModelRunner(cfg, model, ParallelContext.single(), dev)
     blocks = cfg.cache_config.kv_cache_memory_bytes // runner.kv_bytes_per_block()
     runner.initialize_kv_cache(blocks)
     sched = Scheduler(cfg, blocks)
     for i in range(batch):
-        sched.add_request(EngineCoreRequest(str(i), list(range(10 + i % 7, 26 + i % 7)),
-                                            SamplingOptions(temperature=0.8 if sampling == "topp" else 0.0,
-                                                            top_p=0.95 if sampling == "topp" else 1.0, seed=i,
-                                                            max_tokens=10_000, ignore_eos=True), []))
+        sched.add_request(
+            EngineCoreRequest(
+                str(i),
+                list(range(10 + i % 7, 26 + i % 7)),
+                SamplingOptions(
+                    temperature=0.8 if sampling == "topp" else 0.0,
+                    top_p=0.95 if sampling == "topp" else 1.0,
+                    seed=i,
+                    max_tokens=10_000,
+                    ignore_eos=True,
+                ),
+                [],
+            )
+        )
     rows = []
     for step in range(steps + 3):
         t0 = time.perf_counter()
@@ -99,12 +116,26 @@ def run(path: str, device: str, batch: int, steps: int, dtype: torch.dtype, samp
         sched.update_from_output(so, ro)
         t5 = time.perf_counter()
         if step >= 3 and all(n == 1 for n in so.num_scheduled_tokens.values()):
-            rows.append(dict(schedule=t1 - t0, prep=t2 - t1, forward=t3 - t2, sample=t4 - t3, update=t5 - t4,
-                             syncs=prep_syncs + sample_syncs))
+            rows.append(
+                dict(
+                    schedule=t1 - t0,
+                    prep=t2 - t1,
+                    forward=t3 - t2,
+                    sample=t4 - t3,
+                    update=t5 - t4,
+                    syncs=prep_syncs + sample_syncs,
+                )
+            )
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     host = med["schedule"] + med["prep"] + med["sample"] + med["update"]
-    return {"batch": batch, "sampling": sampling, "steps": len(rows), "host_ms": host * 1e3, **{f"{k}_ms": v * 1e3 for k, v in med.items()
-            if k != "syncs"}, "syncs_per_step": med["syncs"]}
+    return {
+        "batch": batch,
+        "sampling": sampling,
+        "steps": len(rows),
+        "host_ms": host * 1e3,
+        **{f"{k}_ms": v * 1e3 for k, v in med.items() if k != "syncs"},
+        "syncs_per_step": med["syncs"],
+    }
 
 
 def main() -> int:
@@ -118,16 +149,29 @@ def main() -> int:
     args = ap.parse_args()
     path = _checkpoint(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    res = [run(path, args.device, b, args.steps, dtype, sm) for sm in args.sampling for b in args.batches]
+    res = [
+        run(path, args.device, b, args.steps, dtype, sm)
+        for sm in args.sampling
+        for b in args.batches
+    ]
     print(f"host overhead per decode step ({args.model}, {args.device}); forward excluded; medians")
-    print(f"{'sampling':>8} {'batch':>5} {'host ms':>8} {'sched':>7} {'prep':>7} {'sample':>7} {'update':>7} {'fwd ms':>8} {'syncs':>5}")
+    print(
+        f"{'sampling':>8} {'batch':>5} {'host ms':>8} {'sched':>7} {'prep':>7} {'sample':>7} {'update':>7} {'fwd ms':>8} {'syncs':>5}"
+    )
     for r in res:
-        print(f"{r['sampling']:>8} {r['batch']:>5} {r['host_ms']:>8.3f} {r['schedule_ms']:>7.3f} {r['prep_ms']:>7.3f} {r['sample_ms']:>7.3f}"
-              f" {r['update_ms']:>7.3f} {r['forward_ms']:>8.2f} {r['syncs_per_step']:>5}")
+        print(
+            f"{r['sampling']:>8} {r['batch']:>5} {r['host_ms']:>8.3f} {r['schedule_ms']:>7.3f} {r['prep_ms']:>7.3f} {r['sample_ms']:>7.3f}"
+            f" {r['update_ms']:>7.3f} {r['forward_ms']:>8.2f} {r['syncs_per_step']:>5}"
+        )
     if args.json:
         with open(args.json, "a") as f:
             for r in res:
-                f.write(json.dumps({"bench": "step_overhead", "model": args.model, "device": args.device, **r}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"bench": "step_overhead", "model": args.model, "device": args.device, **r}
+                    )
+                    + "\n"
+                )
     return 0
 
 

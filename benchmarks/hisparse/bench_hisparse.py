@@ -87,7 +87,9 @@ class Setup:
         # reads another's rows from L2)
         self.hbm = []
         for _ in range(LAYERS):
-            c = torch.randint(0, 255, (b * pages + 1, BS, row), dtype=torch.uint8, device=dev, generator=g)
+            c = torch.randint(
+                0, 255, (b * pages + 1, BS, row), dtype=torch.uint8, device=dev, generator=g
+            )
             c.view(-1, row)[:, 512:528] = 0  # finite scales
             self.hbm.append(c)
         self.page_table_hbm = torch.arange(b * pages, device=dev, dtype=torch.int32).view(b, pages)
@@ -95,10 +97,15 @@ class Setup:
         self.hot_rows = 2 * TOPK
         hot_blocks = self.hot_rows // BS
         n_gpu = b * (hot_blocks + 1) + 1
-        self.gpu = [torch.zeros((n_gpu, BS, row), dtype=torch.uint8, device=dev) for _ in range(LAYERS)]
+        self.gpu = [
+            torch.zeros((n_gpu, BS, row), dtype=torch.uint8, device=dev) for _ in range(LAYERS)
+        ]
         self.trash = (n_gpu - 1) * BS
         pin = dev.type == "cuda"
-        self.host = [torch.zeros((b * pages, BS, row), dtype=torch.uint8, pin_memory=pin) for _ in range(LAYERS)]
+        self.host = [
+            torch.zeros((b * pages, BS, row), dtype=torch.uint8, pin_memory=pin)
+            for _ in range(LAYERS)
+        ]
         for h in self.host:  # random e4m3 values (drawn on the GPU: a CPU fill of 20+ GB is slow)
             tmp = torch.zeros(h.shape, dtype=torch.uint8, device=dev)
             tmp.view(-1, row)[:, :512].random_(0, 120, generator=g)
@@ -106,10 +113,13 @@ class Setup:
             del tmp
         self.host_dev = [device_view(h, dev) for h in self.host]
         self.page_table_hs = torch.full((b, pages), -1, dtype=torch.int32, device=dev)
-        self.page_table_hs[:, -1] = torch.arange(b, device=dev, dtype=torch.int32) * (hot_blocks + 1) + hot_blocks
+        self.page_table_hs[:, -1] = (
+            torch.arange(b, device=dev, dtype=torch.int32) * (hot_blocks + 1) + hot_blocks
+        )
         self.host_table = torch.arange(b * pages, device=dev).view(b, pages)
-        self.hot_slots = ((torch.arange(b, device=dev) * (hot_blocks + 1)).unsqueeze(1) * BS
-                          + torch.arange(self.hot_rows, device=dev))
+        self.hot_slots = (torch.arange(b, device=dev) * (hot_blocks + 1)).unsqueeze(
+            1
+        ) * BS + torch.arange(self.hot_rows, device=dev)
         self.hot_pos = torch.full((b, self.hot_rows + 1), -1, dtype=torch.int64, device=dev)
         self.hot_lru = torch.zeros((b, self.hot_rows + 1), dtype=torch.int64, device=dev)
         # indexer: FP8 keys of the whole context on the GPU
@@ -119,7 +129,9 @@ class Setup:
         self.iq = torch.randn(b, 32, 128, device=dev, generator=g).to(torch.float8_e4m3fn)
         self.iqs = torch.rand(b, 32, device=dev, generator=g)
         self.iw = torch.randn(b, 32, device=dev, generator=g)
-        self.pos = torch.stack([torch.randperm(ctx, device=dev, generator=g)[:TOPK] for _ in range(b)])
+        self.pos = torch.stack(
+            [torch.randperm(ctx, device=dev, generator=g)[:TOPK] for _ in range(b)]
+        )
         self.step = 0
 
         self.copy_stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
@@ -144,9 +156,17 @@ class Setup:
 
     def indexer(self):
         ctx = torch.full((self.b,), self.ctx, device=self.dev)
-        logits = dispatch.indexer_logits_paged(self.iq, self.iqs, self.iw, self.idx_cache, self.layout,
-                                               self.page_table_hbm, torch.arange(self.b, device=self.dev), ctx,
-                                               self.ctx)
+        logits = dispatch.indexer_logits_paged(
+            self.iq,
+            self.iqs,
+            self.iw,
+            self.idx_cache,
+            self.layout,
+            self.page_table_hbm,
+            torch.arange(self.b, device=self.dev),
+            ctx,
+            self.ctx,
+        )
         return dispatch.indexer_topk(logits, ctx, TOPK)
 
     def group_hbm(self, dense: bool):
@@ -166,9 +186,18 @@ class Setup:
             self.dense.indexer_proj()
         self.indexer()
         self.step += 1
-        res = dispatch.hisparse_resolve(self.pos, torch.arange(self.b, device=self.dev), self.page_table_hs,
-                                        self.host_table, self.hot_slots, self.hot_pos, self.hot_lru, self.step,
-                                        self.trash, BS)
+        res = dispatch.hisparse_resolve(
+            self.pos,
+            torch.arange(self.b, device=self.dev),
+            self.page_table_hs,
+            self.host_table,
+            self.hot_slots,
+            self.hot_pos,
+            self.hot_lru,
+            self.step,
+            self.trash,
+            BS,
+        )
         apply_copies(res, self.gpu[:1], self.host_dev[:1])
         events = [None] + prefetch(res, self.gpu[1:], self.host_dev[1:], self.copy_stream)
         for i in range(LAYERS):
@@ -214,9 +243,22 @@ class DenseLayer:
         self.iq_b = w(a.q_lora_rank, a.index_n_heads * a.index_head_dim)
         self.ik = w(d, a.index_head_dim + a.index_n_heads)
         self.hq, self.qk, self.nope = hq, qk, a.qk_nope_head_dim
-        self.weight_bytes = sum(t.nbytes for t in (self.wq_a, self.wq_b, self.wkv_a, self.w_uk, self.w_uv,
-                                                   self.wo, self.router, self.shared13, self.shared2,
-                                                   self.e13, self.e2))
+        self.weight_bytes = sum(
+            t.nbytes
+            for t in (
+                self.wq_a,
+                self.wq_b,
+                self.wkv_a,
+                self.w_uk,
+                self.w_uv,
+                self.wo,
+                self.router,
+                self.shared13,
+                self.shared2,
+                self.e13,
+                self.e2,
+            )
+        )
 
     def indexer_proj(self):
         cq = self.x @ self.wq_a
@@ -229,7 +271,11 @@ class DenseLayer:
         return self.x @ self.wkv_a
 
     def post(self):
-        v = torch.bmm(self.o.transpose(0, 1), self.w_uv).transpose(0, 1).reshape(self.x.shape[0], -1)
+        v = (
+            torch.bmm(self.o.transpose(0, 1), self.w_uv)
+            .transpose(0, 1)
+            .reshape(self.x.shape[0], -1)
+        )
         h = v @ self.wo
         h @ self.router
         torch.nn.functional.silu((h @ self.shared13)[:, : self.shared2.shape[0]]) @ self.shared2
@@ -258,10 +304,20 @@ def run(b, ctx, hit_rates, dev, layout, reps, dense_modes=(False, True)):
             t_hs = _time(step, dev, reps)
             miss = float(torch.stack(misses[-reps:]).float().mean())
             moved = miss * LAYERS * layout.mla_bytes_per_token
-            rows.append({"batch": b, "context": ctx, "mode": "decode step" if dense else "attention",
-                         "target_hit": h, "hit": 1 - miss / (b * TOPK), "hbm_ms": t_hbm, "hisparse_ms": t_hs,
-                         "ratio": t_hs / t_hbm, "h2d_MB_per_step": moved / 1e6,
-                         "h2d_GBps": moved / (t_hs * 1e-3) / 1e9})
+            rows.append(
+                {
+                    "batch": b,
+                    "context": ctx,
+                    "mode": "decode step" if dense else "attention",
+                    "target_hit": h,
+                    "hit": 1 - miss / (b * TOPK),
+                    "hbm_ms": t_hbm,
+                    "hisparse_ms": t_hs,
+                    "ratio": t_hs / t_hbm,
+                    "h2d_MB_per_step": moved / 1e6,
+                    "h2d_GBps": moved / (t_hs * 1e-3) / 1e9,
+                }
+            )
             print("row:", json.dumps(rows[-1]), flush=True)
     return rows, s
 
@@ -297,17 +353,23 @@ def main() -> int:
             x["tok_s_glm53_attention"] = 1e3 / (x["hisparse_ms"] * 21)  # 21 IndexShare groups
         rows += r
     print(f"per IndexShare group (1 full + 3 shared layers), fp8_ds_mla, top-k {TOPK}, {dev}")
-    print(f"{'mode':>12} {'B':>3} {'ctx':>8} {'hit':>6} {'HBM ms':>8} {'HiSp ms':>8} {'ratio':>6} {'H2D MB':>8}"
-          f" {'GB/s':>7}")
+    print(
+        f"{'mode':>12} {'B':>3} {'ctx':>8} {'hit':>6} {'HBM ms':>8} {'HiSp ms':>8} {'ratio':>6} {'H2D MB':>8}"
+        f" {'GB/s':>7}"
+    )
     for r in rows:
-        print(f"{r['mode']:>12} {r['batch']:>3} {r['context']:>8} {r['hit']:>6.3f} {r['hbm_ms']:>8.3f}"
-              f" {r['hisparse_ms']:>8.3f}"
-              f" {r['ratio']:>6.2f} {r['h2d_MB_per_step']:>8.2f} {r['h2d_GBps']:>7.2f}")
+        print(
+            f"{r['mode']:>12} {r['batch']:>3} {r['context']:>8} {r['hit']:>6.3f} {r['hbm_ms']:>8.3f}"
+            f" {r['hisparse_ms']:>8.3f}"
+            f" {r['ratio']:>6.2f} {r['h2d_MB_per_step']:>8.2f} {r['h2d_GBps']:>7.2f}"
+        )
     for r in rows:
         if "tok_s_glm53_attention" in r:
-            print(f"1M-token request: {r['hisparse_ms']:.2f} ms per group step -> ~{r['tok_s_glm53_attention']:.1f} "
-                  f"tok/s for GLM-5.3's 21 groups (attention only); host pool {r['host_pool_GiB_4_layers']:.2f} GiB "
-                  f"for 4 layers here, {r['host_pool_GiB_glm53']:.1f} GiB for the whole model")
+            print(
+                f"1M-token request: {r['hisparse_ms']:.2f} ms per group step -> ~{r['tok_s_glm53_attention']:.1f} "
+                f"tok/s for GLM-5.3's 21 groups (attention only); host pool {r['host_pool_GiB_4_layers']:.2f} GiB "
+                f"for 4 layers here, {r['host_pool_GiB_glm53']:.1f} GiB for the whole model"
+            )
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

@@ -54,7 +54,9 @@ def main() -> int:
             s.pos = p
             s.group_hisparse(args.dense)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    )
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return 0

@@ -68,7 +68,9 @@ def ptxas(compiled, sass: bool = True) -> dict:
                            capture_output=True, text=True, check=True)  # fmt: skip
         text = ""
         if sass:
-            text = subprocess.run([_bin("nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+            text = subprocess.run(
+                [_bin("nvdisasm"), "-c", cubin], capture_output=True, text=True
+            ).stdout
     num = lambda pat: int(m.group(1)) if (m := re.search(pat, r.stderr)) else 0  # noqa: E731
     return dict(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
                 spill_loads=num(r"(\d+) bytes spill loads"), smem=compiled.metadata.shared,
@@ -85,8 +87,14 @@ def report(compiled) -> dict:
         spill_stores=rep["spill_stores"],
         spill_loads=rep["spill_loads"],
         smem=compiled.metadata.shared,
-        setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                      compiled.asm["ptx"])}),  # fmt: skip
+        setmaxnreg=sorted(
+            {
+                int(x)
+                for x in re.findall(
+                    r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]
+                )
+            }
+        ),  # fmt: skip
         sass=sass,
     )
 
@@ -119,12 +127,18 @@ def main() -> None:
                     "trace=1,idx_smem=0,q_async=0,early_release=0")  # fmt: skip
     ap.add_argument("--sass-hist", action="store_true")
     ap.add_argument("--dump", default=None, help="write the ptx and sass there")
-    ap.add_argument("--json", action="store_true", help="print the report (no SASS) as one JSON line")
+    ap.add_argument(
+        "--json", action="store_true", help="print the report (no SASS) as one JSON line"
+    )
     a = ap.parse_args()
     tuning = dict(schedule=a.schedule, producer_regs=a.producer_regs, fp8_rows=a.fp8_rows,
                   dequant=a.dequant, fp8_staged=False if a.register_fp8 else None)  # fmt: skip
-    tuning.update({k: int(v) if v.lstrip("-").isdigit() else v
-                   for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)})
+    tuning.update(
+        {
+            k: int(v) if v.lstrip("-").isdigit() else v
+            for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)
+        }
+    )
     k = compile_config(a.fp8, **tuning)
     rep = report(k)
     if a.json:

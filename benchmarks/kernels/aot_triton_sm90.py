@@ -83,7 +83,9 @@ def build_log(path: str, per_kernel: int = 3) -> dict:
         consts.update({k: v for k, v in GPU_CONSTS.items() if k in consts})
         types = {k: v for k, v in rec["sig"].items() if v != "constexpr"}
         try:
-            rep = ptxas(compile_kernel(fn, types, consts | rec["options"], rec["div16"]), sass=False)
+            rep = ptxas(
+                compile_kernel(fn, types, consts | rec["options"], rec["div16"]), sass=False
+            )
             rep = {k: v for k, v in rep.items() if k != "sass"}
         except Exception as e:  # noqa: BLE001 - reported per kernel, the caller decides
             rep = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
@@ -97,7 +99,9 @@ def _parse_case(text: str):
     for item in text.split(",")[3:]:
         key, val = item.split("=")
         low = val.lower()
-        tuning[key] = low == "true" if low in ("true", "false") else (float(val) if "." in val else int(val))
+        tuning[key] = (
+            low == "true" if low in ("true", "false") else (float(val) if "." in val else int(val))
+        )
     return t, s, k, tuning
 
 

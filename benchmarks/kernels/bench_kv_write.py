@@ -55,8 +55,13 @@ def bench(n, what, tag="", paged=False):
 
 def main():
     ap = parser(__doc__)
-    ap.add_argument("--sweep-caches", nargs="+", default=["mla_fp8", "indexer"],
-                    choices=["mla_fp8", "indexer"], help="the writers --sweep tunes")
+    ap.add_argument(
+        "--sweep-caches",
+        nargs="+",
+        default=["mla_fp8", "indexer"],
+        choices=["mla_fp8", "indexer"],
+        help="the writers --sweep tunes",
+    )
     args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
     rows = [bench(n, w) for w in ("mla_fp8", "mla_auto", "indexer") for n in shapes]
@@ -68,7 +73,9 @@ def main():
                 for warps in (1, 2, 4, 8):
                     kv_write.TUNE[what] = (block_r, warps)
                     for paged in (False, True):
-                        rows += [bench(n, what, f" BR{block_r} w{warps}", paged) for n in shapes[-1:]]
+                        rows += [
+                            bench(n, what, f" BR{block_r} w{warps}", paged) for n in shapes[-1:]
+                        ]
             kv_write.TUNE[what] = default[what]
     print_rows(rows)
     dump_json(rows, args.json)

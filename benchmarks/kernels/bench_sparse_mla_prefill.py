@@ -55,8 +55,12 @@ def _ref(q, kv, idx, scale):
 
 def main():
     ap = parser(__doc__)
-    ap.add_argument("--topks", default="2048", help="top-k sizes, comma-separated (2048 is "
-                    "GLM-5.3's; others separate the per-token fixed cost from the per-block one)")
+    ap.add_argument(
+        "--topks",
+        default="2048",
+        help="top-k sizes, comma-separated (2048 is "
+        "GLM-5.3's; others separate the per-token fixed cost from the per-block one)",
+    )
     args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
     kernels = [k for k in args.kernels.split(",") if k != "ws" or ws_available()]

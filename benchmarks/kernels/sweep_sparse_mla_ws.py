@@ -24,10 +24,18 @@ def main():
     ap.add_argument("--dequant", default="0,1", help="FP8 dequant variant(s), see sparse_mla_ws")
     ap.add_argument("--schedules", default="split,seesaw", help="consumer schedule(s)")
     ap.add_argument("--staged", default="0,1", help="FP8 rows staged through shared memory (0/1)")
-    ap.add_argument("--configs", default="", help="explicit FP8 configs dequant:regs:rows,... "
-                    "(instead of the product of the three lists)")
-    ap.add_argument("--tunes", default="", help="other launch_config knobs for the FP8 configs: "
-                    "sets separated by ';', each k=v,... (integers), e.g. ';consumer_expand=1'")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="explicit FP8 configs dequant:regs:rows,... "
+        "(instead of the product of the three lists)",
+    )
+    ap.add_argument(
+        "--tunes",
+        default="",
+        help="other launch_config knobs for the FP8 configs: "
+        "sets separated by ';', each k=v,... (integers), e.g. ';consumer_expand=1'",
+    )
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (decode)")
     ap.add_argument("--prefill", default="8192x32768", help="TxS prefill shapes, comma-separated")
     args = ap.parse_args()
@@ -81,7 +89,9 @@ def main():
         base = _time(sparse_mla_fwd, q, kv, fmt, idx, 0.04, torch.bfloat16, kernel="triton")
         _print(f"prefill T={t} S={s}", "triton", base, flops, peaks, base)
         for sch in args.schedules.split(","):
-            ms = _time(sparse_mla_ws, q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, schedule=sch)
+            ms = _time(
+                sparse_mla_ws, q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, schedule=sch
+            )
             _print(f"prefill T={t} S={s}", f"ws {sch}", ms, flops, peaks, base)
 
 

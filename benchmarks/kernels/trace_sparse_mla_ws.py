@@ -105,7 +105,9 @@ def main():
     q = torch.randn(a.t, 64, 576, device="cuda", generator=g).to(torch.bfloat16)
     kv = torch.randn(a.s, 576, device="cuda", generator=g).to(torch.bfloat16)
     idx = torch.randint(0, a.s, (a.t, a.topk), device="cuda", generator=g, dtype=torch.int32)
-    run = lambda **kw: sparse_mla_ws(q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, schedule="seesaw", **tune, **kw)  # noqa: E731
+    run = lambda **kw: sparse_mla_ws(
+        q, kv, False, 1152, idx, 0.04, torch.bfloat16, 1, schedule="seesaw", **tune, **kw
+    )  # noqa: E731
     trace = torch.zeros(a.t, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     plain_ms = time_ms(run)
     traced_ms = time_ms(lambda: run(trace=trace))
@@ -119,8 +121,14 @@ def main():
           f"({n_pairs} pairs of 64-row blocks per token)")  # fmt: skip
     for name, lo, hi in PHASES:
         d = (end if hi == 99 else tr[:, hi]) - tr[:, lo]
-        extra = f"  ({d.median().item() / 1e3 / (n_pairs - 1):.2f} µs per pair)" if (lo, hi) == (5, 6) else ""
-        print(f"  {name:34s} median {d.median().item() / 1e3:8.2f} µs  p90 {d.quantile(0.9).item() / 1e3:8.2f}{extra}")
+        extra = (
+            f"  ({d.median().item() / 1e3 / (n_pairs - 1):.2f} µs per pair)"
+            if (lo, hi) == (5, 6)
+            else ""
+        )
+        print(
+            f"  {name:34s} median {d.median().item() / 1e3:8.2f} µs  p90 {d.quantile(0.9).item() / 1e3:8.2f}{extra}"
+        )
     # consecutive programs on one SM: the gap between one's last epilogue and the next's start
     sm = tr[:, 15].long()
     gaps = []

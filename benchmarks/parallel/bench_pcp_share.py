@@ -70,16 +70,30 @@ def run(length: int, pcp: int, dev: torch.device) -> dict:
     timer = _timer(dev)
     whole = timer(lambda: layer_share([(0, length)], q, qs, w, k, ks, q_abs, kv, dev))
     ch = v_chunks(length, pcp)
-    ranks = [timer(lambda r=r: layer_share([ch[r], ch[2 * pcp - 1 - r]], q, qs, w, k, ks, q_abs, kv, dev))
-             for r in range(pcp)]
+    ranks = [
+        timer(
+            lambda r=r: layer_share([ch[r], ch[2 * pcp - 1 - r]], q, qs, w, k, ks, q_abs, kv, dev)
+        )
+        for r in range(pcp)
+    ]
     mean = sum(ranks) / pcp
     pcp_bytes = (pcp - 1) / pcp * length * (ROW_FP8 + IDX_ROW)  # received per rank, a full layer
     dcp_bytes = (pcp - 1) / pcp * length * ROW_FP8  # the temporary full copy of the context
-    return {"length": length, "pcp": pcp, "whole_ms": whole, "rank_min_ms": min(ranks), "rank_max_ms": max(ranks),
-            "rank_mean_ms": mean, "balance": max(ranks) / mean, "compute_speedup": whole / max(ranks),
-            "efficiency": whole / max(ranks) / pcp, "pcp_allgather_MB": pcp_bytes / 1e6,
-            "pcp_allgather_ms_nvlink": pcp_bytes / NVLINK * 1e3, "dcp_allgather_MB": dcp_bytes / 1e6,
-            "dcp_allgather_ms_nvlink": dcp_bytes / NVLINK * 1e3}
+    return {
+        "length": length,
+        "pcp": pcp,
+        "whole_ms": whole,
+        "rank_min_ms": min(ranks),
+        "rank_max_ms": max(ranks),
+        "rank_mean_ms": mean,
+        "balance": max(ranks) / mean,
+        "compute_speedup": whole / max(ranks),
+        "efficiency": whole / max(ranks) / pcp,
+        "pcp_allgather_MB": pcp_bytes / 1e6,
+        "pcp_allgather_ms_nvlink": pcp_bytes / NVLINK * 1e3,
+        "dcp_allgather_MB": dcp_bytes / 1e6,
+        "dcp_allgather_ms_nvlink": dcp_bytes / NVLINK * 1e3,
+    }
 
 
 def main() -> int:
@@ -94,15 +108,23 @@ def main() -> int:
         from benchmarks.kernels.common import measure_peaks
 
         p = measure_peaks()
-        print(f"ceilings: copy {p.copy_tbps:.2f} TB/s, bf16 {p.bf16_tflops:.0f} TFLOP/s, fp8 {p.fp8_tflops:.0f} TFLOP/s")
+        print(
+            f"ceilings: copy {p.copy_tbps:.2f} TB/s, bf16 {p.bf16_tflops:.0f} TFLOP/s, fp8 {p.fp8_tflops:.0f} TFLOP/s"
+        )
     rows = [run(n, args.pcp, dev) for n in args.lengths]
-    print(f"one layer (indexer logits+top-k, sparse MLA prefill), PCP{args.pcp} V-shaped shares on {dev}")
-    print(f"{'L':>7} {'whole ms':>9} {'rank min':>9} {'rank max':>9} {'balance':>8} {'speedup':>8} {'eff':>6}"
-          f" {'PCP AG MB':>10} {'ms@450':>7} {'DCP AG MB':>10} {'ms@450':>7}")
+    print(
+        f"one layer (indexer logits+top-k, sparse MLA prefill), PCP{args.pcp} V-shaped shares on {dev}"
+    )
+    print(
+        f"{'L':>7} {'whole ms':>9} {'rank min':>9} {'rank max':>9} {'balance':>8} {'speedup':>8} {'eff':>6}"
+        f" {'PCP AG MB':>10} {'ms@450':>7} {'DCP AG MB':>10} {'ms@450':>7}"
+    )
     for r in rows:
-        print(f"{r['length']:>7} {r['whole_ms']:>9.2f} {r['rank_min_ms']:>9.2f} {r['rank_max_ms']:>9.2f}"
-              f" {r['balance']:>8.3f} {r['compute_speedup']:>8.2f} {r['efficiency']:>6.1%} {r['pcp_allgather_MB']:>10.1f}"
-              f" {r['pcp_allgather_ms_nvlink']:>7.2f} {r['dcp_allgather_MB']:>10.1f} {r['dcp_allgather_ms_nvlink']:>7.2f}")
+        print(
+            f"{r['length']:>7} {r['whole_ms']:>9.2f} {r['rank_min_ms']:>9.2f} {r['rank_max_ms']:>9.2f}"
+            f" {r['balance']:>8.3f} {r['compute_speedup']:>8.2f} {r['efficiency']:>6.1%} {r['pcp_allgather_MB']:>10.1f}"
+            f" {r['pcp_allgather_ms_nvlink']:>7.2f} {r['dcp_allgather_MB']:>10.1f} {r['dcp_allgather_ms_nvlink']:>7.2f}"
+        )
     if args.json:
         with open(args.json, "a") as f:
             for r in rows:

@@ -146,7 +146,9 @@ def _need(kernel, monkeypatch=None):
         monkeypatch.setattr(sparse_mla_ws, "SCALE_BYTES", 4 if "s4" in flags else 16)
         monkeypatch.setattr(sparse_mla_ws, "STAGED_FP8_ROWS", 64 if "r64" in flags else 32)
         monkeypatch.setattr(sparse_mla_ws, "ASYM_BLOCK_N", 32 if "b32" in flags else 64)
-        monkeypatch.setattr(sparse_mla_ws, "ASYM_ORDER", "pv_first" if "pvf" in flags else "expand_first")
+        monkeypatch.setattr(
+            sparse_mla_ws, "ASYM_ORDER", "pv_first" if "pvf" in flags else "expand_first"
+        )
         monkeypatch.setattr(sparse_mla_ws, "ASYM_HALVES", "halves" in flags)
         return "ws"
     return kernel

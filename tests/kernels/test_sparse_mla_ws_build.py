@@ -27,14 +27,21 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = [
     pytest.param([], 256, id="bf16-default-seesaw"),
     pytest.param(["--fp8"], 64, id="fp8-default-split-staged"),
-    pytest.param(["--fp8", "--tune", "consumer_expand=0,wide_copy=0,scale_bytes=16"], 64,
-                 id="fp8-producer-expands"),  # fmt: skip
+    pytest.param(
+        ["--fp8", "--tune", "consumer_expand=0,wide_copy=0,scale_bytes=16"],
+        64,
+        id="fp8-producer-expands",
+    ),  # fmt: skip
     pytest.param(["--fp8", "--schedule", "asym"], 64, id="fp8-asym"),
     pytest.param(["--fp8", "--tune", "one_wave=1"], 64, id="fp8-default-one-wave-asym"),
-    pytest.param(["--fp8", "--schedule", "asym", "--tune", "asym_order=expand_first"], 64,
-                 id="fp8-asym-expand-first"),  # fmt: skip
-    pytest.param(["--fp8", "--schedule", "asym", "--tune", "asym_halves=1"], 64,
-                 id="fp8-asym-halves"),  # fmt: skip
+    pytest.param(
+        ["--fp8", "--schedule", "asym", "--tune", "asym_order=expand_first"],
+        64,
+        id="fp8-asym-expand-first",
+    ),  # fmt: skip
+    pytest.param(
+        ["--fp8", "--schedule", "asym", "--tune", "asym_halves=1"], 64, id="fp8-asym-halves"
+    ),  # fmt: skip
     pytest.param(["--fp8", "--register-fp8"], 256, id="fp8-register-producer"),
     # the variants the GPU tests select, and the timeline builds of trace_sparse_mla_ws.py
     pytest.param(
@@ -97,6 +104,10 @@ def test_launch_config_one_wave_default():
     kernel, meta, _ = ws.launch_config(True, 656, one_wave=True)
     assert kernel is ws._sparse_mla_asym_kernel and meta["ASYM_PV_FIRST"]
     assert ws.launch_config(True, 656)[0] is ws._sparse_mla_ws_kernel
-    assert ws.launch_config(True, 656, one_wave=True, schedule="split")[0] is ws._sparse_mla_ws_kernel
-    assert ws.launch_config(True, 656, one_wave=True, fp8_staged=False)[0] is ws._sparse_mla_ws_kernel
+    assert (
+        ws.launch_config(True, 656, one_wave=True, schedule="split")[0] is ws._sparse_mla_ws_kernel
+    )
+    assert (
+        ws.launch_config(True, 656, one_wave=True, fp8_staged=False)[0] is ws._sparse_mla_ws_kernel
+    )
     assert ws.launch_config(False, 1152, one_wave=True)[0] is ws._sparse_mla_seesaw_kernel

@@ -44,7 +44,11 @@ KERNEL_MODULES = {"hisparse_resolve", "indexer_logits", "kv_write", "merge_attn"
 
 
 def _env(interpret: bool):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VLLM_TRITON_LAUNCH_LOG")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TRITON_INTERPRET", "VLLM_TRITON_LAUNCH_LOG")
+    }
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

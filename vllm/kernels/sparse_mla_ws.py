@@ -293,7 +293,9 @@ def _consumer(
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     heads_o = gl.arange(0, BLOCK_H, layout=row_o)
     dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    o_ptrs = (
+        out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    )
     gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
     heads_s = gl.arange(0, BLOCK_H, layout=row_s)
     gl.store(lse_ptr + split * stride_ls + t * stride_lt + heads_s, lse, mask=heads_s < num_heads)
@@ -509,7 +511,8 @@ def _produce_fp8_staged(
                 src = row + (64 * wg)[:, None, None] + wb[None, None, :]
                 raw3 = kv_st._reinterpret(gl.uint8, [16, BLOCK_N, 64], plain3)
                 async_copy.async_copy_global_to_shared(
-                    raw3.slice(8, 8, dim=0).slice(r0, FP8_ROWS, dim=1), src,
+                    raw3.slice(8, 8, dim=0).slice(r0, FP8_ROWS, dim=1),
+                    src,
                     mask=(rid >= 0)[None, :, None],
                 )
             else:
@@ -518,14 +521,17 @@ def _produce_fp8_staged(
                 row = (kv_ptr + rid.to(gl.int64) * ROW_BYTES)[:, None] + b2[None, :]
                 for g in gl.static_range(8):
                     async_copy.async_copy_global_to_shared(
-                        raw_v.slice((8 + g) * BLOCK_N + r0, FP8_ROWS, dim=0), row + 64 * g,
+                        raw_v.slice((8 + g) * BLOCK_N + r0, FP8_ROWS, dim=0),
+                        row + 64 * g,
                         mask=(rid >= 0)[:, None],
                     )
             rid_s = _batch_ids(idx_row, idx_s, i, r0, rs, k_lim, FP8_ROWS,
                 gl.SliceLayout(1, sl), BLOCK_N, IDX_SMEM)  # fmt: skip
             scp = (kv_ptr + rid_s.to(gl.int64) * ROW_BYTES + D_NOPE).to(gl.pointer_type(gl.float32))
             async_copy.async_copy_global_to_shared(
-                sc_st.slice(r0, FP8_ROWS, dim=0), scp[:, None] + cs[None, :], mask=(rid_s >= 0)[:, None]
+                sc_st.slice(r0, FP8_ROWS, dim=0),
+                scp[:, None] + cs[None, :],
+                mask=(rid_s >= 0)[:, None],
             )
             rid_r = _batch_ids(idx_row, idx_s, i, r0, rr, k_lim, FP8_ROWS,
                 gl.SliceLayout(1, rl), BLOCK_N, IDX_SMEM)  # fmt: skip
@@ -533,7 +539,9 @@ def _produce_fp8_staged(
                 gl.pointer_type(gl.bfloat16)
             )
             async_copy.async_copy_global_to_shared(
-                kr_st.slice(r0, FP8_ROWS, dim=0), rope[:, None] + cr[None, :], mask=(rid_r >= 0)[:, None]
+                kr_st.slice(r0, FP8_ROWS, dim=0),
+                rope[:, None] + cr[None, :],
+                mask=(rid_r >= 0)[:, None],
             )
         if CONSUMER_EXPAND:
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
@@ -586,7 +594,9 @@ def _producer(
         V: gl.constexpr = FP8_ROWS * 128 // (PRODUCER_WARPS * 32)
         VR: gl.constexpr = FP8_ROWS * 64 // (PRODUCER_WARPS * 32)
         fl: gl.constexpr = gl.BlockedLayout([1, V], [V // 4, 128 // V], [PRODUCER_WARPS, 1], [1, 0])
-        rl: gl.constexpr = gl.BlockedLayout([1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0])
+        rl: gl.constexpr = gl.BlockedLayout(
+            [1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0]
+        )
         rows = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, fl))
         c128 = gl.arange(0, 128, layout=gl.SliceLayout(0, fl))
         rows_r = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
@@ -599,7 +609,9 @@ def _producer(
             mbarrier.wait(empty.index(st), ((i // NUM_STAGES) & 1) ^ 1)
             for j in gl.static_range(BLOCK_N // FP8_ROWS):
                 k_next = i * BLOCK_N + (j + 1) * FP8_ROWS
-                nxt = _fp8_chunk_load(kv_ptr, idx_row, k_next, k_lim, rows, c128, rows_r, c64, ROW_BYTES)
+                nxt = _fp8_chunk_load(
+                    kv_ptr, idx_row, k_next, k_lim, rows, c128, rows_r, c64, ROW_BYTES
+                )
                 _fp8_chunk_store(cur, kv_st.slice(j * FP8_ROWS, FP8_ROWS, dim=0),
                                  kr_st.slice(j * FP8_ROWS, FP8_ROWS, dim=0), DEQUANT)  # fmt: skip
                 cur = nxt
@@ -610,7 +622,9 @@ def _producer(
         # FP8_ROWS rows per cp.async batch keeps the 64-bit addresses of one batch in registers
         VR: gl.constexpr = FP8_ROWS * 64 // (PRODUCER_WARPS * 32)
         nl: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [PRODUCER_WARPS, 1], [1, 0])
-        rl: gl.constexpr = gl.BlockedLayout([1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0])
+        rl: gl.constexpr = gl.BlockedLayout(
+            [1, VR], [VR // 2, 64 // VR], [PRODUCER_WARPS, 1], [1, 0]
+        )
         rows = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, nl))
         dn = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, nl))
         rows_r = gl.arange(0, FP8_ROWS, layout=gl.SliceLayout(1, rl))
@@ -625,13 +639,17 @@ def _producer(
                     gl.SliceLayout(1, nl), BLOCK_N, IDX_SMEM)  # fmt: skip
                 row = kv_ptr + rid.to(gl.int64) * row_stride
                 async_copy.async_copy_global_to_shared(
-                    kv_st.slice(r0, FP8_ROWS, dim=0), row[:, None] + dn[None, :], mask=(rid >= 0)[:, None]
+                    kv_st.slice(r0, FP8_ROWS, dim=0),
+                    row[:, None] + dn[None, :],
+                    mask=(rid >= 0)[:, None],
                 )
                 rid_r = _batch_ids(idx_row, idx_s, i, r0, rows_r, k_lim, FP8_ROWS,
                     gl.SliceLayout(1, rl), BLOCK_N, IDX_SMEM)  # fmt: skip
                 row_r = kv_ptr + rid_r.to(gl.int64) * row_stride + D_NOPE
                 async_copy.async_copy_global_to_shared(
-                    kr_st.slice(r0, FP8_ROWS, dim=0), row_r[:, None] + dr[None, :], mask=(rid_r >= 0)[:, None]
+                    kr_st.slice(r0, FP8_ROWS, dim=0),
+                    row_r[:, None] + dr[None, :],
+                    mask=(rid_r >= 0)[:, None],
                 )
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
             if i == 0:
@@ -706,7 +724,8 @@ def _load_query_async(q_ptr, t, stride_qt, stride_qh, num_heads, q_nope_s, q_rop
     hr = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, rl))
     dr = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, rl))
     async_copy.async_copy_global_to_shared(
-        q_rope_s, q_ptr + t * stride_qt + hr[:, None] * stride_qh + D_NOPE + dr[None, :],
+        q_rope_s,
+        q_ptr + t * stride_qt + hr[:, None] * stride_qh + D_NOPE + dr[None, :],
         mask=(hr < num_heads)[:, None],
     )
     async_copy.mbarrier_arrive(qbar, increment_count=False)
@@ -774,7 +793,9 @@ def _sparse_mla_ws_kernel(
     split = gl.program_id(1)
     trace_row = t * gl.num_programs(1) + split
     _stamp(trace_ptr, trace_row, 0, TRACE)
-    q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
+    q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(
+        IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES
+    )
     if IDX_SMEM:
         p_s = kr_s  # P goes to the rope slots (see _consumer); unused
     else:
@@ -871,7 +892,9 @@ def _seesaw_consumer(
         z = j >> 30
         own = ROLE + z
         s = gl.zeros([BLOCK_H, 64], gl.float32, s_layout)
-        s = warpgroup_mma(q_nope_s, kv_s.index(own).permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(
+            q_nope_s, kv_s.index(own).permute((1, 0)), s, use_acc=False, is_async=True
+        )
         s = warpgroup_mma(q_rope_s, kr_s.index(own).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = gl.where((rid >= 0)[None, :], s * scale_log2, float("-inf"))
@@ -955,12 +978,16 @@ def _seesaw_consumer(
     out = acc / gl.convert_layout(l_safe, row_o)[:, None]
     heads_o = gl.arange(0, BLOCK_H, layout=row_o)
     dn = c0 + gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    o_ptrs = (
+        out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    )
     gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
     if ROLE == 0:
         lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         heads_s = gl.arange(0, BLOCK_H, layout=row_s)
-        gl.store(lse_ptr + split * stride_ls + t * stride_lt + heads_s, lse, mask=heads_s < num_heads)
+        gl.store(
+            lse_ptr + split * stride_ls + t * stride_lt + heads_s, lse, mask=heads_s < num_heads
+        )
     _stamp(trace_ptr, trace_row, 7 + 2 * ROLE, TRACE)
 
 
@@ -1005,7 +1032,9 @@ def _sparse_mla_seesaw_kernel(
     split = gl.program_id(1)
     trace_row = t * gl.num_programs(1) + split
     _stamp(trace_ptr, trace_row, 0, TRACE)
-    q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
+    q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(
+        IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES
+    )
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     m0buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
     m1buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
@@ -1156,7 +1185,9 @@ def _asym_scorer(
     out = acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
     heads_o = gl.arange(0, BLOCK_H, layout=row_o)
     dn = gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    o_ptrs = (
+        out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    )
     gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
     lse = gl.where(has, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     heads_s = gl.arange(0, BLOCK_H, layout=row_s)
@@ -1277,7 +1308,9 @@ def _asym_expander(
     out = acc / l_safe[:, None]
     heads_o = gl.arange(0, BLOCK_H, layout=row_o)
     dn = D_NOPE // 2 + gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    o_ptrs = (
+        out_ptr + split * stride_os + t * stride_ot + heads_o[:, None] * stride_oh + dn[None, :]
+    )
     gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads_o < num_heads)[:, None])
 
 
@@ -1299,7 +1332,9 @@ def _sparse_mla_asym_kernel(
     split = gl.program_id(1)
     trace_row = t * gl.num_programs(1) + split
     _stamp(trace_ptr, trace_row, 0, TRACE)
-    q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES)
+    q_nope_s, q_rope_s, kv_s, kr_s, sc_s = _alloc_rows_and_query(
+        IS_FP8, FP8_STAGED, BLOCK_N, NUM_STAGES
+    )
     # α_i and the row sums live in the tile-scale buffer (no shared memory is left): as
     # [NUM_STAGES · BLOCK_N / 16, 64] fp32, stage st's scales are the BLOCK_N / 16 rows from
     # (BLOCK_N / 16)·st. α_i goes to the first of them once block i is expanded (its scales
@@ -1454,10 +1489,13 @@ def launch_config(
     if schedule == "asym" and not fp8_staged:
         raise ValueError("the asym schedule needs staged fp8_ds_mla rows")
     if consumer_expand and not (fp8_staged and schedule in ("split", "asym")):
-        raise ValueError("consumer_expand needs staged fp8_ds_mla rows and the split or asym schedule")
+        raise ValueError(
+            "consumer_expand needs staged fp8_ds_mla rows and the split or asym schedule"
+        )
     consumer_expand = schedule == "asym" or (
         (FP8_CONSUMER_EXPAND if consumer_expand is None else bool(consumer_expand))
-        and fp8_staged and schedule == "split"
+        and fp8_staged
+        and schedule == "split"
     )
     # the wide raw copies and 4-byte scale copies pay off when the consumers expand the rows; the
     # producer-expanded path keeps its copies unless told otherwise (1.050 vs 0.975 ms at T=1024)
@@ -1504,7 +1542,9 @@ def _query_copyable(q: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def sparse_mla_ws(q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, **tuning):
+def sparse_mla_ws(
+    q, kv_rows, is_fp8, row_bytes, indices, sm_scale, out_dtype, num_splits, **tuning
+):
     """Launch on [T, 64-or-fewer heads, 576] queries; returns (part_o, part_l) with a leading
     split dim like the Triton kernel's partials (``num_splits`` slices of ``indices``).
 

@@ -562,14 +562,25 @@ def topk_launch_config(
         collect_grid=triton.cdiv(t, rows) * num_chunks,
         z=float(z),
         pivot=dict(
-            TOPK=topk, TOPK_PAD=next_pow2(topk), CAP=cap, SAMPLE_STRIDE=sample_stride,
-            SAMPLE_PAD=sample_pad, NUM_CHUNKS_PAD=chunks_pad, RUN=sample_run, DEFF_REDO=DEFF_REDO,
+            TOPK=topk,
+            TOPK_PAD=next_pow2(topk),
+            CAP=cap,
+            SAMPLE_STRIDE=sample_stride,
+            SAMPLE_PAD=sample_pad,
+            NUM_CHUNKS_PAD=chunks_pad,
+            RUN=sample_run,
+            DEFF_REDO=DEFF_REDO,
             num_warps=pivot_warps or max(2 if sample_run > 1 else 4, min(16, sample_pad // 1024)),
         ),  # fmt: skip
         collect=collect,
-        select=dict(TOPK=topk, CAP=cap, THREADS=sthreads,
-                    REGS=select_regs or max(1, min(cap, 4096) // sthreads),
-                    SUB=max(1, min(8, cap // sthreads)), num_warps=select_warps),  # fmt: skip
+        select=dict(
+            TOPK=topk,
+            CAP=cap,
+            THREADS=sthreads,
+            REGS=select_regs or max(1, min(cap, 4096) // sthreads),
+            SUB=max(1, min(8, cap // sthreads)),
+            num_warps=select_warps,
+        ),  # fmt: skip
         fallback=dict(TOPK=topk, CAP=cap, BLOCK=min(block, max(16, next_pow2(s))), num_warps=4),
     )
 
