@@ -94,7 +94,7 @@ def report(compiled) -> dict:
                     r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]
                 )
             }
-        ),  # fmt: skip
+        ),
         sass=sass,
     )
 

@@ -31,17 +31,17 @@ CONFIGS = [
         ["--fp8", "--tune", "consumer_expand=0,wide_copy=0,scale_bytes=16"],
         64,
         id="fp8-producer-expands",
-    ),  # fmt: skip
+    ),
     pytest.param(["--fp8", "--schedule", "asym"], 64, id="fp8-asym"),
     pytest.param(["--fp8", "--tune", "one_wave=1"], 64, id="fp8-default-one-wave-asym"),
     pytest.param(
         ["--fp8", "--schedule", "asym", "--tune", "asym_order=expand_first"],
         64,
         id="fp8-asym-expand-first",
-    ),  # fmt: skip
+    ),
     pytest.param(
         ["--fp8", "--schedule", "asym", "--tune", "asym_halves=1"], 64, id="fp8-asym-halves"
-    ),  # fmt: skip
+    ),
     pytest.param(["--fp8", "--register-fp8"], 256, id="fp8-register-producer"),
     # the variants the GPU tests select, and the timeline builds of trace_sparse_mla_ws.py
     pytest.param(

@@ -571,7 +571,7 @@ def topk_launch_config(
             RUN=sample_run,
             DEFF_REDO=DEFF_REDO,
             num_warps=pivot_warps or max(2 if sample_run > 1 else 4, min(16, sample_pad // 1024)),
-        ),  # fmt: skip
+        ),
         collect=collect,
         select=dict(
             TOPK=topk,
@@ -580,7 +580,7 @@ def topk_launch_config(
             REGS=select_regs or max(1, min(cap, 4096) // sthreads),
             SUB=max(1, min(8, cap // sthreads)),
             num_warps=select_warps,
-        ),  # fmt: skip
+        ),
         fallback=dict(TOPK=topk, CAP=cap, BLOCK=min(block, max(16, next_pow2(s))), num_warps=4),
     )
 
