@@ -198,8 +198,10 @@ def sparse_mla_fwd(
     when a token has no valid row).
 
     ``kernel``: "triton" (this module's kernel), "ws" (the warp-specialised Gluon kernel of
-    :mod:`vllm.kernels.sparse_mla_ws`, Hopper and GLM-5.3 dims only) or None = the environment's
-    ``VLLM_SPARSE_MLA_KERNEL``, else "ws" where it applies and "triton" elsewhere."""
+    :mod:`vllm.kernels.sparse_mla_ws`, Hopper and GLM-5.3 dims only), "cuda" (the CUDA C++ FP8
+    decode kernel of :mod:`vllm.kernels.sparse_mla_cuda`, fp8_ds_mla rows on Hopper) or None =
+    the environment's ``VLLM_SPARSE_MLA_KERNEL``, else "ws" where it applies and "triton"
+    elsewhere."""
     t, h, d = q.shape
     if d != fmt.kv_lora + fmt.rope or indices.dim() != 2 or indices.shape[0] != t:
         raise ValueError(f"q {tuple(q.shape)} / indices {tuple(indices.shape)} / {fmt} mismatch")
@@ -217,6 +219,17 @@ def sparse_mla_fwd(
     nhb = triton.cdiv(h, cfg.block_h)
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), cfg.num_splits), cfg.block_n) * cfg.block_n
     splits = max(1, triton.cdiv(k, k_per_split))
+    if t and _use_cuda(kernel, q, kv_rows, fmt, int_dequant):
+        from vllm.kernels.sparse_mla_cuda import sparse_mla_fp8_cuda
+
+        part_o, part_l = sparse_mla_fp8_cuda(
+            q, kv_rows, indices, sm_scale, out_dtype, cfg.num_splits
+        )
+        if part_o.shape[0] == 1:
+            return part_o[0], part_l[0]
+        from vllm.kernels.merge_attn import merge_attn_states
+
+        return merge_attn_states(part_o, part_l, out_dtype=out_dtype)
     if t and _use_ws(kernel, q, kv_rows, fmt, int_dequant):
         from vllm.kernels.sparse_mla_ws import sparse_mla_ws
 
@@ -258,12 +271,46 @@ def sparse_mla_fwd(
 WS_DEFAULT = True  # faster on the H200 in all but one measured row (BENCHMARKS.md, fifth session)
 
 
+CUDA_DEFAULT = False  # the CUDA C++ FP8 decode kernel is opt-in until measured faster
+
+
+def _kernel_choice(kernel: str | None) -> str | None:
+    kernel = kernel or os.environ.get("VLLM_SPARSE_MLA_KERNEL") or None
+    if kernel not in (None, "ws", "triton", "cuda"):
+        raise ValueError(f"kernel must be 'ws', 'cuda' or 'triton', got {kernel!r}")
+    return kernel
+
+
+def _use_cuda(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
+    """Whether the CUDA C++ kernel (:mod:`vllm.kernels.sparse_mla_cuda`, fp8_ds_mla rows on
+    sm_90) takes this call; ``kernel="cuda"`` where it cannot is a ValueError saying why."""
+    kernel = _kernel_choice(kernel)
+    if kernel not in (None, "cuda") or (kernel is None and not CUDA_DEFAULT):
+        return False
+    why = None
+    if not q.is_cuda or interpreting():
+        why = "needs a CUDA device (no interpreter)"
+    elif not fmt.is_fp8 or (fmt.kv_lora, fmt.rope) != (512, 64) or q.shape[1] > 64:
+        why = f"is built for fp8_ds_mla rows, kv_lora 512, rope 64, <= 64 heads (got {fmt})"
+    elif int_dequant:
+        why = "has no integer-dequant variant"
+    elif kv_rows.data_ptr() % 16 or kv_rows.stride(0) != fmt.row_bytes:
+        why = "needs contiguous 16-byte aligned rows (it bulk-copies whole rows)"
+    else:
+        from vllm.kernels.sparse_mla_cuda import is_available
+
+        why = is_available(q.device)
+    if why is not None:
+        if kernel == "cuda":
+            raise ValueError(f"the CUDA sparse-MLA kernel {why}")
+        return False
+    return True
+
+
 def _use_ws(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
     """Whether the warp-specialised Gluon kernel takes this call (see ``sparse_mla_fwd``)."""
-    kernel = kernel or os.environ.get("VLLM_SPARSE_MLA_KERNEL") or None
-    if kernel not in (None, "ws", "triton"):
-        raise ValueError(f"kernel must be 'ws' or 'triton', got {kernel!r}")
-    if kernel == "triton":
+    kernel = _kernel_choice(kernel)
+    if kernel in ("triton", "cuda"):
         return False
     why = None
     if not q.is_cuda or interpreting():

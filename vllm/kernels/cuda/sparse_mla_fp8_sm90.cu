@@ -1,0 +1,697 @@
+// Sparse-MLA decode over fp8_ds_mla rows for Hopper (sm_90a), in CUDA C++.
+//
+// Same function as vllm.kernels.sparse_mla_fwd (one query token, all of its <= 64 heads, one
+// slice of its top-k list per CTA) at GLM-5.3's dims: kv_lora 512 (e4m3 + 4 fp32 tile scales),
+// rope 64 (bf16); a row is 656 bytes. What differs from the Gluon kernel (sparse_mla_ws.py) is
+// where the FP8 rows are dequantised: never into shared memory.
+//
+// - Producer warp (warpgroup 0, 40 registers): per 64-row block, one cp.async.bulk of 656 bytes per
+//   selected row into a ring of NUM_STAGES raw stages, completing on the stage's `full` mbarrier
+//   (expect_tx = valid rows x 656; a -1 id copies nothing and its row is masked).
+// - Scorer warpgroup (warpgroup 1): S^T = K . Q^T with M = the block's 64 rows and N = 64 heads.
+//   K is the A operand *in registers*: each thread loads its rows' raw bytes from the stage and
+//   converts e4m3 -> f16 (exact) times the tile scale normalised by the row's largest scale
+//   (2^-E_row, undone in the softmax); Q^T (converted to f16 once, times a power of two so it fits
+//   f16) is B in shared memory. The 576 features are permuted (the same permutation on Q) so each
+//   thread reads 16 contiguous bytes per row per 4 k-steps, conflict-free. The rope part is a bf16
+//   wgmma into the same fp32 accumulator. Then the online base-2 softmax over rows (a cross-warp
+//   max per block), P^T (bf16) to shared memory by stmatrix.trans, alpha to shared memory.
+// - Both warpgroups then do O^T += V^T . P^T on their half of the 512 value columns (4 m64 tiles
+//   x 64 heads = 128 fp32 registers): V^T is A in registers, dequantised exactly like the
+//   reference (fp32 e4m3 x scale, rounded to bf16), P^T is B. The second warpgroup also runs an
+//   all-ones A tile, which accumulates the softmax row sums l for free on the tensor cores.
+//
+// Shapes: q [T, H<=64, 576] bf16; kv [rows, 656] uint8; idx [T, K] int32 (-1 = none);
+// out [splits, T, H, 512] (bf16 or fp32), lse [splits, T, H] fp32 natural log (-inf, zeros for a
+// slice with no valid row). Grid (T, splits), 384 threads, one CTA per SM.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int ROW = 656;        // fp8_ds_mla row bytes
+constexpr int BN = 64;          // rows per block
+constexpr int NUM_STAGES = 3;
+constexpr int STAGE = BN * ROW; // 41984
+constexpr int OFF_QT = 0;                                // Q^T: 9 atoms x [64 heads x 128 B]
+constexpr int OFF_PT = OFF_QT + 9 * 8192;                // P^T: 2 x [64 heads x 128 B]
+constexpr int OFF_ST = OFF_PT + 2 * 8192;                // raw stages
+constexpr int OFF_IDS = OFF_ST + NUM_STAGES * STAGE;     // [stages][64] int32
+constexpr int OFF_RED = OFF_IDS + NUM_STAGES * BN * 4;   // [2][4 warps][64] f32 (row max)
+constexpr int OFF_ALPHA = OFF_RED + 2 * 4 * 64 * 4;      // [2][64] f32
+constexpr int OFF_L = OFF_ALPHA + 2 * 64 * 4;            // [64] f32
+constexpr int OFF_MISC = OFF_L + 64 * 4;                 // [16] f32
+constexpr int OFF_BAR = OFF_MISC + 64;                   // 10 mbarriers
+constexpr int SMEM_BYTES = OFF_BAR + 10 * 8;
+constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;            // room to align the base to 1024
+
+static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
+
+// ---- PTX wrappers ----------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
+  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+
+#define WGMMA_D32                                                                              \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WGMMA_OUT32(d)                                                                          \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),          \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),   \
+      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),             \
+      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),             \
+      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// D[64x64] (+)= A[64x16] (registers) . B[16x64] (shared, descriptor); fp32 accumulators.
+__device__ __forceinline__ void wgmma_f16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint64_t desc, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WGMMA_D32
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : WGMMA_OUT32(d)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+}
+__device__ __forceinline__ void wgmma_bf16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                           uint32_t a3, uint64_t desc, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : WGMMA_OUT32(d)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+}
+
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// Two e4m3 (low byte first) -> f16x2, exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair16) {
+  uint32_t out;
+  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
+      : "=r"(out)
+      : "r"(pair16));
+  return out;
+}
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t out;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
+  return out;
+}
+__device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
+  uint32_t out;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
+  return out;
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  uint32_t out;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  uint32_t out;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(hi), "f"(lo));
+  return out;
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// 2^e as fp32 for e in [-126, 127].
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
+// floor(log2(x)) for a positive normal x, clamped to [-126, 126]; 0 for x <= 0.
+__device__ __forceinline__ int ilog2(float x) {
+  int e = ((__float_as_int(x) >> 23) & 0xFF) - 127;
+  e = e < -126 ? -126 : (e > 126 ? 126 : e);
+  return x > 0.f ? e : 0;
+}
+// (e4m3 pair from two rows, row a in the low byte) . (scale_a, scale_b), rounded to bf16x2.
+__device__ __forceinline__ uint32_t deq_bf16(uint32_t pair16, float sa, float sb) {
+  uint32_t h = e4m3x2_to_f16x2(pair16);
+  float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
+  return pack_bf16(f.x * sa, f.y * sb);
+}
+
+// Byte offset of Q^T element (position p, head h): 9 K-atoms of [64 rows x 128 B], 128-B swizzle.
+__device__ __forceinline__ uint32_t qt_off(int p, int h) {
+  return (p >> 6) * 8192 + h * 128 + (((p & 63) * 2) ^ ((h & 7) << 4));
+}
+// The wgmma K position of nope feature f (see the scorer's loads): thread c of a quad holds
+// features [128c, 128c+128) of its rows, 16 bytes per 4 k-steps, chunk order rotated by 2c so a
+// warp's loads hit distinct banks.
+__device__ __forceinline__ int pos_nope(int f) {
+  int c = f >> 7, r = f & 127, m = ((r >> 4) - 2 * c) & 7, i = (r & 15) >> 2, e = f & 3;
+  return 16 * (4 * m + i) + (e < 2 ? 2 * c + e : 2 * c + 6 + e);
+}
+__device__ __forceinline__ int pos_rope(int fr) {
+  int c = fr >> 4, i = (fr & 15) >> 2, e = fr & 3;
+  return 16 * (32 + i) + (e < 2 ? 2 * c + e : 2 * c + 6 + e);
+}
+
+struct Bars {
+  uint32_t full, empty, pfull, pempty;  // base addresses; +8 per index
+};
+
+// ---- producer -------------------------------------------------------------------------------
+__device__ __forceinline__ void producer(const uint8_t* __restrict__ kv, const int* __restrict__ idx_row,
+                                         int k_lo, int k_hi, int nblk, uint8_t* smem,
+                                         uint32_t sbase, Bars b, int lane) {
+  int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
+  for (int i = 0; i < nblk; ++i) {
+    const int st = i % NUM_STAGES;
+    const uint32_t ph = (i / NUM_STAGES) & 1;
+    mbar_wait(b.empty + 8 * st, ph ^ 1);
+    const int k0 = k_lo + i * BN + 2 * lane;
+    const int id0 = k0 < k_hi ? __ldg(idx_row + k0) : -1;
+    const int id1 = k0 + 1 < k_hi ? __ldg(idx_row + k0 + 1) : -1;
+    ids_s[st * BN + 2 * lane] = id0;
+    ids_s[st * BN + 2 * lane + 1] = id1;
+    const uint32_t n = __popc(__ballot_sync(0xffffffffu, id0 >= 0)) +
+                       __popc(__ballot_sync(0xffffffffu, id1 >= 0));
+    __syncwarp();
+    if (lane == 0) mbar_arrive_expect_tx(b.full + 8 * st, n * ROW);
+    __syncwarp();
+    const uint32_t dst = sbase + OFF_ST + st * STAGE + 2 * lane * ROW;
+    if (id0 >= 0) bulk_g2s(dst, kv + (size_t)id0 * ROW, ROW, b.full + 8 * st);
+    if (id1 >= 0) bulk_g2s(dst + ROW, kv + (size_t)id1 * ROW, ROW, b.full + 8 * st);
+  }
+}
+
+// ---- PV on one half of the value columns ------------------------------------------------------
+// O^T[256 dv x 64 heads] += V^T . P^T over the block in stage `stg`. Thread (w, g, c) holds dv
+// rows dv0 + 2j + h (tile j, h = 0 for M row g / 1 for g + 8) with dv0 = 256*half + 8*(8w + g),
+// so its 8 values of a row are 8 contiguous bytes; K = the block's rows 16kk + {2c,2c+1,2c+8,2c+9}.
+template <bool ONES>
+__device__ __forceinline__ void pv_block(float (&acc)[4][32], float (&ones)[32], const uint8_t* stg,
+                                         uint32_t pt, int half, int w, int g, int c) {
+  const int dv0 = 256 * half + 8 * (8 * w + g);
+  const int ts = 2 * half + (w >> 1);  // this thread's scale tile
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int s0 = 16 * kk + 2 * c;
+    const uint8_t* p0 = stg + s0 * ROW;
+    const uint2 r0 = *reinterpret_cast<const uint2*>(p0 + dv0);
+    const uint2 r1 = *reinterpret_cast<const uint2*>(p0 + ROW + dv0);
+    const uint2 r2 = *reinterpret_cast<const uint2*>(p0 + 8 * ROW + dv0);
+    const uint2 r3 = *reinterpret_cast<const uint2*>(p0 + 9 * ROW + dv0);
+    const float c0 = *reinterpret_cast<const float*>(p0 + 512 + 4 * ts);
+    const float c1 = *reinterpret_cast<const float*>(p0 + ROW + 512 + 4 * ts);
+    const float c2 = *reinterpret_cast<const float*>(p0 + 8 * ROW + 512 + 4 * ts);
+    const float c3 = *reinterpret_cast<const float*>(p0 + 9 * ROW + 512 + 4 * ts);
+    uint32_t a[4][4];
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+      const uint32_t x0 = wi ? r0.y : r0.x, x1 = wi ? r1.y : r1.x;
+      const uint32_t x2 = wi ? r2.y : r2.x, x3 = wi ? r3.y : r3.x;
+      const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
+      const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
+      a[2 * wi][0] = deq_bf16(u01 & 0xffff, c0, c1);
+      a[2 * wi][1] = deq_bf16(u01 >> 16, c0, c1);
+      a[2 * wi][2] = deq_bf16(u23 & 0xffff, c2, c3);
+      a[2 * wi][3] = deq_bf16(u23 >> 16, c2, c3);
+      a[2 * wi + 1][0] = deq_bf16(v01 & 0xffff, c0, c1);
+      a[2 * wi + 1][1] = deq_bf16(v01 >> 16, c0, c1);
+      a[2 * wi + 1][2] = deq_bf16(v23 & 0xffff, c2, c3);
+      a[2 * wi + 1][3] = deq_bf16(v23 >> 16, c2, c3);
+    }
+    const uint64_t desc = desc_sw128(pt + 32 * kk);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_bf16(acc[j], a[j][0], a[j][1], a[j][2], a[j][3], desc, 1);
+    if (ONES) {
+      const uint32_t one = 0x3F803F80u;  // bf16x2 (1, 1)
+      wgmma_bf16(ones, one, one, one, one, desc, 1);
+    }
+    wgmma_commit();
+    if (kk > 0) wgmma_wait<1>();
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void rescale(float (&d)[N], const float (&alpha)[16]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) d[i] *= alpha[2 * ((i % 32) >> 2) + (i & 1)];
+}
+
+// Writes this thread's O^T values for its 16 heads: out[head, dv0 .. dv0+8).
+__device__ __forceinline__ void store_out(const float (&acc)[4][32], const float (&inv)[16],
+                                          void* out, long long base, long long stride_oh,
+                                          int num_heads, int dv0, int c, bool fp32) {
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int head = 8 * jj + 2 * c + b;
+      if (head >= num_heads) continue;
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[2 * j] = acc[j][4 * jj + b] * inv[2 * jj + b];
+        v[2 * j + 1] = acc[j][4 * jj + 2 + b] * inv[2 * jj + b];
+      }
+      const long long o = base + head * stride_oh + dv0;
+      if (fp32) {
+        float4* p = reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + o);
+        p[0] = make_float4(v[0], v[1], v[2], v[3]);
+        p[1] = make_float4(v[4], v[5], v[6], v[7]);
+      } else {
+        uint4 u = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
+                             pack_bf16(v[6], v[7]));
+        *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(out) + o) = u;
+      }
+    }
+  }
+}
+
+// ---- scorer: Q^T in, then per block QK, softmax, P^T, PV on value columns [0, 256) ------------
+__device__ __forceinline__ void load_query(const __nv_bfloat16* __restrict__ qrow, long long stride_qh,
+                                           int num_heads, uint8_t* smem, int wt, int lane, int w,
+                                           float* qscale_out) {
+  const int h = wt >> 1, half = wt & 1;
+  const bool hv = h < num_heads;
+  const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
+  float amax = 0.f;
+  if (hv) {
+#pragma unroll 4
+    for (int k = 0; k < 32; ++k) {
+      uint4 v = __ldg(qh + half * 32 + k);
+      const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  float* misc = reinterpret_cast<float*>(smem + OFF_MISC);
+  if (lane == 0) misc[w] = amax;
+  bar_sync(1, 128);
+  amax = fmaxf(fmaxf(misc[0], misc[1]), fmaxf(misc[2], misc[3]));
+  // |q| * 2^eq < 2^14: the f16 operand keeps 11 bits for all but the smallest values.
+  int eq = amax > 0.f ? 13 - ilog2(amax) : 0;
+  eq = eq < -120 ? -120 : (eq > 120 ? 120 : eq);
+  const float qf = exp2i(eq);
+  *qscale_out = exp2i(-eq);
+  uint8_t* qt = smem + OFF_QT;
+#pragma unroll 4
+  for (int k = 0; k < 32; ++k) {
+    uint4 v = hv ? __ldg(qh + half * 32 + k) : make_uint4(0, 0, 0, 0);
+    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
+      const int feat = half * 256 + 8 * k + 2 * e;
+      *reinterpret_cast<uint32_t*>(qt + qt_off(pos_nope(feat), h)) = pack_f16(f.x * qf, f.y * qf);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    uint4 v = hv ? __ldg(qh + 64 + half * 4 + k) : make_uint4(0, 0, 0, 0);
+    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
+      const int feat = half * 32 + 8 * k + 2 * e;
+      *reinterpret_cast<uint32_t*>(qt + qt_off(pos_rope(feat), h)) = pack_bf16(f.x * qf, f.y * qf);
+    }
+  }
+  fence_proxy_async();
+  bar_sync(1, 128);
+}
+
+__device__ __forceinline__ void scorer(const __nv_bfloat16* __restrict__ qrow, long long stride_qh,
+                                       int num_heads, int nblk, float scale_log2, uint8_t* smem,
+                                       uint32_t sbase, Bars b, int wt, float (&acc)[4][32],
+                                       float (&m)[16]) {
+  const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
+  float qscale;
+  load_query(qrow, stride_qh, num_heads, smem, wt, lane, w, &qscale);
+  const float base_f = scale_log2 * qscale;
+  const int r0 = 16 * w + g, r1 = r0 + 8;
+  const int* ids_s = reinterpret_cast<const int*>(smem + OFF_IDS);
+  float* red_s = reinterpret_cast<float*>(smem + OFF_RED);
+  float* alpha_s = reinterpret_cast<float*>(smem + OFF_ALPHA);
+#pragma unroll 1
+  for (int i = 0; i < nblk; ++i) {
+    const int st = i % NUM_STAGES, buf = i & 1;
+    const uint32_t ph = (i / NUM_STAGES) & 1, pph = (i >> 1) & 1;
+    const uint8_t* stg = smem + OFF_ST + st * STAGE;
+    mbar_wait(b.full + 8 * st, ph);
+    // ---- S^T = K . Q^T ----
+    const uint8_t* row0 = stg + r0 * ROW;
+    const uint8_t* row1 = stg + r1 * ROW;
+    const float4 sa = *reinterpret_cast<const float4*>(row0 + 512);
+    const float4 sb = *reinterpret_cast<const float4*>(row1 + 512);
+    const int e0 = ilog2(fmaxf(fmaxf(sa.x, sa.y), fmaxf(sa.z, sa.w)));
+    const int e1 = ilog2(fmaxf(fmaxf(sb.x, sb.y), fmaxf(sb.z, sb.w)));
+    const float ca = c == 0 ? sa.x : (c == 1 ? sa.y : (c == 2 ? sa.z : sa.w));
+    const float cb = c == 0 ? sb.x : (c == 1 ? sb.y : (c == 2 ? sb.z : sb.w));
+    const uint32_t h0 = pack_f16(ca * exp2i(-e0), ca * exp2i(-e0));
+    const uint32_t h1 = pack_f16(cb * exp2i(-e1), cb * exp2i(-e1));
+    float s[32];
+#pragma unroll
+    for (int mm = 0; mm < 8; ++mm) {
+      const int off = 128 * c + 16 * ((mm + 2 * c) & 7);
+      const uint4 u0 = *reinterpret_cast<const uint4*>(row0 + off);
+      const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
+      const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
+      const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+      for (int hk = 0; hk < 2; ++hk) {  // 2 k-steps per group: A registers of 2 groups live
+        uint32_t a[2][4];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int x = 2 * hk + k;
+          a[k][0] = hmul2(e4m3x2_to_f16x2(x0[x] & 0xffff), h0);
+          a[k][1] = hmul2(e4m3x2_to_f16x2(x1[x] & 0xffff), h1);
+          a[k][2] = hmul2(e4m3x2_to_f16x2(x0[x] >> 16), h0);
+          a[k][3] = hmul2(e4m3x2_to_f16x2(x1[x] >> 16), h1);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int kk = 4 * mm + 2 * hk + k;
+          wgmma_f16(s, a[k][0], a[k][1], a[k][2], a[k][3],
+                    desc_sw128(sbase + OFF_QT + (kk >> 2) * 8192 + (kk & 3) * 32), kk > 0);
+        }
+        wgmma_commit();
+        if (mm + hk > 0) wgmma_wait<1>();
+      }
+    }
+    {
+      const uint4 v00 = *reinterpret_cast<const uint4*>(row0 + 528 + 32 * c);
+      const uint4 v01 = *reinterpret_cast<const uint4*>(row0 + 544 + 32 * c);
+      const uint4 v10 = *reinterpret_cast<const uint4*>(row1 + 528 + 32 * c);
+      const uint4 v11 = *reinterpret_cast<const uint4*>(row1 + 544 + 32 * c);
+      const uint32_t y0[8] = {v00.x, v00.y, v00.z, v00.w, v01.x, v01.y, v01.z, v01.w};
+      const uint32_t y1[8] = {v10.x, v10.y, v10.z, v10.w, v11.x, v11.y, v11.z, v11.w};
+      // bf16x2 (2^-e, 2^-e): exact rescale of the rope values to the row's normalisation
+      const uint32_t q0 = ((uint32_t)(127 - e0) << 7) * 0x10001u;
+      const uint32_t q1 = ((uint32_t)(127 - e1) << 7) * 0x10001u;
+      uint32_t a[4][4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        a[k][0] = bmul2(y0[2 * k], q0);
+        a[k][1] = bmul2(y1[2 * k], q1);
+        a[k][2] = bmul2(y0[2 * k + 1], q0);
+        a[k][3] = bmul2(y1[2 * k + 1], q1);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int kk = 32 + k;
+        wgmma_bf16(s, a[k][0], a[k][1], a[k][2], a[k][3],
+                   desc_sw128(sbase + OFF_QT + (kk >> 2) * 8192 + (kk & 3) * 32), 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+    }
+    fence_acc(s);
+    // ---- online softmax over the block's rows (base 2) ----
+    const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
+    const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
+    float mb[16];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
+        s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
+        mb[2 * jj + bb] = fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]);
+      }
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+#pragma unroll
+      for (int hh = 0; hh < 16; ++hh) mb[hh] = fmaxf(mb[hh], __shfl_xor_sync(0xffffffffu, mb[hh], o));
+    }
+    float* red = red_s + buf * 256;
+    if (g == 0) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+        *reinterpret_cast<float2*>(red + w * 64 + 8 * jj + 2 * c) = make_float2(mb[2 * jj], mb[2 * jj + 1]);
+    }
+    bar_sync(1, 128);
+#pragma unroll
+    for (int ww = 0; ww < 4; ++ww) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const float2 r = *reinterpret_cast<const float2*>(red + ww * 64 + 8 * jj + 2 * c);
+        mb[2 * jj] = fmaxf(mb[2 * jj], r.x);
+        mb[2 * jj + 1] = fmaxf(mb[2 * jj + 1], r.y);
+      }
+    }
+    float alpha[16];
+    bool rescale_any = false;
+#pragma unroll
+    for (int hh = 0; hh < 16; ++hh) {
+      const float mn = fmaxf(m[hh], mb[hh]);
+      const float ms = mn == -INFINITY ? 0.f : mn;
+      alpha[hh] = ex2(m[hh] - ms);
+      rescale_any |= alpha[hh] != 1.f;
+      m[hh] = mn;
+      mb[hh] = ms;
+    }
+    // alpha[buf] is free once the PV warpgroup finished block i - 2 (same barrier as P^T[buf])
+    mbar_wait(b.pempty + 8 * buf, pph ^ 1);
+    if (w == 0 && g == 0) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+        *reinterpret_cast<float2*>(alpha_s + buf * 64 + 8 * jj + 2 * c) =
+            make_float2(alpha[2 * jj], alpha[2 * jj + 1]);
+    }
+    if (__any_sync(0xffffffffu, rescale_any)) {
+      fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) rescale(acc[j], alpha);
+    }
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[4 * jj + k] = ex2(s[4 * jj + k] - mb[2 * jj + (k & 1)]);
+    }
+    const uint32_t pt = sbase + OFF_PT + buf * 8192;
+#pragma unroll
+    for (int qq = 0; qq < 4; ++qq) {
+      const int hf = qq >> 1, jb = 4 * (qq & 1);
+      const int head = 8 * (jb + (lane >> 3)) + (lane & 7);
+      const uint32_t addr = pt + head * 128 + ((((2 * w + hf) ^ (head & 7))) << 4);
+      stmatrix_x4_trans(addr, pack_bf16(s[4 * jb + 2 * hf], s[4 * jb + 2 * hf + 1]),
+                        pack_bf16(s[4 * (jb + 1) + 2 * hf], s[4 * (jb + 1) + 2 * hf + 1]),
+                        pack_bf16(s[4 * (jb + 2) + 2 * hf], s[4 * (jb + 2) + 2 * hf + 1]),
+                        pack_bf16(s[4 * (jb + 3) + 2 * hf], s[4 * (jb + 3) + 2 * hf + 1]));
+    }
+    fence_proxy_async();
+    mbar_arrive(b.pfull + 8 * buf);
+    bar_sync(1, 128);
+    float dummy[32];
+    pv_block<false>(acc, dummy, stg, pt, 0, w, g, c);
+    mbar_arrive(b.empty + 8 * st);
+    // No group in flight across the loop's back edge: ptxas otherwise serialises every wgmma
+    // (C7514).
+    wgmma_wait<0>();
+  }
+  wgmma_wait<0>();
+  fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]);
+}
+
+// ---- PV warpgroup: value columns [256, 512) and the row sums ------------------------------------
+__device__ __forceinline__ void pv_worker(int nblk, uint8_t* smem, uint32_t sbase, Bars b, int wt,
+                                          float (&acc)[4][32], float (&ones)[32]) {
+  const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
+  const float* alpha_s = reinterpret_cast<const float*>(smem + OFF_ALPHA);
+#pragma unroll 1
+  for (int i = 0; i < nblk; ++i) {
+    const int st = i % NUM_STAGES, buf = i & 1;
+    const uint32_t ph = (i / NUM_STAGES) & 1, pph = (i >> 1) & 1;
+    mbar_wait(b.pfull + 8 * buf, pph);
+    mbar_wait(b.full + 8 * st, ph);  // the scorer saw it complete; this orders our reads of it
+    wgmma_wait<0>();
+    fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]); fence_acc(ones);
+    if (i > 0) mbar_arrive(b.pempty + 8 * ((i - 1) & 1));
+    float alpha[16];
+    bool rescale_any = false;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const float2 a = *reinterpret_cast<const float2*>(alpha_s + buf * 64 + 8 * jj + 2 * c);
+      alpha[2 * jj] = a.x;
+      alpha[2 * jj + 1] = a.y;
+      rescale_any |= (a.x != 1.f) | (a.y != 1.f);
+    }
+    if (__any_sync(0xffffffffu, rescale_any)) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) rescale(acc[j], alpha);
+      rescale(ones, alpha);
+    }
+    pv_block<true>(acc, ones, smem + OFF_ST + st * STAGE, sbase + OFF_PT + buf * 8192, 1, w, g, c);
+    mbar_arrive(b.empty + 8 * st);
+  }
+  wgmma_wait<0>();
+  fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]); fence_acc(ones);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
+    const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
+    const int* __restrict__ idx, void* __restrict__ out, float* __restrict__ lse,
+    float scale_log2, int num_heads, int topk, int k_per_split, long long stride_qt,
+    long long stride_qh, long long stride_it, long long stride_os, long long stride_ot,
+    long long stride_oh, long long stride_ls, long long stride_lt, int out_fp32) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t sbase = (raw + 1023) & ~1023u;
+  uint8_t* smem = smem_raw + (sbase - raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int t = blockIdx.x, split = blockIdx.y;
+  const int k_lo = split * k_per_split;
+  const int k_hi = min(topk, k_lo + k_per_split);
+  const int nblk = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
+  const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24, sbase + OFF_BAR + 48, sbase + OFF_BAR + 64};
+  if (tid == 0) {
+    for (int s = 0; s < NUM_STAGES; ++s) {
+      mbar_init(b.full + 8 * s, 1);
+      mbar_init(b.empty + 8 * s, 256);
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(b.pfull + 8 * s, 128);
+      mbar_init(b.pempty + 8 * s, 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Rows of a -1 id keep what the stage held (masked, never NaN): zero the stages once.
+  for (int o = tid * 16; o < NUM_STAGES * STAGE; o += 384 * 16)
+    *reinterpret_cast<uint4*>(smem + OFF_ST + o) = make_uint4(0, 0, 0, 0);
+  fence_proxy_async();
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (warp == 0)
+      producer(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, lane);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int wt = tid - 128 * wg;  // thread within its warpgroup
+  const int w = wt >> 5, g = (wt & 31) >> 2, c = wt & 3;
+  float acc[4][32];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
+  const long long obase = split * stride_os + t * stride_ot;
+  const int half = wg - 1;
+  const int dv0 = 256 * half + 8 * (8 * w + g);
+  float* l_s = reinterpret_cast<float*>(smem + OFF_L);
+  float inv[16], l[16];
+  if (wg == 1) {
+    float m[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) m[i] = -INFINITY;
+    scorer(q + (long long)t * stride_qt, stride_qh, num_heads, nblk, scale_log2, smem, sbase, b,
+           wt, acc, m);
+    bar_sync(2, 256);  // the PV warpgroup has written the row sums
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const float2 x = *reinterpret_cast<const float2*>(l_s + 8 * jj + 2 * c);
+      l[2 * jj] = x.x;
+      l[2 * jj + 1] = x.y;
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    store_out(acc, inv, out, obase, stride_oh, num_heads, dv0, c, out_fp32 != 0);
+    if (w == 0 && g == 0) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int bb = 0; bb < 2; ++bb) {
+          const int head = 8 * jj + 2 * c + bb;
+          const float x = l[2 * jj + bb];
+          if (head < num_heads)
+            lse[split * stride_ls + t * stride_lt + head] =
+                x > 0.f ? (m[2 * jj + bb] + __log2f(x)) * 0.6931471805599453f : -INFINITY;
+        }
+    }
+  } else {
+    float ones[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) ones[i] = 0.f;
+    pv_worker(nblk, smem, sbase, b, wt, acc, ones);
+    // every M row of the all-ones tile holds l for this thread's 16 heads
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      l[2 * jj] = ones[4 * jj];
+      l[2 * jj + 1] = ones[4 * jj + 1];
+    }
+    if (w == 0 && g == 0) {
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+        *reinterpret_cast<float2*>(l_s + 8 * jj + 2 * c) = make_float2(l[2 * jj], l[2 * jj + 1]);
+    }
+    bar_sync(2, 256);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    store_out(acc, inv, out, obase, stride_oh, num_heads, dv0, c, out_fp32 != 0);
+  }
+}

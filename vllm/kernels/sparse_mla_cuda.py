@@ -1,0 +1,222 @@
+"""FP8 sparse-MLA decode in CUDA C++ for Hopper: build, load and launch
+``vllm/kernels/cuda/sparse_mla_fp8_sm90.cu`` (its header comment is the design).
+
+Same function as :func:`vllm.kernels.sparse_mla_fwd.sparse_mla_fwd` on fp8_ds_mla rows at GLM-5.3's
+dims (kv_lora 512, rope 64, <= 64 heads), selected with ``kernel="cuda"`` or
+``VLLM_SPARSE_MLA_KERNEL=cuda``. Numerics differ from the Triton/Gluon kernels in one place: QK
+runs in f16 (e4m3 -> f16 is exact; the tile scale is normalised by the row's largest scale and
+the query by a power of two, both undone in fp32), so logits carry 11-bit instead of 8-bit operand
+rounding; PV uses bf16 values rounded exactly like the reference (fp32 e4m3 · scale -> bf16).
+
+The kernel is compiled at first use by ``nvcc`` (``$VLLM_NVCC``, else ``$CUDA_HOME/bin/nvcc``,
+else ``nvcc`` on ``PATH``) for sm_90a into ``$VLLM_CACHE_ROOT/cuda`` (default ``~/.cache/vllm``),
+keyed by the source's hash, and launched through the CUDA driver API on torch's current stream,
+so CUDA-graph capture records it like any other kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).with_name("cuda") / "sparse_mla_fp8_sm90.cu"
+KERNEL_NAME = "sparse_mla_fp8_sm90"
+NVCC_FLAGS = ["-cubin", "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a"]
+THREADS = 384
+BLOCK_N = 64
+ROW_BYTES = 656
+D_V = 512
+
+
+def _smem_bytes() -> int:
+    """The kernel's dynamic shared memory, mirrored from the .cu's constexpr layout."""
+    qt, pt = 9 * 8192, 2 * 8192
+    stages = 3 * BLOCK_N * ROW_BYTES
+    ids, red, alpha, ell, misc, bars = 3 * BLOCK_N * 4, 2 * 4 * 64 * 4, 2 * 64 * 4, 64 * 4, 64, 80
+    return qt + pt + stages + ids + red + alpha + ell + misc + bars + 1024
+
+
+SMEM_ALLOC = _smem_bytes()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def nvcc_path() -> str | None:
+    for cand in (
+        os.environ.get("VLLM_NVCC"),
+        os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"),
+        shutil.which("nvcc"),
+    ):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def compile_cubin(extra_flags: tuple[str, ...] = ()) -> tuple[bytes, str]:
+    """Build (or fetch from the cache) the sm_90a cubin; returns (cubin bytes, ptxas report)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("the CUDA sparse-MLA kernel needs nvcc (set VLLM_NVCC or CUDA_HOME)")
+    flags = NVCC_FLAGS + ["-Xptxas", "-v"] + list(extra_flags)
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SRC.read_bytes() + " ".join(flags).encode() + version.encode())
+    root = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "cuda"
+    cubin = root / f"{KERNEL_NAME}-{key.hexdigest()[:16]}.cubin"
+    report = cubin.with_suffix(".log")
+    if cubin.is_file() and report.is_file():
+        return cubin.read_bytes(), report.read_text()
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        out = Path(tmp) / "k.cubin"
+        res = subprocess.run(
+            [nvcc, *flags, "-o", str(out), str(SRC)], capture_output=True, text=True
+        )
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {SRC.name}:\n{res.stderr[-4000:]}")
+        log = res.stdout + res.stderr
+        os.replace(out, cubin)
+        report.write_text(log)
+    return cubin.read_bytes(), log
+
+
+def ptxas_resources(log: str) -> dict[str, int]:
+    """Registers, stack frame and spill bytes from ``-Xptxas -v``, and whether ptxas serialised
+    the wgmmas (warning C7514/C7515: each wgmma then waits for the previous one)."""
+    num = lambda pat: int(m.group(1)) if (m := re.search(pat, log)) else -1  # noqa: E731
+    return {
+        "registers": num(r"Used (\d+) registers"),
+        "stack_frame": num(r"(\d+) bytes stack frame"),
+        "spill_stores": num(r"(\d+) bytes spill stores"),
+        "spill_loads": num(r"(\d+) bytes spill loads"),
+        "wgmma_serialized": int("wgmma.mma_async instructions are serialized" in log),
+    }
+
+
+class _Driver:
+    """The few CUDA driver calls we need, through ctypes (no extra Python package)."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def check(self, rc: int, what: str):
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else rc}")
+
+    def load(self, cubin: bytes) -> ctypes.c_void_p:
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            raise RuntimeError("no current CUDA context (torch has not initialised this device)")
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
+        self.check(
+            self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, KERNEL_NAME.encode()),
+            "cuModuleGetFunction",
+        )
+        # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+        self.check(self.lib.cuFuncSetAttribute(fn, 8, SMEM_ALLOC), "cuFuncSetAttribute")
+        return fn
+
+    def launch(self, fn, grid: tuple[int, int], stream: int, args: list):
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        self.check(
+            self.lib.cuLaunchKernel(
+                fn, grid[0], grid[1], 1, THREADS, 1, 1, SMEM_ALLOC, ctypes.c_void_p(stream),
+                params, None,
+            ),
+            "cuLaunchKernel",
+        )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> _Driver:
+    return _Driver()
+
+
+@functools.lru_cache(maxsize=16)
+def _function(device_index: int):
+    with torch.cuda.device(device_index):
+        torch.cuda.current_stream()  # make torch's (primary) context current on this thread
+        return _driver().load(compile_cubin()[0])
+
+
+def is_available(device: torch.device) -> str | None:
+    """None if the kernel can run on ``device``, else why not."""
+    if device.type != "cuda":
+        return "needs a CUDA device"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return "needs an sm_90 (Hopper) GPU"
+    if nvcc_path() is None:
+        return "needs nvcc to build it (VLLM_NVCC / CUDA_HOME)"
+    return None
+
+
+def sparse_mla_fp8_cuda(
+    q: torch.Tensor,
+    kv_rows: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    out_dtype: torch.dtype,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H<=64, 576] (bf16; other dtypes are converted), kv_rows uint8 [rows, 656] fp8_ds_mla,
+    indices [T, K] int32 row ids (−1 = none). Returns (part_o [S, T, H, 512], part_l [S, T, H])
+    with S = the number of top-k slices (``num_splits``, fewer if K is short), like
+    :func:`vllm.kernels.sparse_mla_ws.sparse_mla_ws`: fp32 partials when S > 1, else
+    ``out_dtype`` (bf16 or fp32); lse in natural log, −inf (and zeros) for no valid row."""
+    t, h, d = q.shape
+    if h > 64 or d != 576:
+        raise ValueError(f"the CUDA sparse-MLA kernel takes [T, <=64, 576] queries, got {q.shape}")
+    if kv_rows.dtype != torch.uint8 or kv_rows.dim() != 2 or kv_rows.shape[1] != ROW_BYTES:
+        raise ValueError(f"kv_rows must be uint8 [rows, {ROW_BYTES}] fp8_ds_mla rows")
+    if kv_rows.stride(1) != 1 or kv_rows.stride(0) != ROW_BYTES or kv_rows.data_ptr() % 16:
+        raise ValueError("kv_rows must be contiguous 656-byte rows, 16-byte aligned")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
+    if q.dtype != torch.bfloat16:
+        q = q.to(torch.bfloat16)
+    if q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or q.data_ptr() % 16:
+        q = q.contiguous()
+    if indices.dtype != torch.int32 or indices.stride(-1) != 1:
+        indices = indices.to(torch.int32).contiguous()
+    k = indices.shape[1]
+    splits = max(1, num_splits)
+    k_per_split = max(BLOCK_N, _cdiv(_cdiv(k, splits), BLOCK_N) * BLOCK_N)
+    splits = max(1, _cdiv(k, k_per_split))
+    odt = torch.float32 if splits > 1 else out_dtype
+    part_o = torch.empty(splits, t, h, D_V, dtype=odt, device=q.device)
+    part_l = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
+    if t == 0:
+        return part_o, part_l
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    fn = _function(dev)
+    c = ctypes
+    args = [
+        c.c_void_p(q.data_ptr()), c.c_void_p(kv_rows.data_ptr()), c.c_void_p(indices.data_ptr()),
+        c.c_void_p(part_o.data_ptr()), c.c_void_p(part_l.data_ptr()),
+        c.c_float(sm_scale * 1.4426950408889634), c.c_int(h), c.c_int(k), c.c_int(k_per_split),
+        c.c_longlong(q.stride(0)), c.c_longlong(q.stride(1)), c.c_longlong(indices.stride(0)),
+        c.c_longlong(part_o.stride(0)), c.c_longlong(part_o.stride(1)),
+        c.c_longlong(part_o.stride(2)), c.c_longlong(part_l.stride(0)),
+        c.c_longlong(part_l.stride(1)), c.c_int(1 if odt == torch.float32 else 0),
+    ]  # fmt: skip
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        _driver().launch(fn, (t, splits), stream, args)
+    return part_o, part_l
+
+
+__all__ = ["sparse_mla_fp8_cuda", "compile_cubin", "ptxas_resources", "is_available"]
