@@ -88,7 +88,13 @@ def bench(
 
 
 def main():
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument(
+        "--cuda-defines",
+        default="",
+        help="';'-separated build variants of the CUDA kernel, each 'NAME=V,...' (its -D knobs)",
+    )
+    args = p.parse_args()
     shapes = SHAPES[:2] if args.quick else SHAPES
     kernels = [k for k in args.kernels.split(",") if k != "ws" or ws_available()]
     rows = []
@@ -108,6 +114,16 @@ def main():
                     rows.append(bench(t, "fp8_ds_mla", cfg, False, ref=False, tag="*"))
                 except Exception as e:  # e.g. out of shared memory: report, keep going
                     print(f"config {cfg}: {type(e).__name__}: {str(e)[:120]}")
+    if args.cuda_defines:  # build variants of the CUDA kernel, same process and inputs
+        from vllm.kernels import sparse_mla_cuda
+
+        for spec in args.cuda_defines.split(";"):
+            sparse_mla_cuda.DEFINES = {
+                k: int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))
+            }
+            for t in shapes:
+                rows.append(bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]"))
+        sparse_mla_cuda.DEFINES = {}
     print_rows(rows)
     dump_json(rows, args.json)
 

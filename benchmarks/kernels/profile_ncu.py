@@ -78,7 +78,7 @@ def main():
     p.add_argument("--paged", action="store_true")
     p.add_argument("--launches", type=int, default=2)
     p.add_argument("--cache", default="fp8_ds_mla", choices=["fp8_ds_mla", "auto"])
-    p.add_argument("--kernel", default="ws", choices=["triton", "ws"])
+    p.add_argument("--kernel", default="ws", choices=["triton", "ws", "cuda"])
     p.add_argument("--ws-set", default="", help="sparse_mla_ws module defaults, NAME=VALUE,...")
     args = p.parse_args()
     ops = {"topk": topk, "indexer_write": indexer_write, "sparse_mla_decode": sparse_mla_decode}

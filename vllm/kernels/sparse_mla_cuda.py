@@ -146,11 +146,15 @@ def _driver() -> _Driver:
     return _Driver()
 
 
+DEFINES: dict[str, int] = {}  # build knobs of the .cu (see its header), for sweeps
+
+
 @functools.lru_cache(maxsize=16)
-def _function(device_index: int):
+def _function(device_index: int, defines: tuple[tuple[str, int], ...]):
+    flags = tuple(f"-D{k}={v}" for k, v in defines)
     with torch.cuda.device(device_index):
         torch.cuda.current_stream()  # make torch's (primary) context current on this thread
-        return _driver().load(compile_cubin()[0])
+        return _driver().load(compile_cubin(flags)[0])
 
 
 def is_available(device: torch.device) -> str | None:
@@ -202,7 +206,7 @@ def sparse_mla_fp8_cuda(
     if t == 0:
         return part_o, part_l
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    fn = _function(dev)
+    fn = _function(dev, tuple(sorted(DEFINES.items())))
     c = ctypes
     args = [
         c.c_void_p(q.data_ptr()), c.c_void_p(kv_rows.data_ptr()), c.c_void_p(indices.data_ptr()),

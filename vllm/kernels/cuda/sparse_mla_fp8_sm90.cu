@@ -28,6 +28,17 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+// Build-time knobs (nvcc -D...), timed against each other by benchmarks/kernels/bench_sparse_mla_decode.py:
+// PRODUCER_CPASYNC 0: one producer warp issues a cp.async.bulk per row; 1: the producer
+//   warpgroup's 4 warps copy 16-byte pieces with cp.async (zero-filled for -1 ids).
+// QK_KSTEPS: k-steps per wgmma group in QK (the A registers of two groups are live).
+#ifndef PRODUCER_CPASYNC
+#define PRODUCER_CPASYNC 0
+#endif
+#ifndef QK_KSTEPS
+#define QK_KSTEPS 2
+#endif
+
 namespace {
 
 constexpr int ROW = 656;        // fp8_ds_mla row bytes
@@ -77,6 +88,13 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
           "r"(dst),
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -233,6 +251,37 @@ __device__ __forceinline__ void producer(const uint8_t* __restrict__ kv, const i
     const uint32_t dst = sbase + OFF_ST + st * STAGE + 2 * lane * ROW;
     if (id0 >= 0) bulk_g2s(dst, kv + (size_t)id0 * ROW, ROW, b.full + 8 * st);
     if (id1 >= 0) bulk_g2s(dst + ROW, kv + (size_t)id1 * ROW, ROW, b.full + 8 * st);
+  }
+}
+
+// The cp.async variant: warp pw of the producer warpgroup copies rows 16pw..16pw+15, a row per
+// warp instruction pair (41 16-byte pieces); `full` expects 128 cp.async arrivals + 4 arrivals
+// that publish the ids.
+__device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
+                                                 const int* __restrict__ idx_row, int k_lo,
+                                                 int k_hi, int nblk, uint8_t* smem, uint32_t sbase,
+                                                 Bars b, int pw, int lane) {
+  int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
+  for (int i = 0; i < nblk; ++i) {
+    const int st = i % NUM_STAGES;
+    const uint32_t ph = (i / NUM_STAGES) & 1;
+    mbar_wait(b.empty + 8 * st, ph ^ 1);
+    const int k0 = k_lo + i * BN + 16 * pw + (lane & 15);
+    const int id = k0 < k_hi ? __ldg(idx_row + k0) : -1;
+    if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
+    const uint32_t dst0 = sbase + OFF_ST + st * STAGE + 16 * pw * ROW;
+#pragma unroll 4
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r_id = __shfl_sync(0xffffffffu, id, rr);
+      const uint8_t* src = kv + (size_t)(r_id < 0 ? 0 : r_id) * ROW;
+      const uint32_t n = r_id < 0 ? 0u : 16u;
+      const uint32_t dst = dst0 + rr * ROW;
+      cp_async16(dst + 16 * lane, src + 16 * lane, n);
+      if (lane < 9) cp_async16(dst + 16 * (lane + 32), src + 16 * (lane + 32), n);
+    }
+    cp_async_arrive_noinc(b.full + 8 * st);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(b.full + 8 * st);
   }
 }
 
@@ -418,11 +467,11 @@ __device__ __forceinline__ void scorer(const __nv_bfloat16* __restrict__ qrow, l
       const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
       const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
 #pragma unroll
-      for (int hk = 0; hk < 2; ++hk) {  // 2 k-steps per group: A registers of 2 groups live
-        uint32_t a[2][4];
+      for (int hk = 0; hk < 4 / QK_KSTEPS; ++hk) {  // the A registers of 2 groups are live
+        uint32_t a[QK_KSTEPS][4];
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const int x = 2 * hk + k;
+        for (int k = 0; k < QK_KSTEPS; ++k) {
+          const int x = QK_KSTEPS * hk + k;
           a[k][0] = hmul2(e4m3x2_to_f16x2(x0[x] & 0xffff), h0);
           a[k][1] = hmul2(e4m3x2_to_f16x2(x1[x] & 0xffff), h1);
           a[k][2] = hmul2(e4m3x2_to_f16x2(x0[x] >> 16), h0);
@@ -430,8 +479,8 @@ __device__ __forceinline__ void scorer(const __nv_bfloat16* __restrict__ qrow, l
         }
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const int kk = 4 * mm + 2 * hk + k;
+        for (int k = 0; k < QK_KSTEPS; ++k) {
+          const int kk = 4 * mm + QK_KSTEPS * hk + k;
           wgmma_f16(s, a[k][0], a[k][1], a[k][2], a[k][3],
                     desc_sw128(sbase + OFF_QT + (kk >> 2) * 8192 + (kk & 3) * 32), kk > 0);
         }
@@ -611,7 +660,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24, sbase + OFF_BAR + 48, sbase + OFF_BAR + 64};
   if (tid == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
-      mbar_init(b.full + 8 * s, 1);
+      mbar_init(b.full + 8 * s, PRODUCER_CPASYNC ? 132 : 1);
       mbar_init(b.empty + 8 * s, 256);
     }
     for (int s = 0; s < 2; ++s) {
@@ -628,7 +677,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (warp == 0)
+    if (PRODUCER_CPASYNC)
+      producer_cpasync(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, warp,
+                       lane);
+    else if (warp == 0)
       producer(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, lane);
     return;
   }
