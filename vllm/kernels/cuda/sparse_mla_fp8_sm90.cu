@@ -29,12 +29,7 @@
 #include <stdint.h>
 
 // Build-time knobs (nvcc -D...), timed against each other by benchmarks/kernels/bench_sparse_mla_decode.py:
-// PRODUCER_CPASYNC 0: one producer warp issues a cp.async.bulk per row; 1: the producer
-//   warpgroup's 4 warps copy 16-byte pieces with cp.async (zero-filled for -1 ids).
 // QK_KSTEPS: k-steps per wgmma group in QK (the A registers of two groups are live).
-#ifndef PRODUCER_CPASYNC
-#define PRODUCER_CPASYNC 0
-#endif
 #ifndef QK_KSTEPS
 #define QK_KSTEPS 2
 #endif
@@ -45,17 +40,18 @@ constexpr int ROW = 656;        // fp8_ds_mla row bytes
 constexpr int BN = 64;          // rows per block
 constexpr int NUM_STAGES = 3;
 constexpr int STAGE = BN * ROW; // 41984
-constexpr int OFF_QT = 0;                                // Q^T: 9 atoms x [64 heads x 128 B]
+constexpr int QT_HALF = 9 * 4096;                        // a warpgroup's Q^T: 9 x [32 heads x 128 B]
+constexpr int OFF_QT = 0;
 constexpr int OFF_PT = OFF_QT + 9 * 8192;                // P^T: 2 x [64 heads x 128 B]
 constexpr int OFF_ST = OFF_PT + 2 * 8192;                // raw stages
 constexpr int OFF_IDS = OFF_ST + NUM_STAGES * STAGE;     // [stages][64] int32
-constexpr int OFF_RED = OFF_IDS + NUM_STAGES * BN * 4;   // [2][4 warps][64] f32 (row max)
+constexpr int OFF_RED = OFF_IDS + NUM_STAGES * BN * 4;   // [2 bufs][2 halves][4 warps][32] f32
 constexpr int OFF_ALPHA = OFF_RED + 2 * 4 * 64 * 4;      // [2][64] f32
 constexpr int OFF_L = OFF_ALPHA + 2 * 64 * 4;            // [64] f32
 constexpr int OFF_MISC = OFF_L + 64 * 4;                 // [16] f32
-constexpr int OFF_BAR = OFF_MISC + 64;                   // 10 mbarriers
-constexpr int SMEM_BYTES = OFF_BAR + 10 * 8;
-constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;            // room to align the base to 1024
+constexpr int OFF_BAR = OFF_MISC + 64;                   // full[3], empty[3] mbarriers
+constexpr int SMEM_BYTES = OFF_BAR + 6 * 8;
+[[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
 static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
 
@@ -88,13 +84,6 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
           "r"(dst),
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -135,15 +124,6 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
       "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
 // D[64x64] (+)= A[64x16] (registers) . B[16x64] (shared, descriptor); fp32 accumulators.
-__device__ __forceinline__ void wgmma_f16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint64_t desc, int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " WGMMA_D32
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : WGMMA_OUT32(d)
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
-}
 __device__ __forceinline__ void wgmma_bf16(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
                                            uint32_t a3, uint64_t desc, int acc) {
   asm volatile(
@@ -151,6 +131,33 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[32], uint32_t a0, uint32_t
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32
       ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
       : WGMMA_OUT32(d)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+}
+
+#define WGMMA_D16                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define WGMMA_OUT16(d)                                                                       \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+      "+f"(d[14]), "+f"(d[15])
+
+// D[64x32] (+)= A[64x16] (registers) . B[16x32] (shared, descriptor).
+__device__ __forceinline__ void wgmma_f16_n32(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
+                                              uint32_t a3, uint64_t desc, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " WGMMA_D16
+      ", {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : WGMMA_OUT16(d)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
+}
+__device__ __forceinline__ void wgmma_bf16_n32(float (&d)[16], uint32_t a0, uint32_t a1,
+                                               uint32_t a2, uint32_t a3, uint64_t desc, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " WGMMA_D16
+      ", {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : WGMMA_OUT16(d)
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
 }
 
@@ -209,9 +216,10 @@ __device__ __forceinline__ uint32_t deq_bf16(uint32_t pair16, float sa, float sb
   return pack_bf16(f.x * sa, f.y * sb);
 }
 
-// Byte offset of Q^T element (position p, head h): 9 K-atoms of [64 rows x 128 B], 128-B swizzle.
+// Byte offset of Q^T element (position p, head h) in a warpgroup's region: 9 K-atoms of
+// [32 heads x 128 B], 128-byte swizzle.
 __device__ __forceinline__ uint32_t qt_off(int p, int h) {
-  return (p >> 6) * 8192 + h * 128 + (((p & 63) * 2) ^ ((h & 7) << 4));
+  return (p >> 6) * 4096 + h * 128 + (((p & 63) * 2) ^ ((h & 7) << 4));
 }
 // The wgmma K position of nope feature f (see the scorer's loads): thread c of a quad holds
 // features [128c, 128c+128) of its rows, 16 bytes per 4 k-steps, chunk order rotated by 2c so a
@@ -226,13 +234,14 @@ __device__ __forceinline__ int pos_rope(int fr) {
 }
 
 struct Bars {
-  uint32_t full, empty, pfull, pempty;  // base addresses; +8 per index
+  uint32_t full, empty;  // base addresses; +8 per index
 };
 
 // ---- producer -------------------------------------------------------------------------------
-__device__ __forceinline__ void producer(const uint8_t* __restrict__ kv, const int* __restrict__ idx_row,
-                                         int k_lo, int k_hi, int nblk, uint8_t* smem,
-                                         uint32_t sbase, Bars b, int lane) {
+__device__ __forceinline__ void producer(const uint8_t* __restrict__ kv,
+                                         const int* __restrict__ idx_row, int k_lo, int k_hi,
+                                         int nblk, uint8_t* smem, uint32_t sbase, Bars b,
+                                         int lane) {
   int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
   for (int i = 0; i < nblk; ++i) {
     const int st = i % NUM_STAGES;
@@ -254,44 +263,12 @@ __device__ __forceinline__ void producer(const uint8_t* __restrict__ kv, const i
   }
 }
 
-// The cp.async variant: warp pw of the producer warpgroup copies rows 16pw..16pw+15, a row per
-// warp instruction pair (41 16-byte pieces); `full` expects 128 cp.async arrivals + 4 arrivals
-// that publish the ids.
-__device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
-                                                 const int* __restrict__ idx_row, int k_lo,
-                                                 int k_hi, int nblk, uint8_t* smem, uint32_t sbase,
-                                                 Bars b, int pw, int lane) {
-  int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
-  for (int i = 0; i < nblk; ++i) {
-    const int st = i % NUM_STAGES;
-    const uint32_t ph = (i / NUM_STAGES) & 1;
-    mbar_wait(b.empty + 8 * st, ph ^ 1);
-    const int k0 = k_lo + i * BN + 16 * pw + (lane & 15);
-    const int id = k0 < k_hi ? __ldg(idx_row + k0) : -1;
-    if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
-    const uint32_t dst0 = sbase + OFF_ST + st * STAGE + 16 * pw * ROW;
-#pragma unroll 4
-    for (int rr = 0; rr < 16; ++rr) {
-      const int r_id = __shfl_sync(0xffffffffu, id, rr);
-      const uint8_t* src = kv + (size_t)(r_id < 0 ? 0 : r_id) * ROW;
-      const uint32_t n = r_id < 0 ? 0u : 16u;
-      const uint32_t dst = dst0 + rr * ROW;
-      cp_async16(dst + 16 * lane, src + 16 * lane, n);
-      if (lane < 9) cp_async16(dst + 16 * (lane + 32), src + 16 * (lane + 32), n);
-    }
-    cp_async_arrive_noinc(b.full + 8 * st);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(b.full + 8 * st);
-  }
-}
-
 // ---- PV on one half of the value columns ------------------------------------------------------
 // O^T[256 dv x 64 heads] += V^T . P^T over the block in stage `stg`. Thread (w, g, c) holds dv
 // rows dv0 + 2j + h (tile j, h = 0 for M row g / 1 for g + 8) with dv0 = 256*half + 8*(8w + g),
 // so its 8 values of a row are 8 contiguous bytes; K = the block's rows 16kk + {2c,2c+1,2c+8,2c+9}.
-template <bool ONES>
-__device__ __forceinline__ void pv_block(float (&acc)[4][32], float (&ones)[32], const uint8_t* stg,
-                                         uint32_t pt, int half, int w, int g, int c) {
+__device__ __forceinline__ void pv_block(float (&acc)[4][32], const uint8_t* stg, uint32_t pt,
+                                         int half, int w, int g, int c) {
   const int dv0 = 256 * half + 8 * (8 * w + g);
   const int ts = 2 * half + (w >> 1);  // this thread's scale tile
 #pragma unroll
@@ -326,19 +303,15 @@ __device__ __forceinline__ void pv_block(float (&acc)[4][32], float (&ones)[32],
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j) wgmma_bf16(acc[j], a[j][0], a[j][1], a[j][2], a[j][3], desc, 1);
-    if (ONES) {
-      const uint32_t one = 0x3F803F80u;  // bf16x2 (1, 1)
-      wgmma_bf16(ones, one, one, one, one, desc, 1);
-    }
     wgmma_commit();
     if (kk > 0) wgmma_wait<1>();
   }
 }
 
-template <int N>
-__device__ __forceinline__ void rescale(float (&d)[N], const float (&alpha)[16]) {
+// acc[j][4jj + k] is (dv row, head 8jj + 2c + (k & 1)); alpha[2jj + b] that head's factor.
+__device__ __forceinline__ void rescale(float (&d)[32], const float (&alpha)[16]) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) d[i] *= alpha[2 * ((i % 32) >> 2) + (i & 1)];
+  for (int i = 0; i < 32; ++i) d[i] *= alpha[2 * (i >> 2) + (i & 1)];
 }
 
 // Writes this thread's O^T values for its 16 heads: out[head, dv0 .. dv0+8).
@@ -371,18 +344,20 @@ __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float
   }
 }
 
-// ---- scorer: Q^T in, then per block QK, softmax, P^T, PV on value columns [0, 256) ------------
-__device__ __forceinline__ void load_query(const __nv_bfloat16* __restrict__ qrow, long long stride_qh,
-                                           int num_heads, uint8_t* smem, int wt, int lane, int w,
-                                           float* qscale_out) {
-  const int h = wt >> 1, half = wt & 1;
+// ---- the query: heads [32 half, 32 half + 32) into this warpgroup's Q^T region ------------------
+// Thread wt: head wt / 4, nope features [128 q, 128 q + 128) and rope [16 q, 16 q + 16), q = wt % 4.
+// Returns 2^-eq, eq the power of two that puts the region's largest |q| just under 2^14 in f16.
+__device__ __forceinline__ float load_query(const __nv_bfloat16* __restrict__ qrow,
+                                            long long stride_qh, int num_heads, int half,
+                                            uint8_t* smem, int wt, int lane, int w) {
+  const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   const bool hv = h < num_heads;
   const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
   float amax = 0.f;
   if (hv) {
 #pragma unroll 4
-    for (int k = 0; k < 32; ++k) {
-      uint4 v = __ldg(qh + half * 32 + k);
+    for (int k = 0; k < 16; ++k) {
+      uint4 v = __ldg(qh + qq * 16 + k);
       const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -393,50 +368,120 @@ __device__ __forceinline__ void load_query(const __nv_bfloat16* __restrict__ qro
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  float* misc = reinterpret_cast<float*>(smem + OFF_MISC);
+  float* misc = reinterpret_cast<float*>(smem + OFF_MISC) + 4 * half;
   if (lane == 0) misc[w] = amax;
-  bar_sync(1, 128);
+  bar_sync(1 + half, 128);
   amax = fmaxf(fmaxf(misc[0], misc[1]), fmaxf(misc[2], misc[3]));
-  // |q| * 2^eq < 2^14: the f16 operand keeps 11 bits for all but the smallest values.
   int eq = amax > 0.f ? 13 - ilog2(amax) : 0;
   eq = eq < -120 ? -120 : (eq > 120 ? 120 : eq);
   const float qf = exp2i(eq);
-  *qscale_out = exp2i(-eq);
-  uint8_t* qt = smem + OFF_QT;
+  uint8_t* qt = smem + OFF_QT + half * QT_HALF;
 #pragma unroll 4
-  for (int k = 0; k < 32; ++k) {
-    uint4 v = hv ? __ldg(qh + half * 32 + k) : make_uint4(0, 0, 0, 0);
+  for (int k = 0; k < 16; ++k) {
+    uint4 v = hv ? __ldg(qh + qq * 16 + k) : make_uint4(0, 0, 0, 0);
     const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
-      const int feat = half * 256 + 8 * k + 2 * e;
-      *reinterpret_cast<uint32_t*>(qt + qt_off(pos_nope(feat), h)) = pack_f16(f.x * qf, f.y * qf);
+      const int feat = 128 * qq + 8 * k + 2 * e;
+      *reinterpret_cast<uint32_t*>(qt + qt_off(pos_nope(feat), hl)) = pack_f16(f.x * qf, f.y * qf);
     }
   }
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    uint4 v = hv ? __ldg(qh + 64 + half * 4 + k) : make_uint4(0, 0, 0, 0);
+  for (int k = 0; k < 2; ++k) {
+    uint4 v = hv ? __ldg(qh + 64 + 2 * qq + k) : make_uint4(0, 0, 0, 0);
     const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
-      const int feat = half * 32 + 8 * k + 2 * e;
-      *reinterpret_cast<uint32_t*>(qt + qt_off(pos_rope(feat), h)) = pack_bf16(f.x * qf, f.y * qf);
+      const int feat = 16 * qq + 8 * k + 2 * e;
+      *reinterpret_cast<uint32_t*>(qt + qt_off(pos_rope(feat), hl)) = pack_bf16(f.x * qf, f.y * qf);
     }
   }
   fence_proxy_async();
-  bar_sync(1, 128);
+  bar_sync(1 + half, 128);
+  return exp2i(-eq);
 }
 
-__device__ __forceinline__ void scorer(const __nv_bfloat16* __restrict__ qrow, long long stride_qh,
-                                       int num_heads, int nblk, float scale_log2, uint8_t* smem,
-                                       uint32_t sbase, Bars b, int wt, float (&acc)[4][32],
-                                       float (&m)[16]) {
+// ---- S^T = K . Q^T for this warpgroup's 32 heads (K in registers, f16; rope in bf16) -----------
+__device__ __forceinline__ void qk_block(float (&s)[16], const uint8_t* row0, const uint8_t* row1,
+                                         uint32_t qt, int c, int& e0, int& e1) {
+  const float4 sa = *reinterpret_cast<const float4*>(row0 + 512);
+  const float4 sb = *reinterpret_cast<const float4*>(row1 + 512);
+  e0 = ilog2(fmaxf(fmaxf(sa.x, sa.y), fmaxf(sa.z, sa.w)));
+  e1 = ilog2(fmaxf(fmaxf(sb.x, sb.y), fmaxf(sb.z, sb.w)));
+  const float ca = c == 0 ? sa.x : (c == 1 ? sa.y : (c == 2 ? sa.z : sa.w));
+  const float cb = c == 0 ? sb.x : (c == 1 ? sb.y : (c == 2 ? sb.z : sb.w));
+  const uint32_t h0 = pack_f16(ca * exp2i(-e0), ca * exp2i(-e0));
+  const uint32_t h1 = pack_f16(cb * exp2i(-e1), cb * exp2i(-e1));
+#pragma unroll
+  for (int mm = 0; mm < 8; ++mm) {
+    const int off = 128 * c + 16 * ((mm + 2 * c) & 7);
+    const uint4 u0 = *reinterpret_cast<const uint4*>(row0 + off);
+    const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
+    const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
+    const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+    for (int hk = 0; hk < 4 / QK_KSTEPS; ++hk) {  // the A registers of 2 groups are live
+      uint32_t a[QK_KSTEPS][4];
+#pragma unroll
+      for (int k = 0; k < QK_KSTEPS; ++k) {
+        const int x = QK_KSTEPS * hk + k;
+        a[k][0] = hmul2(e4m3x2_to_f16x2(x0[x] & 0xffff), h0);
+        a[k][1] = hmul2(e4m3x2_to_f16x2(x1[x] & 0xffff), h1);
+        a[k][2] = hmul2(e4m3x2_to_f16x2(x0[x] >> 16), h0);
+        a[k][3] = hmul2(e4m3x2_to_f16x2(x1[x] >> 16), h1);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < QK_KSTEPS; ++k) {
+        const int kk = 4 * mm + QK_KSTEPS * hk + k;
+        wgmma_f16_n32(s, a[k][0], a[k][1], a[k][2], a[k][3],
+                      desc_sw128(qt + (kk >> 2) * 4096 + (kk & 3) * 32), kk > 0);
+      }
+      wgmma_commit();
+      if (mm + hk > 0) wgmma_wait<1>();
+    }
+  }
+  const uint4 v00 = *reinterpret_cast<const uint4*>(row0 + 528 + 32 * c);
+  const uint4 v01 = *reinterpret_cast<const uint4*>(row0 + 544 + 32 * c);
+  const uint4 v10 = *reinterpret_cast<const uint4*>(row1 + 528 + 32 * c);
+  const uint4 v11 = *reinterpret_cast<const uint4*>(row1 + 544 + 32 * c);
+  const uint32_t y0[8] = {v00.x, v00.y, v00.z, v00.w, v01.x, v01.y, v01.z, v01.w};
+  const uint32_t y1[8] = {v10.x, v10.y, v10.z, v10.w, v11.x, v11.y, v11.z, v11.w};
+  // bf16x2 (2^-e, 2^-e): exact rescale of the rope values to the row's normalisation
+  const uint32_t q0 = ((uint32_t)(127 - e0) << 7) * 0x10001u;
+  const uint32_t q1 = ((uint32_t)(127 - e1) << 7) * 0x10001u;
+  uint32_t a[4][4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    a[k][0] = bmul2(y0[2 * k], q0);
+    a[k][1] = bmul2(y1[2 * k], q1);
+    a[k][2] = bmul2(y0[2 * k + 1], q0);
+    a[k][3] = bmul2(y1[2 * k + 1], q1);
+  }
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int kk = 32 + k;
+    wgmma_bf16_n32(s, a[k][0], a[k][1], a[k][2], a[k][3],
+                   desc_sw128(qt + (kk >> 2) * 4096 + (kk & 3) * 32), 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_acc(s);
+}
+
+// ---- one consumer warpgroup: QK + softmax for heads [32 half, +32), PV for value columns
+// [256 half, +256) over all 64 heads ------------------------------------------------------------
+__device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
+                                         long long stride_qh, int num_heads, int nblk,
+                                         float scale_log2, uint8_t* smem, uint32_t sbase, Bars b,
+                                         int half, int wt, float (&acc)[4][32], float (&m)[8],
+                                         float (&l)[8]) {
   const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
-  float qscale;
-  load_query(qrow, stride_qh, num_heads, smem, wt, lane, w, &qscale);
-  const float base_f = scale_log2 * qscale;
+  const float base_f = scale_log2 * load_query(qrow, stride_qh, num_heads, half, smem, wt, lane, w);
+  const uint32_t qt = sbase + OFF_QT + half * QT_HALF;
   const int r0 = 16 * w + g, r1 = r0 + 8;
   const int* ids_s = reinterpret_cast<const int*>(smem + OFF_IDS);
   float* red_s = reinterpret_cast<float*>(smem + OFF_RED);
@@ -444,85 +489,19 @@ __device__ __forceinline__ void scorer(const __nv_bfloat16* __restrict__ qrow, l
 #pragma unroll 1
   for (int i = 0; i < nblk; ++i) {
     const int st = i % NUM_STAGES, buf = i & 1;
-    const uint32_t ph = (i / NUM_STAGES) & 1, pph = (i >> 1) & 1;
+    const uint32_t ph = (i / NUM_STAGES) & 1;
     const uint8_t* stg = smem + OFF_ST + st * STAGE;
     mbar_wait(b.full + 8 * st, ph);
-    // ---- S^T = K . Q^T ----
-    const uint8_t* row0 = stg + r0 * ROW;
-    const uint8_t* row1 = stg + r1 * ROW;
-    const float4 sa = *reinterpret_cast<const float4*>(row0 + 512);
-    const float4 sb = *reinterpret_cast<const float4*>(row1 + 512);
-    const int e0 = ilog2(fmaxf(fmaxf(sa.x, sa.y), fmaxf(sa.z, sa.w)));
-    const int e1 = ilog2(fmaxf(fmaxf(sb.x, sb.y), fmaxf(sb.z, sb.w)));
-    const float ca = c == 0 ? sa.x : (c == 1 ? sa.y : (c == 2 ? sa.z : sa.w));
-    const float cb = c == 0 ? sb.x : (c == 1 ? sb.y : (c == 2 ? sb.z : sb.w));
-    const uint32_t h0 = pack_f16(ca * exp2i(-e0), ca * exp2i(-e0));
-    const uint32_t h1 = pack_f16(cb * exp2i(-e1), cb * exp2i(-e1));
-    float s[32];
-#pragma unroll
-    for (int mm = 0; mm < 8; ++mm) {
-      const int off = 128 * c + 16 * ((mm + 2 * c) & 7);
-      const uint4 u0 = *reinterpret_cast<const uint4*>(row0 + off);
-      const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
-      const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
-      const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
-#pragma unroll
-      for (int hk = 0; hk < 4 / QK_KSTEPS; ++hk) {  // the A registers of 2 groups are live
-        uint32_t a[QK_KSTEPS][4];
-#pragma unroll
-        for (int k = 0; k < QK_KSTEPS; ++k) {
-          const int x = QK_KSTEPS * hk + k;
-          a[k][0] = hmul2(e4m3x2_to_f16x2(x0[x] & 0xffff), h0);
-          a[k][1] = hmul2(e4m3x2_to_f16x2(x1[x] & 0xffff), h1);
-          a[k][2] = hmul2(e4m3x2_to_f16x2(x0[x] >> 16), h0);
-          a[k][3] = hmul2(e4m3x2_to_f16x2(x1[x] >> 16), h1);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < QK_KSTEPS; ++k) {
-          const int kk = 4 * mm + QK_KSTEPS * hk + k;
-          wgmma_f16(s, a[k][0], a[k][1], a[k][2], a[k][3],
-                    desc_sw128(sbase + OFF_QT + (kk >> 2) * 8192 + (kk & 3) * 32), kk > 0);
-        }
-        wgmma_commit();
-        if (mm + hk > 0) wgmma_wait<1>();
-      }
-    }
-    {
-      const uint4 v00 = *reinterpret_cast<const uint4*>(row0 + 528 + 32 * c);
-      const uint4 v01 = *reinterpret_cast<const uint4*>(row0 + 544 + 32 * c);
-      const uint4 v10 = *reinterpret_cast<const uint4*>(row1 + 528 + 32 * c);
-      const uint4 v11 = *reinterpret_cast<const uint4*>(row1 + 544 + 32 * c);
-      const uint32_t y0[8] = {v00.x, v00.y, v00.z, v00.w, v01.x, v01.y, v01.z, v01.w};
-      const uint32_t y1[8] = {v10.x, v10.y, v10.z, v10.w, v11.x, v11.y, v11.z, v11.w};
-      // bf16x2 (2^-e, 2^-e): exact rescale of the rope values to the row's normalisation
-      const uint32_t q0 = ((uint32_t)(127 - e0) << 7) * 0x10001u;
-      const uint32_t q1 = ((uint32_t)(127 - e1) << 7) * 0x10001u;
-      uint32_t a[4][4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        a[k][0] = bmul2(y0[2 * k], q0);
-        a[k][1] = bmul2(y1[2 * k], q1);
-        a[k][2] = bmul2(y0[2 * k + 1], q0);
-        a[k][3] = bmul2(y1[2 * k + 1], q1);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int kk = 32 + k;
-        wgmma_bf16(s, a[k][0], a[k][1], a[k][2], a[k][3],
-                   desc_sw128(sbase + OFF_QT + (kk >> 2) * 8192 + (kk & 3) * 32), 1);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-    }
-    fence_acc(s);
-    // ---- online softmax over the block's rows (base 2) ----
+    float s[16];
+    int e0, e1;
+    qk_block(s, stg + r0 * ROW, stg + r1 * ROW, qt, c, e0, e1);  // retires PV_{i-1} too
+    fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]);
+    // ---- online softmax over the block's rows (base 2), this warpgroup's heads ----
     const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
     const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
-    float mb[16];
+    float mb[8];
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
+    for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) {
         s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
@@ -533,111 +512,84 @@ __device__ __forceinline__ void scorer(const __nv_bfloat16* __restrict__ qrow, l
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) {
 #pragma unroll
-      for (int hh = 0; hh < 16; ++hh) mb[hh] = fmaxf(mb[hh], __shfl_xor_sync(0xffffffffu, mb[hh], o));
+      for (int hh = 0; hh < 8; ++hh)
+        mb[hh] = fmaxf(mb[hh], __shfl_xor_sync(0xffffffffu, mb[hh], o));
     }
-    float* red = red_s + buf * 256;
+    float* red = red_s + (buf * 2 + half) * 128;
     if (g == 0) {
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-        *reinterpret_cast<float2*>(red + w * 64 + 8 * jj + 2 * c) = make_float2(mb[2 * jj], mb[2 * jj + 1]);
+      for (int jj = 0; jj < 4; ++jj)
+        *reinterpret_cast<float2*>(red + w * 32 + 8 * jj + 2 * c) =
+            make_float2(mb[2 * jj], mb[2 * jj + 1]);
     }
-    bar_sync(1, 128);
+    bar_sync(1 + half, 128);
 #pragma unroll
     for (int ww = 0; ww < 4; ++ww) {
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const float2 r = *reinterpret_cast<const float2*>(red + ww * 64 + 8 * jj + 2 * c);
+      for (int jj = 0; jj < 4; ++jj) {
+        const float2 r = *reinterpret_cast<const float2*>(red + ww * 32 + 8 * jj + 2 * c);
         mb[2 * jj] = fmaxf(mb[2 * jj], r.x);
         mb[2 * jj + 1] = fmaxf(mb[2 * jj + 1], r.y);
       }
     }
-    float alpha[16];
-    bool rescale_any = false;
+    float al[8];
 #pragma unroll
-    for (int hh = 0; hh < 16; ++hh) {
+    for (int hh = 0; hh < 8; ++hh) {
       const float mn = fmaxf(m[hh], mb[hh]);
       const float ms = mn == -INFINITY ? 0.f : mn;
-      alpha[hh] = ex2(m[hh] - ms);
-      rescale_any |= alpha[hh] != 1.f;
+      al[hh] = ex2(m[hh] - ms);
       m[hh] = mn;
       mb[hh] = ms;
     }
-    // alpha[buf] is free once the PV warpgroup finished block i - 2 (same barrier as P^T[buf])
-    mbar_wait(b.pempty + 8 * buf, pph ^ 1);
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[4 * jj + k] = ex2(s[4 * jj + k] - mb[2 * jj + (k & 1)]);
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb)
+        l[2 * jj + bb] = l[2 * jj + bb] * al[2 * jj + bb] + s[4 * jj + bb] + s[4 * jj + 2 + bb];
+    }
+    // P^T[buf] rows 32 half .. +32 (heads) and alpha[buf]; P^T[buf] was last read by PV_{i-2},
+    // which both warpgroups retired before the barrier of block i-1.
+    const uint32_t pt = sbase + OFF_PT + buf * 8192;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int head = 32 * half + 8 * (lane >> 3) + (lane & 7);
+      const uint32_t addr = pt + head * 128 + ((((2 * w + hf) ^ (head & 7))) << 4);
+      stmatrix_x4_trans(addr, pack_bf16(s[2 * hf], s[2 * hf + 1]),
+                        pack_bf16(s[4 + 2 * hf], s[4 + 2 * hf + 1]),
+                        pack_bf16(s[8 + 2 * hf], s[8 + 2 * hf + 1]),
+                        pack_bf16(s[12 + 2 * hf], s[12 + 2 * hf + 1]));
+    }
     if (w == 0 && g == 0) {
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-        *reinterpret_cast<float2*>(alpha_s + buf * 64 + 8 * jj + 2 * c) =
-            make_float2(alpha[2 * jj], alpha[2 * jj + 1]);
+      for (int jj = 0; jj < 4; ++jj)
+        *reinterpret_cast<float2*>(alpha_s + buf * 64 + 32 * half + 8 * jj + 2 * c) =
+            make_float2(al[2 * jj], al[2 * jj + 1]);
     }
-    if (__any_sync(0xffffffffu, rescale_any)) {
-      fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]);
+    fence_proxy_async();
+    bar_sync(3, 256);  // both halves of P^T[buf] and alpha[buf] are written
+    float alpha[16];
+    bool any = false;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const float2 x = *reinterpret_cast<const float2*>(alpha_s + buf * 64 + 8 * jj + 2 * c);
+      alpha[2 * jj] = x.x;
+      alpha[2 * jj + 1] = x.y;
+      any |= (x.x != 1.f) | (x.y != 1.f);
+    }
+    if (__any_sync(0xffffffffu, any)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) rescale(acc[j], alpha);
     }
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) s[4 * jj + k] = ex2(s[4 * jj + k] - mb[2 * jj + (k & 1)]);
-    }
-    const uint32_t pt = sbase + OFF_PT + buf * 8192;
-#pragma unroll
-    for (int qq = 0; qq < 4; ++qq) {
-      const int hf = qq >> 1, jb = 4 * (qq & 1);
-      const int head = 8 * (jb + (lane >> 3)) + (lane & 7);
-      const uint32_t addr = pt + head * 128 + ((((2 * w + hf) ^ (head & 7))) << 4);
-      stmatrix_x4_trans(addr, pack_bf16(s[4 * jb + 2 * hf], s[4 * jb + 2 * hf + 1]),
-                        pack_bf16(s[4 * (jb + 1) + 2 * hf], s[4 * (jb + 1) + 2 * hf + 1]),
-                        pack_bf16(s[4 * (jb + 2) + 2 * hf], s[4 * (jb + 2) + 2 * hf + 1]),
-                        pack_bf16(s[4 * (jb + 3) + 2 * hf], s[4 * (jb + 3) + 2 * hf + 1]));
-    }
-    fence_proxy_async();
-    mbar_arrive(b.pfull + 8 * buf);
-    bar_sync(1, 128);
-    float dummy[32];
-    pv_block<false>(acc, dummy, stg, pt, 0, w, g, c);
+    pv_block(acc, stg, pt, half, w, g, c);
     mbar_arrive(b.empty + 8 * st);
-    // No group in flight across the loop's back edge: ptxas otherwise serialises every wgmma
-    // (C7514).
+    // Retire PV here, not in the next block's QK: with a group in flight across the loop's back
+    // edge ptxas cannot prove the rescale above safe and serialises every wgmma (C7514).
     wgmma_wait<0>();
   }
   wgmma_wait<0>();
   fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]);
-}
-
-// ---- PV warpgroup: value columns [256, 512) and the row sums ------------------------------------
-__device__ __forceinline__ void pv_worker(int nblk, uint8_t* smem, uint32_t sbase, Bars b, int wt,
-                                          float (&acc)[4][32], float (&ones)[32]) {
-  const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
-  const float* alpha_s = reinterpret_cast<const float*>(smem + OFF_ALPHA);
-#pragma unroll 1
-  for (int i = 0; i < nblk; ++i) {
-    const int st = i % NUM_STAGES, buf = i & 1;
-    const uint32_t ph = (i / NUM_STAGES) & 1, pph = (i >> 1) & 1;
-    mbar_wait(b.pfull + 8 * buf, pph);
-    mbar_wait(b.full + 8 * st, ph);  // the scorer saw it complete; this orders our reads of it
-    wgmma_wait<0>();
-    fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]); fence_acc(ones);
-    if (i > 0) mbar_arrive(b.pempty + 8 * ((i - 1) & 1));
-    float alpha[16];
-    bool rescale_any = false;
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const float2 a = *reinterpret_cast<const float2*>(alpha_s + buf * 64 + 8 * jj + 2 * c);
-      alpha[2 * jj] = a.x;
-      alpha[2 * jj + 1] = a.y;
-      rescale_any |= (a.x != 1.f) | (a.y != 1.f);
-    }
-    if (__any_sync(0xffffffffu, rescale_any)) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) rescale(acc[j], alpha);
-      rescale(ones, alpha);
-    }
-    pv_block<true>(acc, ones, smem + OFF_ST + st * STAGE, sbase + OFF_PT + buf * 8192, 1, w, g, c);
-    mbar_arrive(b.empty + 8 * st);
-  }
-  wgmma_wait<0>();
-  fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]); fence_acc(ones);
 }
 
 }  // namespace
@@ -657,15 +609,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   const int k_lo = split * k_per_split;
   const int k_hi = min(topk, k_lo + k_per_split);
   const int nblk = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
-  const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24, sbase + OFF_BAR + 48, sbase + OFF_BAR + 64};
+  const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24};
   if (tid == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
-      mbar_init(b.full + 8 * s, PRODUCER_CPASYNC ? 132 : 1);
+      mbar_init(b.full + 8 * s, 1);
       mbar_init(b.empty + 8 * s, 256);
-    }
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(b.pfull + 8 * s, 128);
-      mbar_init(b.pempty + 8 * s, 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -677,14 +625,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (PRODUCER_CPASYNC)
-      producer_cpasync(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, warp,
-                       lane);
-    else if (warp == 0)
+    if (warp == 0)
       producer(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, lane);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int half = wg - 1;
   const int wt = tid - 128 * wg;  // thread within its warpgroup
   const int w = wt >> 5, g = (wt & 31) >> 2, c = wt & 3;
   float acc[4][32];
@@ -692,58 +638,51 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   for (int j = 0; j < 4; ++j)
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
-  const long long obase = split * stride_os + t * stride_ot;
-  const int half = wg - 1;
-  const int dv0 = 256 * half + 8 * (8 * w + g);
-  float* l_s = reinterpret_cast<float*>(smem + OFF_L);
-  float inv[16], l[16];
-  if (wg == 1) {
-    float m[16];
+  float m[8], l[8];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) m[i] = -INFINITY;
-    scorer(q + (long long)t * stride_qt, stride_qh, num_heads, nblk, scale_log2, smem, sbase, b,
-           wt, acc, m);
-    bar_sync(2, 256);  // the PV warpgroup has written the row sums
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const float2 x = *reinterpret_cast<const float2*>(l_s + 8 * jj + 2 * c);
-      l[2 * jj] = x.x;
-      l[2 * jj + 1] = x.y;
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    store_out(acc, inv, out, obase, stride_oh, num_heads, dv0, c, out_fp32 != 0);
-    if (w == 0 && g == 0) {
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-        for (int bb = 0; bb < 2; ++bb) {
-          const int head = 8 * jj + 2 * c + bb;
-          const float x = l[2 * jj + bb];
-          if (head < num_heads)
-            lse[split * stride_ls + t * stride_lt + head] =
-                x > 0.f ? (m[2 * jj + bb] + __log2f(x)) * 0.6931471805599453f : -INFINITY;
-        }
-    }
-  } else {
-    float ones[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) ones[i] = 0.f;
-    pv_worker(nblk, smem, sbase, b, wt, acc, ones);
-    // every M row of the all-ones tile holds l for this thread's 16 heads
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      l[2 * jj] = ones[4 * jj];
-      l[2 * jj + 1] = ones[4 * jj + 1];
-    }
-    if (w == 0 && g == 0) {
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-        *reinterpret_cast<float2*>(l_s + 8 * jj + 2 * c) = make_float2(l[2 * jj], l[2 * jj + 1]);
-    }
-    bar_sync(2, 256);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    store_out(acc, inv, out, obase, stride_oh, num_heads, dv0, c, out_fp32 != 0);
+  for (int i = 0; i < 8; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.f;
   }
+  consumer(q + (long long)t * stride_qt, stride_qh, num_heads, nblk, scale_log2, smem, sbase, b,
+           half, wt, acc, m, l);
+  // Row sums: this thread's partial over its rows r0, r1 -> over the warp's 16 rows (lanes of one
+  // quad column) -> over the 4 warps (shared memory); all 64 heads' sums then go to every thread.
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
+  float* red = reinterpret_cast<float*>(smem + OFF_RED) + half * 128;
+  float* l_s = reinterpret_cast<float*>(smem + OFF_L);
+  if (g == 0) {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+      *reinterpret_cast<float2*>(red + w * 32 + 8 * jj + 2 * c) = make_float2(l[2 * jj], l[2 * jj + 1]);
+  }
+  bar_sync(3, 256);  // (also: both warpgroups are past their last use of the row-max buffer)
+  if (w == 0 && g == 0) {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        const int hl = 8 * jj + 2 * c + bb;
+        const float x = red[hl] + red[32 + hl] + red[64 + hl] + red[96 + hl];
+        l_s[32 * half + hl] = x;
+        const int head = 32 * half + hl;
+        if (head < num_heads)
+          lse[split * stride_ls + t * stride_lt + head] =
+              x > 0.f ? (m[2 * jj + bb] + __log2f(x)) * 0.6931471805599453f : -INFINITY;
+      }
+  }
+  bar_sync(3, 256);
+  float inv[16];
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+    for (int bb = 0; bb < 2; ++bb) {
+      const float x = l_s[8 * jj + 2 * c + bb];
+      inv[2 * jj + bb] = x > 0.f ? 1.f / x : 0.f;
+    }
+  store_out(acc, inv, out, split * stride_os + t * stride_ot, stride_oh, num_heads,
+            256 * half + 8 * (8 * w + g), c, out_fp32 != 0);
 }
