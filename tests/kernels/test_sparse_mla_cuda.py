@@ -146,8 +146,11 @@ def test_cuda_decode_gpu_fp8_dequant_exact():
     out, lse = mod.sparse_mla_decode(q, cache, slots, layout, 0.04, kernel="cuda")
     want = read_mla_cache_ref(cache, slots[:, 17], layout)[:, None, :512].expand(n, 64, 512)
     assert torch.equal(out.float(), want.to(torch.bfloat16).float())
+    # The logits here reach ~1e4 (e4m3 codes up to 448 times scales up to 2^8): f16 QK operands
+    # (11-bit) keep lse within ~1e-3 of it relatively, where the 2e-2 absolute bound of the other
+    # tests assumes O(1) logits.
     _, ref_l = sparse_mla_ref(q.float(), cache, slots, layout, 0.04)
-    assert (lse - ref_l).abs().max().item() < 2e-2
+    assert ((lse - ref_l).abs() / ref_l.abs().clamp_min(1.0)).max().item() < 2e-3
 
 
 @pytest.mark.gpu

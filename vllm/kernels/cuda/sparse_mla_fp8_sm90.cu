@@ -30,8 +30,15 @@
 
 // Build-time knobs (nvcc -D...), timed against each other by benchmarks/kernels/bench_sparse_mla_decode.py:
 // QK_KSTEPS: k-steps per wgmma group in QK (the A registers of two groups are live).
+// (A cp.async producer, 16-byte pieces by 4 warps, measured slower than the bulk copies:
+// 1.174 vs 1.144 ms at T=1024.)
 #ifndef QK_KSTEPS
-#define QK_KSTEPS 2
+#define QK_KSTEPS 4
+#endif
+// RESCALE_LOG2: the running max moves (and O is rescaled) only when a block's max exceeds it by
+// more than this, in log2 units (0: every increase, the textbook online softmax).
+#ifndef RESCALE_LOG2
+#define RESCALE_LOG2 8.0f
 #endif
 
 namespace {
@@ -108,9 +115,16 @@ __device__ __forceinline__ void fence_acc(float (&d)[N]) {
 }
 
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t saddr) {
-  return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
-         ((uint64_t)1 << 62);
+// Low word: start address / 16 (bits 0-13), leading-byte offset 1 (unused when swizzled); high
+// word: stride-byte offset 1024 / 16, swizzle mode 1 (128 B). Only the low word changes between
+// k-steps (+2 per 32 bytes), so callers add to it and pair it with the constant high word: one
+// add per wgmma instead of a 64-bit add and its register moves.
+constexpr uint32_t DESC_HI = (1024 >> 4) | (1u << 30);
+__device__ __forceinline__ uint32_t desc_lo(uint32_t saddr) { return ((saddr & 0x3FFFF) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t desc(uint32_t lo) {
+  uint64_t d;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "n"(DESC_HI));
+  return d;
 }
 
 #define WGMMA_D32                                                                              \
@@ -168,13 +182,13 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
                : "memory");
 }
 
-// Two e4m3 (low byte first) -> f16x2, exact.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair16) {
-  uint32_t out;
-  asm("{\n.reg .b16 lo;\ncvt.u16.u32 lo, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
-      : "=r"(out)
-      : "r"(pair16));
-  return out;
+// Four e4m3 (a word, low byte first) -> two f16x2 (bytes 0-1, bytes 2-3), exact. One asm for
+// both halves so ptxas reads them in place instead of extracting each with a shift or mask.
+__device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo2, uint32_t& hi2) {
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %2;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, hi;\n}\n"
+      : "=r"(lo2), "=r"(hi2)
+      : "r"(w));
 }
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   uint32_t out;
@@ -209,9 +223,8 @@ __device__ __forceinline__ int ilog2(float x) {
   e = e < -126 ? -126 : (e > 126 ? 126 : e);
   return x > 0.f ? e : 0;
 }
-// (e4m3 pair from two rows, row a in the low byte) . (scale_a, scale_b), rounded to bf16x2.
-__device__ __forceinline__ uint32_t deq_bf16(uint32_t pair16, float sa, float sb) {
-  uint32_t h = e4m3x2_to_f16x2(pair16);
+// An f16x2 (exact e4m3 values of two rows, row a low) . (scale_a, scale_b), rounded to bf16x2.
+__device__ __forceinline__ uint32_t deq_bf16(uint32_t h, float sa, float sb) {
   float2 f = __half22float2(*reinterpret_cast<__half2*>(&h));
   return pack_bf16(f.x * sa, f.y * sb);
 }
@@ -267,7 +280,7 @@ __device__ __forceinline__ void producer(const uint8_t* __restrict__ kv,
 // O^T[256 dv x 64 heads] += V^T . P^T over the block in stage `stg`. Thread (w, g, c) holds dv
 // rows dv0 + 2j + h (tile j, h = 0 for M row g / 1 for g + 8) with dv0 = 256*half + 8*(8w + g),
 // so its 8 values of a row are 8 contiguous bytes; K = the block's rows 16kk + {2c,2c+1,2c+8,2c+9}.
-__device__ __forceinline__ void pv_block(float (&acc)[4][32], const uint8_t* stg, uint32_t pt,
+__device__ __forceinline__ void pv_block(float (&acc)[4][32], const uint8_t* stg, uint32_t dp,
                                          int half, int w, int g, int c) {
   const int dv0 = 256 * half + 8 * (8 * w + g);
   const int ts = 2 * half + (w >> 1);  // this thread's scale tile
@@ -290,19 +303,24 @@ __device__ __forceinline__ void pv_block(float (&acc)[4][32], const uint8_t* stg
       const uint32_t x2 = wi ? r2.y : r2.x, x3 = wi ? r3.y : r3.x;
       const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
       const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
-      a[2 * wi][0] = deq_bf16(u01 & 0xffff, c0, c1);
-      a[2 * wi][1] = deq_bf16(u01 >> 16, c0, c1);
-      a[2 * wi][2] = deq_bf16(u23 & 0xffff, c2, c3);
-      a[2 * wi][3] = deq_bf16(u23 >> 16, c2, c3);
-      a[2 * wi + 1][0] = deq_bf16(v01 & 0xffff, c0, c1);
-      a[2 * wi + 1][1] = deq_bf16(v01 >> 16, c0, c1);
-      a[2 * wi + 1][2] = deq_bf16(v23 & 0xffff, c2, c3);
-      a[2 * wi + 1][3] = deq_bf16(v23 >> 16, c2, c3);
+      uint32_t f[8];
+      e4m3x4_to_f16x4(u01, f[0], f[1]);
+      e4m3x4_to_f16x4(u23, f[2], f[3]);
+      e4m3x4_to_f16x4(v01, f[4], f[5]);
+      e4m3x4_to_f16x4(v23, f[6], f[7]);
+      a[2 * wi][0] = deq_bf16(f[0], c0, c1);
+      a[2 * wi][1] = deq_bf16(f[1], c0, c1);
+      a[2 * wi][2] = deq_bf16(f[2], c2, c3);
+      a[2 * wi][3] = deq_bf16(f[3], c2, c3);
+      a[2 * wi + 1][0] = deq_bf16(f[4], c0, c1);
+      a[2 * wi + 1][1] = deq_bf16(f[5], c0, c1);
+      a[2 * wi + 1][2] = deq_bf16(f[6], c2, c3);
+      a[2 * wi + 1][3] = deq_bf16(f[7], c2, c3);
     }
-    const uint64_t desc = desc_sw128(pt + 32 * kk);
+    const uint64_t dsc = desc(dp + 2 * kk);  // + 32 bytes per k-step
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wgmma_bf16(acc[j], a[j][0], a[j][1], a[j][2], a[j][3], desc, 1);
+    for (int j = 0; j < 4; ++j) wgmma_bf16(acc[j], a[j][0], a[j][1], a[j][2], a[j][3], dsc, 1);
     wgmma_commit();
     if (kk > 0) wgmma_wait<1>();
   }
@@ -404,8 +422,13 @@ __device__ __forceinline__ float load_query(const __nv_bfloat16* __restrict__ qr
 }
 
 // ---- S^T = K . Q^T for this warpgroup's 32 heads (K in registers, f16; rope in bf16) -----------
+// Descriptor increment of k-step kk in a Q^T region (the address field counts 16-byte units).
+__device__ __forceinline__ constexpr uint32_t qk_step(int kk) {
+  return (uint32_t)(((kk >> 2) * 4096 + (kk & 3) * 32) >> 4);
+}
+
 __device__ __forceinline__ void qk_block(float (&s)[16], const uint8_t* row0, const uint8_t* row1,
-                                         uint32_t qt, int c, int& e0, int& e1) {
+                                         uint32_t dq, int c, int& e0, int& e1) {
   const float4 sa = *reinterpret_cast<const float4*>(row0 + 512);
   const float4 sb = *reinterpret_cast<const float4*>(row1 + 512);
   e0 = ilog2(fmaxf(fmaxf(sa.x, sa.y), fmaxf(sa.z, sa.w)));
@@ -427,17 +450,19 @@ __device__ __forceinline__ void qk_block(float (&s)[16], const uint8_t* row0, co
 #pragma unroll
       for (int k = 0; k < QK_KSTEPS; ++k) {
         const int x = QK_KSTEPS * hk + k;
-        a[k][0] = hmul2(e4m3x2_to_f16x2(x0[x] & 0xffff), h0);
-        a[k][1] = hmul2(e4m3x2_to_f16x2(x1[x] & 0xffff), h1);
-        a[k][2] = hmul2(e4m3x2_to_f16x2(x0[x] >> 16), h0);
-        a[k][3] = hmul2(e4m3x2_to_f16x2(x1[x] >> 16), h1);
+        uint32_t f0, f1, f2, f3;
+        e4m3x4_to_f16x4(x0[x], f0, f2);
+        e4m3x4_to_f16x4(x1[x], f1, f3);
+        a[k][0] = hmul2(f0, h0);
+        a[k][1] = hmul2(f1, h1);
+        a[k][2] = hmul2(f2, h0);
+        a[k][3] = hmul2(f3, h1);
       }
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < QK_KSTEPS; ++k) {
         const int kk = 4 * mm + QK_KSTEPS * hk + k;
-        wgmma_f16_n32(s, a[k][0], a[k][1], a[k][2], a[k][3],
-                      desc_sw128(qt + (kk >> 2) * 4096 + (kk & 3) * 32), kk > 0);
+        wgmma_f16_n32(s, a[k][0], a[k][1], a[k][2], a[k][3], desc(dq + qk_step(kk)), kk > 0);
       }
       wgmma_commit();
       if (mm + hk > 0) wgmma_wait<1>();
@@ -464,8 +489,7 @@ __device__ __forceinline__ void qk_block(float (&s)[16], const uint8_t* row0, co
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int kk = 32 + k;
-    wgmma_bf16_n32(s, a[k][0], a[k][1], a[k][2], a[k][3],
-                   desc_sw128(qt + (kk >> 2) * 4096 + (kk & 3) * 32), 1);
+    wgmma_bf16_n32(s, a[k][0], a[k][1], a[k][2], a[k][3], desc(dq + qk_step(kk)), 1);
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -474,14 +498,16 @@ __device__ __forceinline__ void qk_block(float (&s)[16], const uint8_t* row0, co
 
 // ---- one consumer warpgroup: QK + softmax for heads [32 half, +32), PV for value columns
 // [256 half, +256) over all 64 heads ------------------------------------------------------------
+template <int half>
 __device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
                                          long long stride_qh, int num_heads, int nblk,
                                          float scale_log2, uint8_t* smem, uint32_t sbase, Bars b,
-                                         int half, int wt, float (&acc)[4][32], float (&m)[8],
+                                         int wt, float (&acc)[4][32], float (&m)[8],
                                          float (&l)[8]) {
   const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
   const float base_f = scale_log2 * load_query(qrow, stride_qh, num_heads, half, smem, wt, lane, w);
-  const uint32_t qt = sbase + OFF_QT + half * QT_HALF;
+  const uint32_t dq = desc_lo(sbase + OFF_QT + half * QT_HALF);
+  const uint32_t dp0 = desc_lo(sbase + OFF_PT);
   const int r0 = 16 * w + g, r1 = r0 + 8;
   const int* ids_s = reinterpret_cast<const int*>(smem + OFF_IDS);
   float* red_s = reinterpret_cast<float*>(smem + OFF_RED);
@@ -494,7 +520,7 @@ __device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
     mbar_wait(b.full + 8 * st, ph);
     float s[16];
     int e0, e1;
-    qk_block(s, stg + r0 * ROW, stg + r1 * ROW, qt, c, e0, e1);  // retires PV_{i-1} too
+    qk_block(s, stg + r0 * ROW, stg + r1 * ROW, dq, c, e0, e1);
     fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]);
     // ---- online softmax over the block's rows (base 2), this warpgroup's heads ----
     const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
@@ -532,12 +558,17 @@ __device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
         mb[2 * jj + 1] = fmaxf(mb[2 * jj + 1], r.y);
       }
     }
+    // The stabiliser only has to bound P: keep the running max unless this block exceeds it by
+    // more than 2^RESCALE_LOG2 (P < 2^RESCALE_LOG2 in bf16 is exact enough, and l and O carry
+    // the same factor), so O is rescaled a few times per query instead of almost every block.
+    // alpha = 1 while nothing was valid yet (O and l are still zero).
     float al[8];
 #pragma unroll
     for (int hh = 0; hh < 8; ++hh) {
-      const float mn = fmaxf(m[hh], mb[hh]);
+      const bool up = mb[hh] > m[hh] + RESCALE_LOG2;
+      const float mn = up ? mb[hh] : m[hh];
       const float ms = mn == -INFINITY ? 0.f : mn;
-      al[hh] = ex2(m[hh] - ms);
+      al[hh] = (up && m[hh] != -INFINITY) ? ex2(m[hh] - mn) : 1.f;
       m[hh] = mn;
       mb[hh] = ms;
     }
@@ -582,7 +613,7 @@ __device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
 #pragma unroll
       for (int j = 0; j < 4; ++j) rescale(acc[j], alpha);
     }
-    pv_block(acc, stg, pt, half, w, g, c);
+    pv_block(acc, stg, dp0 + buf * (8192 >> 4), half, w, g, c);
     mbar_arrive(b.empty + 8 * st);
     // Retire PV here, not in the next block's QK: with a group in flight across the loop's back
     // edge ptxas cannot prove the rescale above safe and serialises every wgmma (C7514).
@@ -590,6 +621,72 @@ __device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
   }
   wgmma_wait<0>();
   fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]);
+}
+
+// A consumer warpgroup's whole path, specialised on its half so that its shared-memory
+// addresses (hence the wgmma descriptors) are warp-uniform values the compiler keeps in uniform
+// registers.
+template <int half>
+__device__ __forceinline__ void consumer_main(
+    const __nv_bfloat16* __restrict__ q, void* __restrict__ out, float* __restrict__ lse,
+    float scale_log2, int num_heads, int nblk, int t, int split, long long stride_qt,
+    long long stride_qh, long long stride_os, long long stride_ot, long long stride_oh,
+    long long stride_ls, long long stride_lt, int out_fp32, uint8_t* smem, uint32_t sbase, Bars b,
+    int tid) {
+  const int wt = tid - 128 * (half + 1);  // thread within its warpgroup
+  const int w = wt >> 5, g = (wt & 31) >> 2, c = wt & 3;
+  float acc[4][32];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
+  float m[8], l[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+  }
+  consumer<half>(q + (long long)t * stride_qt, stride_qh, num_heads, nblk, scale_log2, smem, sbase,
+                 b, wt, acc, m, l);
+  // Row sums: this thread's partial over its rows r0, r1 -> over the warp's 16 rows (lanes of one
+  // quad column) -> over the 4 warps (shared memory); all 64 heads' sums then go to every thread.
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
+  float* red = reinterpret_cast<float*>(smem + OFF_RED) + half * 128;
+  float* l_s = reinterpret_cast<float*>(smem + OFF_L);
+  if (g == 0) {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+      *reinterpret_cast<float2*>(red + w * 32 + 8 * jj + 2 * c) = make_float2(l[2 * jj], l[2 * jj + 1]);
+  }
+  bar_sync(3, 256);  // (also: both warpgroups are past their last use of the row-max buffer)
+  if (w == 0 && g == 0) {
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        const int hl = 8 * jj + 2 * c + bb;
+        const float x = red[hl] + red[32 + hl] + red[64 + hl] + red[96 + hl];
+        l_s[32 * half + hl] = x;
+        const int head = 32 * half + hl;
+        if (head < num_heads)
+          lse[split * stride_ls + t * stride_lt + head] =
+              x > 0.f ? (m[2 * jj + bb] + __log2f(x)) * 0.6931471805599453f : -INFINITY;
+      }
+  }
+  bar_sync(3, 256);
+  float inv[16];
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+    for (int bb = 0; bb < 2; ++bb) {
+      const float x = l_s[8 * jj + 2 * c + bb];
+      inv[2 * jj + bb] = x > 0.f ? 1.f / x : 0.f;
+    }
+  store_out(acc, inv, out, split * stride_os + t * stride_ot, stride_oh, num_heads,
+            256 * half + 8 * (8 * w + g), c, out_fp32 != 0);
 }
 
 }  // namespace
@@ -630,59 +727,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  const int half = wg - 1;
-  const int wt = tid - 128 * wg;  // thread within its warpgroup
-  const int w = wt >> 5, g = (wt & 31) >> 2, c = wt & 3;
-  float acc[4][32];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
-  float m[8], l[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    m[i] = -INFINITY;
-    l[i] = 0.f;
-  }
-  consumer(q + (long long)t * stride_qt, stride_qh, num_heads, nblk, scale_log2, smem, sbase, b,
-           half, wt, acc, m, l);
-  // Row sums: this thread's partial over its rows r0, r1 -> over the warp's 16 rows (lanes of one
-  // quad column) -> over the 4 warps (shared memory); all 64 heads' sums then go to every thread.
-#pragma unroll
-  for (int o = 4; o < 32; o <<= 1)
-#pragma unroll
-    for (int hh = 0; hh < 8; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
-  float* red = reinterpret_cast<float*>(smem + OFF_RED) + half * 128;
-  float* l_s = reinterpret_cast<float*>(smem + OFF_L);
-  if (g == 0) {
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj)
-      *reinterpret_cast<float2*>(red + w * 32 + 8 * jj + 2 * c) = make_float2(l[2 * jj], l[2 * jj + 1]);
-  }
-  bar_sync(3, 256);  // (also: both warpgroups are past their last use of the row-max buffer)
-  if (w == 0 && g == 0) {
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj)
-#pragma unroll
-      for (int bb = 0; bb < 2; ++bb) {
-        const int hl = 8 * jj + 2 * c + bb;
-        const float x = red[hl] + red[32 + hl] + red[64 + hl] + red[96 + hl];
-        l_s[32 * half + hl] = x;
-        const int head = 32 * half + hl;
-        if (head < num_heads)
-          lse[split * stride_ls + t * stride_lt + head] =
-              x > 0.f ? (m[2 * jj + bb] + __log2f(x)) * 0.6931471805599453f : -INFINITY;
-      }
-  }
-  bar_sync(3, 256);
-  float inv[16];
-#pragma unroll
-  for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-    for (int bb = 0; bb < 2; ++bb) {
-      const float x = l_s[8 * jj + 2 * c + bb];
-      inv[2 * jj + bb] = x > 0.f ? 1.f / x : 0.f;
-    }
-  store_out(acc, inv, out, split * stride_os + t * stride_ot, stride_oh, num_heads,
-            256 * half + 8 * (8 * w + g), c, out_fp32 != 0);
+  if (wg == 1)
+    consumer_main<0>(q, out, lse, scale_log2, num_heads, nblk, t, split, stride_qt, stride_qh,
+                     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, out_fp32, smem, sbase,
+                     b, tid);
+  else
+    consumer_main<1>(q, out, lse, scale_log2, num_heads, nblk, t, split, stride_qt, stride_qh,
+                     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, out_fp32, smem, sbase,
+                     b, tid);
 }
