@@ -98,6 +98,17 @@ __device__ __forceinline__ void fence_proxy_async() {
 __device__ __forceinline__ void bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
+// Barrier over `count` threads that also ORs `pred` across them.
+__device__ __forceinline__ bool bar_red_or(int id, int count, bool pred) {
+  uint32_t out;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\n"
+      "selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(out)
+      : "r"((uint32_t)pred), "r"(id), "r"(count)
+      : "memory");
+  return out != 0;
+}
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 }
@@ -498,11 +509,10 @@ __device__ __forceinline__ void qk_block(float (&s)[16], const uint8_t* row0, co
 
 // ---- one consumer warpgroup: QK + softmax for heads [32 half, +32), PV for value columns
 // [256 half, +256) over all 64 heads ------------------------------------------------------------
-template <int half>
 __device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
                                          long long stride_qh, int num_heads, int nblk,
                                          float scale_log2, uint8_t* smem, uint32_t sbase, Bars b,
-                                         int wt, float (&acc)[4][32], float (&m)[8],
+                                         int half, int wt, float (&acc)[4][32], float (&m)[8],
                                          float (&l)[8]) {
   const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
   const float base_f = scale_log2 * load_query(qrow, stride_qh, num_heads, half, smem, wt, lane, w);
@@ -525,7 +535,13 @@ __device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
     // ---- online softmax over the block's rows (base 2), this warpgroup's heads ----
     const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
     const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
+    // The stabiliser only has to bound P: the running max m moves only when a row exceeds it by
+    // more than 2^RESCALE_LOG2 (P < 2^RESCALE_LOG2 in bf16 is as exact as P <= 1, and l and O
+    // carry the same factor). One barrier-with-OR tells the warpgroup whether any row of any
+    // warp does; only then (the first valid block, and rarely after) are the block's row maxima
+    // reduced across the warps and O rescaled. alpha = 1 while nothing was valid (O, l are zero).
     float mb[8];
+    bool over = false;
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
@@ -533,45 +549,46 @@ __device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
         s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
         s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
         mb[2 * jj + bb] = fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]);
+        over |= mb[2 * jj + bb] > m[2 * jj + bb] + RESCALE_LOG2;
       }
     }
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-#pragma unroll
-      for (int hh = 0; hh < 8; ++hh)
-        mb[hh] = fmaxf(mb[hh], __shfl_xor_sync(0xffffffffu, mb[hh], o));
-    }
-    float* red = red_s + (buf * 2 + half) * 128;
-    if (g == 0) {
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj)
-        *reinterpret_cast<float2*>(red + w * 32 + 8 * jj + 2 * c) =
-            make_float2(mb[2 * jj], mb[2 * jj + 1]);
-    }
-    bar_sync(1 + half, 128);
-#pragma unroll
-    for (int ww = 0; ww < 4; ++ww) {
-#pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
-        const float2 r = *reinterpret_cast<const float2*>(red + ww * 32 + 8 * jj + 2 * c);
-        mb[2 * jj] = fmaxf(mb[2 * jj], r.x);
-        mb[2 * jj + 1] = fmaxf(mb[2 * jj + 1], r.y);
-      }
-    }
-    // The stabiliser only has to bound P: keep the running max unless this block exceeds it by
-    // more than 2^RESCALE_LOG2 (P < 2^RESCALE_LOG2 in bf16 is exact enough, and l and O carry
-    // the same factor), so O is rescaled a few times per query instead of almost every block.
-    // alpha = 1 while nothing was valid yet (O and l are still zero).
     float al[8];
 #pragma unroll
-    for (int hh = 0; hh < 8; ++hh) {
-      const bool up = mb[hh] > m[hh] + RESCALE_LOG2;
-      const float mn = up ? mb[hh] : m[hh];
-      const float ms = mn == -INFINITY ? 0.f : mn;
-      al[hh] = (up && m[hh] != -INFINITY) ? ex2(m[hh] - mn) : 1.f;
-      m[hh] = mn;
-      mb[hh] = ms;
+    for (int hh = 0; hh < 8; ++hh) al[hh] = 1.f;
+    if (bar_red_or(1 + half, 128, over)) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh)
+          mb[hh] = fmaxf(mb[hh], __shfl_xor_sync(0xffffffffu, mb[hh], o));
+      }
+      float* red = red_s + (buf * 2 + half) * 128;
+      if (g == 0) {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj)
+          *reinterpret_cast<float2*>(red + w * 32 + 8 * jj + 2 * c) =
+              make_float2(mb[2 * jj], mb[2 * jj + 1]);
+      }
+      bar_sync(1 + half, 128);
+#pragma unroll
+      for (int ww = 0; ww < 4; ++ww) {
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          const float2 r = *reinterpret_cast<const float2*>(red + ww * 32 + 8 * jj + 2 * c);
+          mb[2 * jj] = fmaxf(mb[2 * jj], r.x);
+          mb[2 * jj + 1] = fmaxf(mb[2 * jj + 1], r.y);
+        }
+      }
+#pragma unroll
+      for (int hh = 0; hh < 8; ++hh) {
+        if (mb[hh] > m[hh] + RESCALE_LOG2) {
+          al[hh] = m[hh] == -INFINITY ? 1.f : ex2(m[hh] - mb[hh]);
+          m[hh] = mb[hh];
+        }
+      }
     }
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) mb[hh] = m[hh] == -INFINITY ? 0.f : m[hh];
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
 #pragma unroll
@@ -623,17 +640,46 @@ __device__ __forceinline__ void consumer(const __nv_bfloat16* __restrict__ qrow,
   fence_acc(acc[0]); fence_acc(acc[1]); fence_acc(acc[2]); fence_acc(acc[3]);
 }
 
-// A consumer warpgroup's whole path, specialised on its half so that its shared-memory
-// addresses (hence the wgmma descriptors) are warp-uniform values the compiler keeps in uniform
-// registers.
-template <int half>
-__device__ __forceinline__ void consumer_main(
-    const __nv_bfloat16* __restrict__ q, void* __restrict__ out, float* __restrict__ lse,
-    float scale_log2, int num_heads, int nblk, int t, int split, long long stride_qt,
-    long long stride_qh, long long stride_os, long long stride_ot, long long stride_oh,
-    long long stride_ls, long long stride_lt, int out_fp32, uint8_t* smem, uint32_t sbase, Bars b,
-    int tid) {
-  const int wt = tid - 128 * (half + 1);  // thread within its warpgroup
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
+    const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
+    const int* __restrict__ idx, void* __restrict__ out, float* __restrict__ lse,
+    float scale_log2, int num_heads, int topk, int k_per_split, long long stride_qt,
+    long long stride_qh, long long stride_it, long long stride_os, long long stride_ot,
+    long long stride_oh, long long stride_ls, long long stride_lt, int out_fp32) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t sbase = (raw + 1023) & ~1023u;
+  uint8_t* smem = smem_raw + (sbase - raw);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int t = blockIdx.x, split = blockIdx.y;
+  const int k_lo = split * k_per_split;
+  const int k_hi = min(topk, k_lo + k_per_split);
+  const int nblk = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
+  const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24};
+  if (tid == 0) {
+    for (int s = 0; s < NUM_STAGES; ++s) {
+      mbar_init(b.full + 8 * s, 1);
+      mbar_init(b.empty + 8 * s, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Rows of a -1 id keep what the stage held (masked, never NaN): zero the stages once.
+  for (int o = tid * 16; o < NUM_STAGES * STAGE; o += 384 * 16)
+    *reinterpret_cast<uint4*>(smem + OFF_ST + o) = make_uint4(0, 0, 0, 0);
+  fence_proxy_async();
+  __syncthreads();
+
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (warp == 0)
+      producer(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, lane);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int half = wg - 1;
+  const int wt = tid - 128 * wg;  // thread within its warpgroup
   const int w = wt >> 5, g = (wt & 31) >> 2, c = wt & 3;
   float acc[4][32];
 #pragma unroll
@@ -646,8 +692,8 @@ __device__ __forceinline__ void consumer_main(
     m[i] = -INFINITY;
     l[i] = 0.f;
   }
-  consumer<half>(q + (long long)t * stride_qt, stride_qh, num_heads, nblk, scale_log2, smem, sbase,
-                 b, wt, acc, m, l);
+  consumer(q + (long long)t * stride_qt, stride_qh, num_heads, nblk, scale_log2, smem, sbase, b,
+           half, wt, acc, m, l);
   // Row sums: this thread's partial over its rows r0, r1 -> over the warp's 16 rows (lanes of one
   // quad column) -> over the 4 warps (shared memory); all 64 heads' sums then go to every thread.
 #pragma unroll
@@ -687,52 +733,4 @@ __device__ __forceinline__ void consumer_main(
     }
   store_out(acc, inv, out, split * stride_os + t * stride_ot, stride_oh, num_heads,
             256 * half + 8 * (8 * w + g), c, out_fp32 != 0);
-}
-
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
-    const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
-    const int* __restrict__ idx, void* __restrict__ out, float* __restrict__ lse,
-    float scale_log2, int num_heads, int topk, int k_per_split, long long stride_qt,
-    long long stride_qh, long long stride_it, long long stride_os, long long stride_ot,
-    long long stride_oh, long long stride_ls, long long stride_lt, int out_fp32) {
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  const uint32_t sbase = (raw + 1023) & ~1023u;
-  uint8_t* smem = smem_raw + (sbase - raw);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const int t = blockIdx.x, split = blockIdx.y;
-  const int k_lo = split * k_per_split;
-  const int k_hi = min(topk, k_lo + k_per_split);
-  const int nblk = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
-  const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24};
-  if (tid == 0) {
-    for (int s = 0; s < NUM_STAGES; ++s) {
-      mbar_init(b.full + 8 * s, 1);
-      mbar_init(b.empty + 8 * s, 256);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  // Rows of a -1 id keep what the stage held (masked, never NaN): zero the stages once.
-  for (int o = tid * 16; o < NUM_STAGES * STAGE; o += 384 * 16)
-    *reinterpret_cast<uint4*>(smem + OFF_ST + o) = make_uint4(0, 0, 0, 0);
-  fence_proxy_async();
-  __syncthreads();
-
-  if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (warp == 0)
-      producer(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, lane);
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
-  if (wg == 1)
-    consumer_main<0>(q, out, lse, scale_log2, num_heads, nblk, t, split, stride_qt, stride_qh,
-                     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, out_fp32, smem, sbase,
-                     b, tid);
-  else
-    consumer_main<1>(q, out, lse, scale_log2, num_heads, nblk, t, split, stride_qt, stride_qh,
-                     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, out_fp32, smem, sbase,
-                     b, tid);
 }
