@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from vllm.attention.kv_cache import KVCacheLayout, read_mla_cache_ref
-from vllm.attention.ops.sparse_mla import sparse_mla_ref
+from vllm.attention.ops.sparse_mla import sparse_mla_attend_ref, sparse_mla_ref
 from vllm.kernels import sparse_mla_cuda
 
 from .test_sparse_mla import _cache, _check_decode, _rel, _slots
@@ -187,7 +187,11 @@ def test_cuda_decode_gpu_magnitudes(q_scale):
     assert _rel(out, ref_o) < 1e-2
     fin = ref_l.isfinite()
     assert torch.equal(fin, lse.isfinite())
-    assert (lse[fin] - ref_l[fin]).abs().max().item() < 2e-2
+    # lse here is ~40 (wide tile scales): bound its error by what bf16 operands would give
+    kv = read_mla_cache_ref(cache, slots, layout).to(torch.bfloat16).float()
+    _, bf16_l = sparse_mla_attend_ref(q.float(), kv, slots >= 0, scale, 512)
+    bound = max(2e-2, (bf16_l[fin] - ref_l[fin]).abs().max().item())
+    assert (lse[fin] - ref_l[fin]).abs().max().item() <= bound
 
 
 @pytest.mark.gpu

@@ -240,22 +240,12 @@ __device__ __forceinline__ uint32_t deq_bf16(uint32_t h, float sa, float sb) {
   return pack_bf16(f.x * sa, f.y * sb);
 }
 
-// Byte offset of Q^T element (position p, head h) in a warpgroup's region: 9 K-atoms of
-// [32 heads x 128 B], 128-byte swizzle.
-__device__ __forceinline__ uint32_t qt_off(int p, int h) {
-  return (p >> 6) * 4096 + h * 128 + (((p & 63) * 2) ^ ((h & 7) << 4));
-}
-// The wgmma K position of nope feature f (see the scorer's loads): thread c of a quad holds
-// features [128c, 128c+128) of its rows, 16 bytes per 4 k-steps, chunk order rotated by 2c so a
-// warp's loads hit distinct banks.
-__device__ __forceinline__ int pos_nope(int f) {
-  int c = f >> 7, r = f & 127, m = ((r >> 4) - 2 * c) & 7, i = (r & 15) >> 2, e = f & 3;
-  return 16 * (4 * m + i) + (e < 2 ? 2 * c + e : 2 * c + 6 + e);
-}
-__device__ __forceinline__ int pos_rope(int fr) {
-  int c = fr >> 4, i = (fr & 15) >> 2, e = fr & 3;
-  return 16 * (32 + i) + (e < 2 ? 2 * c + e : 2 * c + 6 + e);
-}
+// Q^T layout (a warpgroup's region): 9 K-atoms of [32 heads x 128 B], 128-byte swizzle; element
+// (position p, head h) at (p / 64) * 4096 + h * 128 + ((2 (p % 64)) ^ ((h % 8) << 4)). Nope
+// feature f = 128 c + 16 mm + 4 i + e goes to k-step 4 ((mm - 2c) & 7) + i, position
+// 2c + (e < 2 ? e : e + 6): thread c of a quad then holds features [128c, 128c + 128) of its
+// rows, 16 bytes per 4 k-steps, chunk order rotated by 2c so a warp's loads hit distinct banks.
+// Rope feature 16 c + 4 i + e goes to k-step 32 + i, the same position.
 
 struct Bars {
   uint32_t full, empty;  // base addresses; +8 per index
@@ -374,25 +364,30 @@ __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float
 }
 
 // ---- the query: heads [32 half, 32 half + 32) into this warpgroup's Q^T region ------------------
-// Thread wt: head wt / 4, nope features [128 q, 128 q + 128) and rope [16 q, 16 q + 16), q = wt % 4.
+// Thread wt: head wt / 4, nope features [128 qq, 128 qq + 128) and rope [16 qq, 16 qq + 16),
+// qq = wt % 4, loaded once into registers (72 of them, before the accumulators are live).
 // Returns 2^-eq, eq the power of two that puts the region's largest |q| just under 2^14 in f16.
+// Placement: feature 128 qq + 16 mm + 4 i + e sits at k-step 4 ((mm - 2 qq) & 7) + i, position
+// 2 qq + (e < 2 ? e : e + 6) of it (pos_nope); a pair (e, e + 1), e even, is one 4-byte word.
 __device__ __forceinline__ float load_query(const __nv_bfloat16* __restrict__ qrow,
                                             long long stride_qh, int num_heads, int half,
                                             uint8_t* smem, int wt, int lane, int w) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   const bool hv = h < num_heads;
   const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
-  float amax = 0.f;
-  if (hv) {
-#pragma unroll 4
-    for (int k = 0; k < 16; ++k) {
-      uint4 v = __ldg(qh + qq * 16 + k);
-      const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+  uint4 v[18];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
+  for (int k = 0; k < 16; ++k) v[k] = hv ? __ldg(qh + qq * 16 + k) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) v[16 + k] = hv ? __ldg(qh + 64 + 2 * qq + k) : make_uint4(0, 0, 0, 0);
+  float amax = 0.f;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const uint32_t ws[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
+      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
     }
   }
 #pragma unroll
@@ -405,26 +400,34 @@ __device__ __forceinline__ float load_query(const __nv_bfloat16* __restrict__ qr
   eq = eq < -120 ? -120 : (eq > 120 ? 120 : eq);
   const float qf = exp2i(eq);
   uint8_t* qt = smem + OFF_QT + half * QT_HALF;
-#pragma unroll 4
-  for (int k = 0; k < 16; ++k) {
-    uint4 v = hv ? __ldg(qh + qq * 16 + k) : make_uint4(0, 0, 0, 0);
-    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+  // this thread's row of its 9 atoms, swizzled by (hl & 7); a word at 16-byte chunk x, byte b
+  // lands at row + ((x ^ sw) << 4) + b
+  uint8_t* row = qt + hl * 128;
+  const int sw = hl & 7;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
-      const int feat = 128 * qq + 8 * k + 2 * e;
-      *reinterpret_cast<uint32_t*>(qt + qt_off(pos_nope(feat), hl)) = pack_f16(f.x * qf, f.y * qf);
+  for (int k = 0; k < 16; ++k) {
+    const uint32_t ws[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
+    const int mm = k >> 1;                 // 16-feature chunk of this thread's 128
+    uint8_t* atom = row + (((mm - 2 * qq) & 7) * 4096);  // k-steps 4 m .. 4 m + 3
+#pragma unroll
+    for (int e2 = 0; e2 < 4; ++e2) {       // feature pair 8k + 2 e2 = 16 mm + 4 i + 2 p
+      const int r = 8 * (k & 1) + 2 * e2, i = r >> 2, p = (r >> 1) & 1;
+      // byte of position 2 qq + 8 p within k-step i: 32 i + 4 qq + 16 p
+      const int x = 2 * i + p, bofs = 4 * qq;
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e2]));
+      *reinterpret_cast<uint32_t*>(atom + (((x ^ sw) << 4) | bofs)) = pack_f16(f.x * qf, f.y * qf);
     }
   }
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    uint4 v = hv ? __ldg(qh + 64 + 2 * qq + k) : make_uint4(0, 0, 0, 0);
-    const uint32_t ws[4] = {v.x, v.y, v.z, v.w};
+    const uint32_t ws[4] = {v[16 + k].x, v[16 + k].y, v[16 + k].z, v[16 + k].w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
-      const int feat = 16 * qq + 8 * k + 2 * e;
-      *reinterpret_cast<uint32_t*>(qt + qt_off(pos_rope(feat), hl)) = pack_bf16(f.x * qf, f.y * qf);
+    for (int e2 = 0; e2 < 4; ++e2) {       // rope pair 16 qq + 8k + 2 e2 = 16 qq + 4 i + 2 p
+      const int r = 8 * k + 2 * e2, i = r >> 2, p = (r >> 1) & 1;
+      const int x = 2 * i + p;             // k-step 32 + i: atom 8, byte 32 i + 4 qq + 16 p
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e2]));
+      *reinterpret_cast<uint32_t*>(row + 8 * 4096 + (((x ^ sw) << 4) | (4 * qq))) =
+          pack_bf16(f.x * qf, f.y * qf);
     }
   }
   fence_proxy_async();
@@ -432,7 +435,6 @@ __device__ __forceinline__ float load_query(const __nv_bfloat16* __restrict__ qr
   return exp2i(-eq);
 }
 
-// ---- S^T = K . Q^T for this warpgroup's 32 heads (K in registers, f16; rope in bf16) -----------
 // Descriptor increment of k-step kk in a Q^T region (the address field counts 16-byte units).
 __device__ __forceinline__ constexpr uint32_t qk_step(int kk) {
   return (uint32_t)(((kk >> 2) * 4096 + (kk & 3) * 32) >> 4);
