@@ -208,6 +208,10 @@ def test_cuda_decode_gpu_matches_ws_kernel():
     q = torch.randn(33, 64, 576, generator=g).to(torch.bfloat16).cuda()
     a, la = sparse_mla_decode(q, cache, slots, layout, 1 / math.sqrt(256), kernel="cuda")
     b, lb = sparse_mla_decode(q, cache, slots, layout, 1 / math.sqrt(256), kernel="ws")
+    _, ref_l = sparse_mla_ref(q.float(), cache, slots, layout, 1 / math.sqrt(256))
     assert _rel(a, b) < 1e-2
-    fin = lb.isfinite()
+    fin = ref_l.isfinite()
+    assert fin.any()
+    assert torch.equal(la.isfinite(), fin), f"{la.isfinite().sum()} finite, want {fin.sum()}"
+    assert torch.equal(lb.isfinite(), fin), f"ws: {lb.isfinite().sum()} finite, {lb.flatten()[:4]}"
     assert (la[fin] - lb[fin]).abs().max().item() < 2e-2
