@@ -204,7 +204,7 @@ def test_cuda_decode_gpu_matches_ws_kernel():
     layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
     g = torch.Generator().manual_seed(7)
     cache = _cache(layout, 64, "cuda", g)
-    slots = _slots(33, 2048, 64 * 128, "cuda", g)
+    slots = _slots(33, 2048, 64 * layout.block_size, "cuda", g)
     q = torch.randn(33, 64, 576, generator=g).to(torch.bfloat16).cuda()
     a, la = sparse_mla_decode(q, cache, slots, layout, 1 / math.sqrt(256), kernel="cuda")
     b, lb = sparse_mla_decode(q, cache, slots, layout, 1 / math.sqrt(256), kernel="ws")
