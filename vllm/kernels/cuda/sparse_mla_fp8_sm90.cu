@@ -29,9 +29,11 @@
 #include <stdint.h>
 
 // Build-time knobs (nvcc -D...), timed against each other by benchmarks/kernels/bench_sparse_mla_decode.py:
+// PRODUCER_CPASYNC: how the raw rows reach shared memory (see the producers below).
 // QK_KSTEPS: k-steps per wgmma group in QK (the A registers of two groups are live).
-// (A cp.async producer, 16-byte pieces by 4 warps, measured slower than the bulk copies:
-// 1.174 vs 1.144 ms at T=1024.)
+#ifndef PRODUCER_CPASYNC
+#define PRODUCER_CPASYNC 0
+#endif
 #ifndef QK_KSTEPS
 #define QK_KSTEPS 4
 #endif
@@ -252,18 +254,27 @@ struct Bars {
 };
 
 // ---- producer -------------------------------------------------------------------------------
+// The ids of block i + 1 are loaded while block i's copies go out (a dependent global load per
+// block otherwise adds its latency to every refill).
+__device__ __forceinline__ int block_id(const int* __restrict__ idx_row, int k_lo, int k_hi,
+                                        int i, int row) {
+  const int k = k_lo + i * BN + row;
+  return k < k_hi ? __ldg(idx_row + k) : -1;
+}
+
+// PRODUCER_CPASYNC 0: one warp, a cp.async.bulk of 656 bytes per row (lane l: rows 2l, 2l+1),
+// completing on `full` with expect_tx = valid rows x 656.
 __device__ __forceinline__ void producer(const uint8_t* __restrict__ kv,
                                          const int* __restrict__ idx_row, int k_lo, int k_hi,
                                          int nblk, uint8_t* smem, uint32_t sbase, Bars b,
                                          int lane) {
   int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
+  int id0 = block_id(idx_row, k_lo, k_hi, 0, 2 * lane);
+  int id1 = block_id(idx_row, k_lo, k_hi, 0, 2 * lane + 1);
   for (int i = 0; i < nblk; ++i) {
     const int st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
     mbar_wait(b.empty + 8 * st, ph ^ 1);
-    const int k0 = k_lo + i * BN + 2 * lane;
-    const int id0 = k0 < k_hi ? __ldg(idx_row + k0) : -1;
-    const int id1 = k0 + 1 < k_hi ? __ldg(idx_row + k0 + 1) : -1;
     ids_s[st * BN + 2 * lane] = id0;
     ids_s[st * BN + 2 * lane + 1] = id1;
     const uint32_t n = __popc(__ballot_sync(0xffffffffu, id0 >= 0)) +
@@ -274,6 +285,48 @@ __device__ __forceinline__ void producer(const uint8_t* __restrict__ kv,
     const uint32_t dst = sbase + OFF_ST + st * STAGE + 2 * lane * ROW;
     if (id0 >= 0) bulk_g2s(dst, kv + (size_t)id0 * ROW, ROW, b.full + 8 * st);
     if (id1 >= 0) bulk_g2s(dst + ROW, kv + (size_t)id1 * ROW, ROW, b.full + 8 * st);
+    if (i + 1 < nblk) {
+      id0 = block_id(idx_row, k_lo, k_hi, i + 1, 2 * lane);
+      id1 = block_id(idx_row, k_lo, k_hi, i + 1, 2 * lane + 1);
+    }
+  }
+}
+
+// PRODUCER_CPASYNC 1: the producer warpgroup's 4 warps, warp pw copying rows 16pw..16pw+15 in
+// 16-byte cp.async pieces (41 a row; zero-filled for a -1 id); `full` expects 128 cp.async
+// arrivals plus one plain arrival per warp that publishes its ids.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
+                                                 const int* __restrict__ idx_row, int k_lo,
+                                                 int k_hi, int nblk, uint8_t* smem,
+                                                 uint32_t sbase, Bars b, int pw, int lane) {
+  int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
+  int id = block_id(idx_row, k_lo, k_hi, 0, 16 * pw + (lane & 15));
+  for (int i = 0; i < nblk; ++i) {
+    const int st = i % NUM_STAGES;
+    const uint32_t ph = (i / NUM_STAGES) & 1;
+    mbar_wait(b.empty + 8 * st, ph ^ 1);
+    if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
+    const uint32_t dst0 = sbase + OFF_ST + st * STAGE + 16 * pw * ROW;
+#pragma unroll 4
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r_id = __shfl_sync(0xffffffffu, id, rr);
+      const uint8_t* src = kv + (size_t)(r_id < 0 ? 0 : r_id) * ROW;
+      const uint32_t nb = r_id < 0 ? 0u : 16u;
+      const uint32_t dst = dst0 + rr * ROW;
+      cp_async16(dst + 16 * lane, src + 16 * lane, nb);
+      if (lane < 9) cp_async16(dst + 16 * (lane + 32), src + 16 * (lane + 32), nb);
+    }
+    cp_async_arrive_noinc(b.full + 8 * st);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(b.full + 8 * st);
+    if (i + 1 < nblk) id = block_id(idx_row, k_lo, k_hi, i + 1, 16 * pw + (lane & 15));
   }
 }
 
@@ -662,7 +715,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24};
   if (tid == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
-      mbar_init(b.full + 8 * s, 1);
+      mbar_init(b.full + 8 * s, PRODUCER_CPASYNC ? 132 : 1);
       mbar_init(b.empty + 8 * s, 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -675,7 +728,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (warp == 0)
+    if (PRODUCER_CPASYNC)
+      producer_cpasync(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, warp,
+                       lane);
+    else if (warp == 0)
       producer(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, lane);
     return;
   }
