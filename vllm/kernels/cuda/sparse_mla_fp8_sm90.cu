@@ -8,18 +8,24 @@
 // - Producer warp (warpgroup 0, 40 registers): per 64-row block, one cp.async.bulk of 656 bytes per
 //   selected row into a ring of NUM_STAGES raw stages, completing on the stage's `full` mbarrier
 //   (expect_tx = valid rows x 656; a -1 id copies nothing and its row is masked).
-// - Scorer warpgroup (warpgroup 1): S^T = K . Q^T with M = the block's 64 rows and N = 64 heads.
-//   K is the A operand *in registers*: each thread loads its rows' raw bytes from the stage and
-//   converts e4m3 -> f16 (exact) times the tile scale normalised by the row's largest scale
-//   (2^-E_row, undone in the softmax); Q^T (converted to f16 once, times a power of two so it fits
-//   f16) is B in shared memory. The 576 features are permuted (the same permutation on Q) so each
-//   thread reads 16 contiguous bytes per row per 4 k-steps, conflict-free. The rope part is a bf16
-//   wgmma into the same fp32 accumulator. Then the online base-2 softmax over rows (a cross-warp
-//   max per block), P^T (bf16) to shared memory by stmatrix.trans, alpha to shared memory.
-// - Both warpgroups then do O^T += V^T . P^T on their half of the 512 value columns (4 m64 tiles
-//   x 64 heads = 128 fp32 registers): V^T is A in registers, dequantised exactly like the
-//   reference (fp32 e4m3 x scale, rounded to bf16), P^T is B. The second warpgroup also runs an
-//   all-ones A tile, which accumulates the softmax row sums l for free on the tensor cores.
+// - Two consumer warpgroups (232 registers each), both on the same block. Warpgroup h:
+//   - S^T = K . Q^T for heads [32h, 32h + 32): M = the block's 64 rows, N = 32 heads. K is the
+//     A operand *in registers*: each thread loads its rows' raw bytes from the stage and converts
+//     e4m3 -> f16 (exact) times the tile scale normalised by the row's largest scale (2^-E_row,
+//     undone in the softmax); its Q^T (f16, times a power of two so it fits f16) is B in shared
+//     memory. The 576 features are permuted (the same permutation on Q) so each thread reads 16
+//     contiguous bytes per row per 4 k-steps, conflict-free. The rope part is a bf16 wgmma into
+//     the same fp32 accumulator.
+//   - Online base-2 softmax over the rows for its heads. The running max moves only when a row
+//     exceeds it by 2^RESCALE_LOG2: one barrier-with-OR per block decides, and only then are the
+//     row maxima reduced across the warps and O rescaled. P^T (bf16) goes to shared memory by
+//     stmatrix.trans, alpha beside it; one 256-thread barrier publishes both halves.
+//   - O^T += V^T . P^T on value columns [256h, 256h + 256) for all 64 heads (4 m64 tiles x 64
+//     heads = 128 fp32 registers): V^T is A in registers, dequantised exactly like the reference
+//     (fp32 e4m3 x scale, rounded to bf16), P^T is B.
+//   The row sums l come from the softmax; the epilogue reduces them across warps and
+//   warpgroups, normalises O and writes it and the LSE.
+// Measurements, the profile and what limits it: BENCHMARKS.md, twelfth session.
 //
 // Shapes: q [T, H<=64, 576] bf16; kv [rows, 656] uint8; idx [T, K] int32 (-1 = none);
 // out [splits, T, H, 512] (bf16 or fp32), lse [splits, T, H] fp32 natural log (-inf, zeros for a
