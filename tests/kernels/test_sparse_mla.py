@@ -197,6 +197,30 @@ def test_decode_gpu_ws_splits(cache_dtype, splits, k, variant, monkeypatch):
     )  # fmt: skip
 
 
+def exact_dequant_inputs():
+    """One valid row per token (slot column 17) of a 64-row fp8_ds_mla cache holding every
+    finite e4m3 code (subnormals and ±448 included) in every row, tile scales 2^-24..2^7, bf16
+    rope; random bf16 queries. Returns (layout, cache, slots, q, n) on the GPU."""
+    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 64)
+    g = torch.Generator().manual_seed(5)
+    n = 64
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    cache = layout.allocate_mla(1, "cpu").view(n, -1)
+    for r in range(n):
+        cache[r, :512] = codes[torch.randint(0, len(codes), (512,), generator=g)]
+        cache[r, :254] = codes[torch.randperm(len(codes), generator=g)]  # every code in every row
+    exps = torch.randint(-24, 7, (n, 4), generator=g).float()
+    scales = torch.exp2(exps) * (1 + torch.rand(n, 4, generator=g))
+    cache[:, 512:528] = scales.contiguous().view(torch.uint8)
+    cache[:, 528:] = torch.randn(n, 64, generator=g).to(torch.bfloat16).view(torch.uint8)
+    cache = cache.view(layout.mla_cache_shape(1)).cuda()
+    slots = torch.full((n, 64), -1, dtype=torch.int32)
+    slots[:, 17] = torch.randperm(n, generator=g).to(torch.int32)
+    slots = slots.cuda()
+    q = torch.randn(n, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    return layout, cache, slots, q, n
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "kernel,dequant",
@@ -215,23 +239,7 @@ def test_decode_gpu_fp8_dequant_exact(kernel, dequant, monkeypatch):
         from vllm.kernels import sparse_mla_ws
 
         monkeypatch.setattr(sparse_mla_ws, "FP8_DEQUANT", dequant)
-    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 64)
-    g = torch.Generator().manual_seed(5)
-    n = 64
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    cache = layout.allocate_mla(1, "cpu").view(n, -1)
-    for r in range(n):
-        cache[r, :512] = codes[torch.randint(0, len(codes), (512,), generator=g)]
-        cache[r, :254] = codes[torch.randperm(len(codes), generator=g)]  # every code in every row
-    exps = torch.randint(-24, 7, (n, 4), generator=g).float()
-    scales = torch.exp2(exps) * (1 + torch.rand(n, 4, generator=g))
-    cache[:, 512:528] = scales.contiguous().view(torch.uint8)
-    cache[:, 528:] = torch.randn(n, 64, generator=g).to(torch.bfloat16).view(torch.uint8)
-    cache = cache.view(layout.mla_cache_shape(1)).cuda()
-    slots = torch.full((n, 64), -1, dtype=torch.int32)
-    slots[:, 17] = torch.randperm(n, generator=g).to(torch.int32)
-    slots = slots.cuda()
-    q = torch.randn(n, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    layout, cache, slots, q, n = exact_dequant_inputs()
     out, _ = mod.sparse_mla_decode(q, cache, slots, layout, 0.04, kernel=kernel)
     want = read_mla_cache_ref(cache, slots[:, 17], layout)[:, None, :512].expand(n, 64, 512)
     want = want.to(torch.bfloat16).float()

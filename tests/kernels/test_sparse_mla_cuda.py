@@ -23,7 +23,7 @@ from vllm.attention.kv_cache import KVCacheLayout, read_mla_cache_ref
 from vllm.attention.ops.sparse_mla import sparse_mla_attend_ref, sparse_mla_ref
 from vllm.kernels import sparse_mla_cuda
 
-from .test_sparse_mla import _cache, _check_decode, _rel, _slots
+from .test_sparse_mla import _cache, _check_decode, _rel, _slots, exact_dequant_inputs
 
 
 def _need_nvcc():
@@ -126,23 +126,7 @@ def test_cuda_decode_gpu_fp8_dequant_exact():
     from vllm.kernels import sparse_mla_decode as mod
 
     _gpu()
-    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 64)
-    g = torch.Generator().manual_seed(5)
-    n = 64
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    cache = layout.allocate_mla(1, "cpu").view(n, -1)
-    for r in range(n):
-        cache[r, :512] = codes[torch.randint(0, len(codes), (512,), generator=g)]
-        cache[r, :254] = codes[torch.randperm(len(codes), generator=g)]
-    exps = torch.randint(-24, 7, (n, 4), generator=g).float()
-    scales = torch.exp2(exps) * (1 + torch.rand(n, 4, generator=g))
-    cache[:, 512:528] = scales.contiguous().view(torch.uint8)
-    cache[:, 528:] = torch.randn(n, 64, generator=g).to(torch.bfloat16).view(torch.uint8)
-    cache = cache.view(layout.mla_cache_shape(1)).cuda()
-    slots = torch.full((n, 64), -1, dtype=torch.int32)
-    slots[:, 17] = torch.randperm(n, generator=g).to(torch.int32)
-    slots = slots.cuda()
-    q = torch.randn(n, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    layout, cache, slots, q, n = exact_dequant_inputs()
     out, lse = mod.sparse_mla_decode(q, cache, slots, layout, 0.04, kernel="cuda")
     want = read_mla_cache_ref(cache, slots[:, 17], layout)[:, None, :512].expand(n, 64, 512)
     assert torch.equal(out.float(), want.to(torch.bfloat16).float())
