@@ -70,6 +70,27 @@ def test_cuda_kernel_errors_name_the_problem():
         sparse_mla_decode(q, cache, idx, layout, 0.1, kernel="cuda")
 
 
+def test_cuda_kernel_env_choice_falls_back(monkeypatch):
+    """VLLM_SPARSE_MLA_KERNEL=cuda takes the calls the CUDA kernel serves (FP8 decode on sm_90)
+    and leaves the rest (here: CPU tensors, bf16 rows) to the default kernels; only an explicit
+    kernel="cuda" is an error where it cannot run."""
+    from vllm.kernels.sparse_mla_fwd import RowFormat, _use_cuda, _use_ws
+
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    fp8, bf16 = RowFormat(512, 64, True), RowFormat(512, 64, False)
+    rows8 = torch.zeros(10, 656, dtype=torch.uint8)
+    rows16 = torch.zeros(10, 576, dtype=torch.bfloat16)
+    monkeypatch.setenv("VLLM_SPARSE_MLA_KERNEL", "cuda")
+    assert _use_cuda(None, q, rows8, fp8, False) is False
+    assert _use_cuda(None, q, rows16, bf16, False) is False
+    assert _use_ws(None, q, rows16, bf16, False) is False  # CPU: the Triton kernel, no error
+    with pytest.raises(ValueError, match="CUDA sparse-MLA kernel"):
+        _use_cuda("cuda", q, rows8, fp8, False)
+    monkeypatch.setenv("VLLM_SPARSE_MLA_KERNEL", "cudnn")
+    with pytest.raises(ValueError, match="kernel must be"):
+        _use_cuda(None, q, rows8, fp8, False)
+
+
 # ---- GPU ---------------------------------------------------------------------------------------
 def _gpu():
     if not torch.cuda.is_available():

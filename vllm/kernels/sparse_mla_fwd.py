@@ -283,7 +283,10 @@ def _kernel_choice(kernel: str | None) -> str | None:
 
 def _use_cuda(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
     """Whether the CUDA C++ kernel (:mod:`vllm.kernels.sparse_mla_cuda`, fp8_ds_mla rows on
-    sm_90) takes this call; ``kernel="cuda"`` where it cannot is a ValueError saying why."""
+    sm_90) takes this call. ``kernel="cuda"`` where it cannot is a ValueError saying why;
+    ``VLLM_SPARSE_MLA_KERNEL=cuda`` selects it where it applies (FP8 decode) and leaves the
+    other calls (bf16 prefill, other GPUs) to the default kernels."""
+    strict = kernel == "cuda"
     kernel = _kernel_choice(kernel)
     if kernel not in (None, "cuda") or (kernel is None and not CUDA_DEFAULT):
         return False
@@ -301,7 +304,7 @@ def _use_cuda(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
 
         why = is_available(q.device)
     if why is not None:
-        if kernel == "cuda":
+        if strict:
             raise ValueError(f"the CUDA sparse-MLA kernel {why}")
         return False
     return True
@@ -310,8 +313,10 @@ def _use_cuda(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
 def _use_ws(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
     """Whether the warp-specialised Gluon kernel takes this call (see ``sparse_mla_fwd``)."""
     kernel = _kernel_choice(kernel)
-    if kernel in ("triton", "cuda"):
+    if kernel == "triton":
         return False
+    if kernel == "cuda":  # the environment's choice, for a call the CUDA kernel did not take
+        kernel = None
     why = None
     if not q.is_cuda or interpreting():
         why = "needs a CUDA device (no interpreter)"
