@@ -31,15 +31,20 @@ def _need_nvcc():
         pytest.skip("no nvcc on this machine")
 
 
-def test_cuda_kernel_builds_for_sm90a():
-    """ptxas's report: the consumer warpgroups' 232-register budget holds (no spill beyond one
-    register saved across the block loop), and the wgmmas are pipelined, not serialised."""
+@pytest.mark.parametrize(
+    "defines,max_spill",
+    [((), 8), (("-DPRODUCER_CPASYNC=1",), 8), (("-DSCHEDULE_SEESAW=1",), 32)],
+)
+def test_cuda_kernel_builds_for_sm90a(defines, max_spill):
+    """ptxas's report for the default build and its variants: the consumer warpgroups' 232-register
+    budget holds (the seesaw variant saves a few loop-invariant scalars to the stack), and the
+    wgmmas are pipelined, not serialised (C7514)."""
     _need_nvcc()
-    _, log = sparse_mla_cuda.compile_cubin()
+    _, log = sparse_mla_cuda.compile_cubin(defines)
     res = sparse_mla_cuda.ptxas_resources(log)
     assert res["registers"] == 168, log  # 65536 / 384 threads at launch; setmaxnreg moves them
     assert res["wgmma_serialized"] == 0, log
-    assert 0 <= res["spill_stores"] <= 8 and 0 <= res["spill_loads"] <= 8, log
+    assert 0 <= res["spill_stores"] <= max_spill and 0 <= res["spill_loads"] <= max_spill, log
 
 
 def test_cuda_kernel_smem_layout_matches_launcher():

@@ -41,8 +41,9 @@ def _smem_bytes() -> int:
     """The kernel's dynamic shared memory, mirrored from the .cu's constexpr layout."""
     qt, pt = 9 * 8192, 2 * 8192
     stages = 3 * BLOCK_N * ROW_BYTES
-    ids, red, alpha, ell, misc, bars = 3 * BLOCK_N * 4, 2 * 4 * 64 * 4, 2 * 64 * 4, 64 * 4, 64, 48
-    return qt + pt + stages + ids + red + alpha + ell + misc + bars + 1024
+    ids, red, alpha, ell, misc = 3 * BLOCK_N * 4, 2 * 4 * 64 * 4, 2 * 64 * 4, 64 * 4, 64
+    m, flags, bars = 64 * 4, 16, 10 * 8
+    return qt + pt + stages + ids + red + alpha + ell + misc + m + flags + bars + 1024
 
 
 SMEM_ALLOC = _smem_bytes()
