@@ -71,7 +71,8 @@ def compile_cubin(extra_flags: tuple[str, ...] = ()) -> tuple[bytes, str]:
         raise RuntimeError("the CUDA sparse-MLA kernel needs nvcc (set VLLM_NVCC or CUDA_HOME)")
     flags = NVCC_FLAGS + ["-Xptxas", "-v"] + list(extra_flags)
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SRC.read_bytes() + " ".join(flags).encode() + version.encode())
+    sources = b"".join(f.read_bytes() for f in sorted(SRC.parent.glob("*.cu*")))  # .cu + .cuh
+    key = hashlib.sha256(sources + " ".join(flags).encode() + version.encode())
     root = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "cuda"
     cubin = root / f"{KERNEL_NAME}-{key.hexdigest()[:16]}.cubin"
     report = cubin.with_suffix(".log")
