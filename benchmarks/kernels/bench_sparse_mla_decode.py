@@ -118,9 +118,7 @@ def main():
         from vllm.kernels import sparse_mla_cuda
 
         for spec in args.cuda_defines.split(";"):
-            sparse_mla_cuda.DEFINES = {
-                k: int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))
-            }
+            sparse_mla_cuda.DEFINES = sparse_mla_cuda.parse_defines(spec)
             for t in shapes:
                 rows.append(bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]"))
         sparse_mla_cuda.DEFINES = {}

@@ -62,9 +62,7 @@ def main():
 
     results = []
     for spec in sys.argv[1:] or [""]:  # build variants: 'NAME=V,...' (the .cu's -D knobs)
-        sparse_mla_cuda.DEFINES = {
-            k: int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))
-        }
+        sparse_mla_cuda.DEFINES = sparse_mla_cuda.parse_defines(spec)
         flags = tuple(f"-D{k}={v}" for k, v in sorted(sparse_mla_cuda.DEFINES.items()))
         print(f"variant [{spec}]", ptxas_resources(compile_cubin(flags)[1]))
         results += run_cases()

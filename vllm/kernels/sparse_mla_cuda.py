@@ -151,6 +151,11 @@ def _driver() -> _Driver:
 DEFINES: dict[str, int] = {}  # build knobs of the .cu (see its header), for sweeps
 
 
+def parse_defines(spec: str) -> dict[str, int]:
+    """'NAME=V,NAME=V' (the .cu's -D knobs) -> {NAME: V}; '' -> {}."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))}
+
+
 @functools.lru_cache(maxsize=16)
 def _function(device_index: int, defines: tuple[tuple[str, int], ...]):
     flags = tuple(f"-D{k}={v}" for k, v in defines)

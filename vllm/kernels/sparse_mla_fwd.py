@@ -219,23 +219,19 @@ def sparse_mla_fwd(
     nhb = triton.cdiv(h, cfg.block_h)
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), cfg.num_splits), cfg.block_n) * cfg.block_n
     splits = max(1, triton.cdiv(k, k_per_split))
+    fast = None
     if t and _use_cuda(kernel, q, kv_rows, fmt, int_dequant):
         from vllm.kernels.sparse_mla_cuda import sparse_mla_fp8_cuda
 
-        part_o, part_l = sparse_mla_fp8_cuda(
-            q, kv_rows, indices, sm_scale, out_dtype, cfg.num_splits
-        )
-        if part_o.shape[0] == 1:
-            return part_o[0], part_l[0]
-        from vllm.kernels.merge_attn import merge_attn_states
-
-        return merge_attn_states(part_o, part_l, out_dtype=out_dtype)
-    if t and _use_ws(kernel, q, kv_rows, fmt, int_dequant):
+        fast = sparse_mla_fp8_cuda(q, kv_rows, indices, sm_scale, out_dtype, cfg.num_splits)
+    elif t and _use_ws(kernel, q, kv_rows, fmt, int_dequant):
         from vllm.kernels.sparse_mla_ws import sparse_mla_ws
 
-        part_o, part_l = sparse_mla_ws(
+        fast = sparse_mla_ws(
             q, kv_rows, fmt.is_fp8, fmt.row_bytes, indices, sm_scale, out_dtype, cfg.num_splits
         )
+    if fast is not None:  # [splits, ...] partials of a fast kernel
+        part_o, part_l = fast
         if part_o.shape[0] == 1:
             return part_o[0], part_l[0]
         from vllm.kernels.merge_attn import merge_attn_states
