@@ -64,6 +64,10 @@ def sparse_mla_decode(args):
         if not hasattr(sparse_mla_ws, name):
             raise SystemExit(f"sparse_mla_ws has no {name}")
         setattr(sparse_mla_ws, name, int(value) if value.lstrip("-").isdigit() else value)
+    if args.cuda_defines:
+        from vllm.kernels import sparse_mla_cuda
+
+        sparse_mla_cuda.DEFINES.update(sparse_mla_cuda.parse_defines(args.cuda_defines))
     layout, cache, slots, q = make_inputs(args.rows, args.cache)
     scale = 1 / math.sqrt(256)
     return lambda: decode(q, cache, slots, layout, scale, torch.bfloat16, kernel=args.kernel)
@@ -79,6 +83,7 @@ def main():
     p.add_argument("--launches", type=int, default=2)
     p.add_argument("--cache", default="fp8_ds_mla", choices=["fp8_ds_mla", "auto"])
     p.add_argument("--kernel", default="ws", choices=["triton", "ws", "cuda"])
+    p.add_argument("--cuda-defines", default="", help="the CUDA kernel's build knobs, NAME=V,...")
     p.add_argument("--ws-set", default="", help="sparse_mla_ws module defaults, NAME=VALUE,...")
     args = p.parse_args()
     ops = {"topk": topk, "indexer_write": indexer_write, "sparse_mla_decode": sparse_mla_decode}

@@ -2,7 +2,8 @@
 # One device call for the CUDA FP8 sparse-MLA decode kernel: smoke diagnostics of the build
 # variants ($VARIANTS, ';'-separated NAME=V lists), its GPU tests, an Nsight Compute profile of the
 # default build at T=1024 (pipes, stalls, hottest SASS), then the decode benchmark (Gluon ws vs
-# CUDA and its variants, same process). Everything also lands under $OUT.
+# CUDA and its variants, same process). Everything also lands under $OUT. NCU_DEFINES: the build
+# the profiles take (default: the default build).
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 VLLM_CACHE_ROOT=/tmp/vllm-cache
@@ -19,11 +20,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_NCU:-0}" != 1 ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  timeout 200 bash benchmarks/kernels/ncu_sparse_mla_metrics.sh sparse_mla_fp8_sm90 --rows 1024 --kernel cuda > "$OUT/ncu_metrics.txt" 2>&1
+  timeout 200 bash benchmarks/kernels/ncu_sparse_mla_metrics.sh sparse_mla_fp8_sm90 --rows 1024 --kernel cuda --cuda-defines "${NCU_DEFINES:-}" > "$OUT/ncu_metrics.txt" 2>&1
   grep -E "pipe_tensor_cycles|pipe_alu|pipe_fma_c|issue_active|stalled_(barrier|long|short|wait|math|mio|gmma|dispatch|no_inst)|mem_shared.sum.pct|mem_shared_op_(ld|st|gmma).sum|duration|dram__" "$OUT/ncu_metrics.txt" | sed 's/  */ /g' | head -30
   timeout 240 "$NCU" --clock-control none --kernel-name regex:sparse_mla_fp8_sm90 --launch-skip 1 --launch-count 1 \
     --section SourceCounters --export "$OUT/prof" --force-overwrite \
-    python3 benchmarks/kernels/profile_ncu.py sparse_mla_decode --rows 1024 --kernel cuda --launches 2 > /dev/null 2>&1
+    python3 benchmarks/kernels/profile_ncu.py sparse_mla_decode --rows 1024 --kernel cuda --cuda-defines "${NCU_DEFINES:-}" --launches 2 > /dev/null 2>&1
   "$NCU" -i "$OUT/prof.ncu-rep" --page source --csv --print-source sass > "$OUT/src.csv" 2>/dev/null
   python3 benchmarks/kernels/ncu_top_stalls.py "$OUT/src.csv" 15 2>&1 | tee "$OUT/top_stalls.txt"
 fi

@@ -42,8 +42,8 @@ def _smem_bytes() -> int:
     qt, pt = 9 * 8192, 2 * 8192
     stages = 3 * BLOCK_N * ROW_BYTES
     ids, red, alpha, ell, misc = 3 * BLOCK_N * 4, 2 * 4 * 64 * 4, 2 * 64 * 4, 64 * 4, 64
-    m, flags, bars = 64 * 4, 16, 10 * 8
-    return qt + pt + stages + ids + red + alpha + ell + misc + m + flags + bars + 1024
+    m, flags, bars, sig, ex = 64 * 4, 16, 10 * 8, 2 * 4 * 64 * 2, 48
+    return qt + pt + stages + ids + red + alpha + ell + misc + m + flags + bars + sig + ex + 1024
 
 
 SMEM_ALLOC = _smem_bytes()

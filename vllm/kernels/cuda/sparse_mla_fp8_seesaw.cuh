@@ -1,5 +1,5 @@
 // The SCHEDULE_SEESAW=1 consumer of sparse_mla_fp8_sm90.cu (included inside its anonymous
-// namespace, after the default consumer's helpers it reuses). Not yet run on a GPU.
+// namespace, after the default consumer's helpers it reuses).
 #pragma once
 
 // ---- SCHEDULE_SEESAW: each warpgroup scores alternate blocks for all 64 heads ------------------
@@ -76,14 +76,18 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
 }
 
 // S^T for all 64 heads (n64): as qk_block, with 8192-byte atoms.
+// Also returns the rows' largest tile scales (mx0, mx1) and this thread's tile c scales (ca, cb).
 __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, const uint8_t* row1,
-                                           uint32_t dq, int c, int& e0, int& e1) {
+                                           uint32_t dq, int c, int& e0, int& e1, float& mx0,
+                                           float& mx1, float& ca, float& cb) {
   const float4 sa = *reinterpret_cast<const float4*>(row0 + 512);
   const float4 sb = *reinterpret_cast<const float4*>(row1 + 512);
-  e0 = ilog2(fmaxf(fmaxf(sa.x, sa.y), fmaxf(sa.z, sa.w)));
-  e1 = ilog2(fmaxf(fmaxf(sb.x, sb.y), fmaxf(sb.z, sb.w)));
-  const float ca = c == 0 ? sa.x : (c == 1 ? sa.y : (c == 2 ? sa.z : sa.w));
-  const float cb = c == 0 ? sb.x : (c == 1 ? sb.y : (c == 2 ? sb.z : sb.w));
+  mx0 = fmaxf(fmaxf(sa.x, sa.y), fmaxf(sa.z, sa.w));
+  mx1 = fmaxf(fmaxf(sb.x, sb.y), fmaxf(sb.z, sb.w));
+  e0 = ilog2(mx0);
+  e1 = ilog2(mx1);
+  ca = c == 0 ? sa.x : (c == 1 ? sa.y : (c == 2 ? sa.z : sa.w));
+  cb = c == 0 ? sb.x : (c == 1 ? sb.y : (c == 2 ? sb.z : sb.w));
   const uint32_t h0 = pack_f16(ca * exp2i(-e0), ca * exp2i(-e0));
   const uint32_t h1 = pack_f16(cb * exp2i(-e1), cb * exp2i(-e1));
 #pragma unroll
@@ -142,43 +146,126 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
   fence_acc(s);
 }
 
+// pv_block in f16: V^T = e4m3 (exact in f16) x sigma, sigma = the row's tile scale over its
+// largest power of two (published by the scoring warpgroup, [4 tiles][64 rows] f16, a row pair
+// per 32-bit word), P^T (f16) carries that power of two. 2 instructions per 2 values against 5.
+__device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t* stg,
+                                             const uint8_t* sig, uint32_t dp, int half, int w,
+                                             int g, int c) {
+  const int dv0 = 256 * half + 8 * (8 * w + g);
+  const uint8_t* sg = sig + (2 * half + (w >> 1)) * 128;  // this thread's scale tile
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int s0 = 16 * kk + 2 * c;
+    const uint8_t* p0 = stg + s0 * ROW;
+    const uint2 r0 = *reinterpret_cast<const uint2*>(p0 + dv0);
+    const uint2 r1 = *reinterpret_cast<const uint2*>(p0 + ROW + dv0);
+    const uint2 r2 = *reinterpret_cast<const uint2*>(p0 + 8 * ROW + dv0);
+    const uint2 r3 = *reinterpret_cast<const uint2*>(p0 + 9 * ROW + dv0);
+    const uint32_t g01 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0);
+    const uint32_t g89 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0 + 16);
+    uint32_t a[4][4];
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+      const uint32_t x0 = wi ? r0.y : r0.x, x1 = wi ? r1.y : r1.x;
+      const uint32_t x2 = wi ? r2.y : r2.x, x3 = wi ? r3.y : r3.x;
+      const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
+      const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
+      uint32_t f[8];
+      e4m3x4_to_f16x4(u01, f[0], f[1]);
+      e4m3x4_to_f16x4(u23, f[2], f[3]);
+      e4m3x4_to_f16x4(v01, f[4], f[5]);
+      e4m3x4_to_f16x4(v23, f[6], f[7]);
+      a[2 * wi][0] = hmul2(f[0], g01);
+      a[2 * wi][1] = hmul2(f[1], g01);
+      a[2 * wi][2] = hmul2(f[2], g89);
+      a[2 * wi][3] = hmul2(f[3], g89);
+      a[2 * wi + 1][0] = hmul2(f[4], g01);
+      a[2 * wi + 1][1] = hmul2(f[5], g01);
+      a[2 * wi + 1][2] = hmul2(f[6], g89);
+      a[2 * wi + 1][3] = hmul2(f[7], g89);
+    }
+    const uint64_t dsc = desc(dp + 2 * kk);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wgmma_f16(acc[j], a[j][0], a[j][1], a[j][2], a[j][3], dsc, 1);
+    wgmma_commit();
+    if (kk > 0) wgmma_wait<1>();
+  }
+}
+
 // PV of block j (scored by either warpgroup) on this warpgroup's value half, after its
-// published alpha; then release P^T[j & 1] and the stage.
+// published alpha; then release P^T[j & 1] and the stage. The block's flags: bit 0 the
+// stabilisers moved (O *= alpha ef; l *= alpha, which the scoring warpgroup already did), bit 1
+// it takes the exact bf16 PV.
 __device__ __forceinline__ void seesaw_pv(float (&acc)[4][32], float (&l)[16], int j, bool mine,
-                                          const float (&al_mine)[16], bool moved_mine,
                                           uint8_t* smem, uint32_t sbase, Bars b, int half, int w,
                                           int g, int c) {
   const int buf = j & 1, st = j % NUM_STAGES;
-  float alpha[16];
-  bool moved = moved_mine;
-  if (mine) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) alpha[i] = al_mine[i];
-  } else {
+  if (!mine) {
     mbar_wait(b.pfull + 8 * buf, (j >> 1) & 1);
     mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);  // orders our reads of the stage
-    moved = reinterpret_cast<const int*>(smem + OFF_FLAG)[buf] != 0;
+  }
+  const int flags = reinterpret_cast<const int*>(smem + OFF_FLAG)[buf];
+  if (flags & 1) {  // uniform: one flag per block
     const float* alpha_s = reinterpret_cast<const float*>(smem + OFF_ALPHA) + buf * 64;
+    const float ef = reinterpret_cast<const float*>(smem + OFF_EX)[1 + buf];
+    float alpha[16];
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const float2 x = *reinterpret_cast<const float2*>(alpha_s + 8 * jj + 2 * c);
       alpha[2 * jj] = x.x;
       alpha[2 * jj + 1] = x.y;
     }
-  }
-  if (moved) {  // uniform: one flag per block
-#pragma unroll
-    for (int jj = 0; jj < 4; ++jj) rescale(acc[jj], alpha);
     if (!mine) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) l[i] *= alpha[i];
     }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) alpha[i] *= ef;
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) rescale(acc[jj], alpha);
   }
   const uint8_t* stg = smem + OFF_ST + st * STAGE;
-  pv_block(acc, stg, desc_lo(sbase + OFF_PT) + buf * (8192 >> 4), half, w, g, c);
-  wgmma_wait<0>();
+  const uint32_t dp = desc_lo(sbase + OFF_PT) + buf * (8192 >> 4);
+  // (each variant retires its wgmmas inside its branch: a group in flight across the merge
+  // serialises them all)
+  if (PV_F16 && !(flags & 2)) {
+    pv_block_f16(acc, stg, smem + OFF_SIG + buf * 512, dp, half, w, g, c);
+    wgmma_wait<0>();
+  } else {
+    pv_block(acc, stg, dp, half, w, g, c);
+    wgmma_wait<0>();
+  }
   mbar_arrive(b.pempty + 8 * buf);
   mbar_arrive(b.empty + 8 * st);
+}
+
+// P^T[64 heads x 64 rows] by stmatrix.trans, rows r0 (r1) of this thread times g0 (g1).
+template <bool BF16>
+__device__ __forceinline__ void store_pt(uint32_t pt, const float (&s)[32], float g0, float g1,
+                                         int w, int lane) {
+#pragma unroll
+  for (int qq = 0; qq < 4; ++qq) {
+    const int hf = qq >> 1, jb = 4 * (qq & 1);
+    const int head = 8 * (jb + (lane >> 3)) + (lane & 7);
+    const uint32_t addr = pt + head * 128 + ((((2 * w + hf) ^ (head & 7))) << 4);
+    const float gr = hf ? g1 : g0;
+    uint32_t x[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float lo = s[4 * (jb + u) + 2 * hf] * gr, hi = s[4 * (jb + u) + 2 * hf + 1] * gr;
+      x[u] = BF16 ? pack_bf16(lo, hi) : pack_f16(lo, hi);
+    }
+    stmatrix_x4_trans(addr, x[0], x[1], x[2], x[3]);
+  }
+}
+
+constexpr int E_HI = 13, E_LO = 4, TILE_LO = 11, E_MIN = -100, E_NONE = -1000;
+
+// p: the row has a scale exponent; tile_ok: this thread's tile scale is within 2^TILE_LO of e.
+__device__ __forceinline__ bool pv_f16_ok(bool p, bool tile_ok, int e, int E) {
+  return !p || (tile_ok && e <= E + E_HI && e >= E - E_LO);
 }
 
 __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict__ qrow,
@@ -195,117 +282,131 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
   float* red_s = reinterpret_cast<float*>(smem + OFF_RED);
   float* alpha_s = reinterpret_cast<float*>(smem + OFF_ALPHA);
   int* flag_s = reinterpret_cast<int*>(smem + OFF_FLAG);
-  const float none[16] = {};
+  int* ex_s = reinterpret_cast<int*>(smem + OFF_EX);  // E, ef[2] (f32), pad, emax[2][4]
 #pragma unroll 1
-  for (int j = half; j < nblk; j += 2) {
+  for (int j = 0; j < nblk; ++j) {
+    // Every block's PV, in block order, from one call site (two inlined PV variants per call
+    // site serialise the wgmmas); a block of our own is scored first. The other warpgroup's
+    // previous block comes before our next one: its PV (whose wait also publishes the m our
+    // softmax starts from) frees its stage a block earlier, and no S is live across it.
+    const bool mine = (j & 1) == half;
+    if (mine) {
     const int st = j % NUM_STAGES, buf = j & 1;
     const uint8_t* stg = smem + OFF_ST + st * STAGE;
-    // The other warpgroup's previous block first: its PV (which also publishes the m this
-    // block's softmax starts from) frees its stage a block earlier, and no S is live across it.
-    if (j > 0) seesaw_pv(acc, l, j - 1, false, none, false, smem, sbase, b, half, w, g, c);
     mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);
     float s[32];
     int e0, e1;
-    qk_block64(s, stg + r0 * ROW, stg + r1 * ROW, dq, c, e0, e1);
+    float mx0, mx1, ca, cb;
+    qk_block64(s, stg + r0 * ROW, stg + r1 * ROW, dq, c, e0, e1, mx0, mx1, ca, cb);
     const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
+    const bool p0 = v0 && mx0 > 0.f, p1 = v1 && mx1 > 0.f;  // rows with a scale exponent
+    const bool t0 = !(ca > 0.f && ilog2(ca) < e0 - TILE_LO), t1 = !(cb > 0.f && ilog2(cb) < e1 - TILE_LO);
+    // P^T[buf] and sigma[buf] were last read by PV of block j - 2, by both warpgroups (done:
+    // the other warpgroup ran it before scoring block j - 1, whose P^T we have waited for)
+    mbar_wait(b.pempty + 8 * buf, ((j >> 1) & 1) ^ 1);
+    if (PV_F16) {
+      __half* sig = reinterpret_cast<__half*>(smem + OFF_SIG + buf * 512) + 64 * c;
+      sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(6 - e0, 127)) : 0.f);
+      sig[r1] = __float2half_rn(p1 ? cb * exp2i(min(6 - e1, 127)) : 0.f);
+    }
+    int E = PV_F16 ? ex_s[0] : 0;
     const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
-    float m[16], mb[16];
-    bool over = false;
+    // Fast check, no per-head state kept: does any row maximum pass m + 2^RESCALE_LOG2, or
+    // any row leave the f16 PV's range?
+    bool over = PV_F16 && !(pv_f16_ok(p0, t0, e0, E) && pv_f16_ok(p1, t1, e1, E));
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
-      m[2 * jj] = x.x;
-      m[2 * jj + 1] = x.y;
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) {
         s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
         s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
-        mb[2 * jj + bb] = fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]);
-        over |= mb[2 * jj + bb] > m[2 * jj + bb] + RESCALE_LOG2;
+        over |= fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]) > (bb ? x.y : x.x) + RESCALE_LOG2;
       }
     }
-    // mb holds the block's row maxima, then (to save registers) each head's alpha
     const bool moved = bar_red_or(1 + half, 128, over);
+    bool exact = !PV_F16;
+    float ef = 1.f;
+    const float* m_use = m_s;  // the stabiliser this block's P uses
     if (moved) {
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) {
-#pragma unroll
-        for (int hh = 0; hh < 16; ++hh)
-          mb[hh] = fmaxf(mb[hh], __shfl_xor_sync(0xffffffffu, mb[hh], o));
-      }
+      // The rare path: per head, the block's maximum over the warpgroup's rows (warp shuffles,
+      // then the 4 warps through red); the new m and alpha go to OFF_L (staging: m_s is read
+      // until every warp is past the barrier) and alpha_s; l takes alpha here.
       float* red = red_s + half * 256;
-      if (g == 0) {
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
-          *reinterpret_cast<float2*>(red + w * 64 + 8 * jj + 2 * c) =
-              make_float2(mb[2 * jj], mb[2 * jj + 1]);
-      }
-      bar_sync(1 + half, 128);
-#pragma unroll
-      for (int ww = 0; ww < 4; ++ww) {
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const float2 r = *reinterpret_cast<const float2*>(red + ww * 64 + 8 * jj + 2 * c);
-          mb[2 * jj] = fmaxf(mb[2 * jj], r.x);
-          mb[2 * jj + 1] = fmaxf(mb[2 * jj + 1], r.y);
-        }
-      }
 #pragma unroll
       for (int hh = 0; hh < 16; ++hh) {
-        const bool up = mb[hh] > m[hh] + RESCALE_LOG2;
-        const float al = up && m[hh] != -INFINITY ? ex2(m[hh] - mb[hh]) : 1.f;
-        m[hh] = up ? mb[hh] : m[hh];
-        mb[hh] = al;
+        float mb = fmaxf(s[4 * (hh >> 1) + (hh & 1)], s[4 * (hh >> 1) + 2 + (hh & 1)]);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+        if (g == 0) red[w * 64 + 8 * (hh >> 1) + 2 * c + (hh & 1)] = mb;
       }
-      bar_sync(1 + half, 128);  // every warp has read m_s and red before they are rewritten
+      if (PV_F16) {
+        const int ev = __reduce_max_sync(0xffffffffu, max(p0 ? e0 : E_NONE, p1 ? e1 : E_NONE));
+        if (lane == 0) ex_s[4 + 4 * half + w] = ev;
+      }
+      bar_sync(1 + half, 128);
+      float* mnew_s = reinterpret_cast<float*>(smem + OFF_L);
+#pragma unroll
+      for (int hh = 0; hh < 16; ++hh) {
+        const int hd = 8 * (hh >> 1) + 2 * c + (hh & 1);
+        const float mb = fmaxf(fmaxf(red[hd], red[64 + hd]), fmaxf(red[128 + hd], red[192 + hd]));
+        const float mo = m_s[hd];
+        const bool up = mb > mo + RESCALE_LOG2;
+        const float al = up && mo != -INFINITY ? ex2(mo - mb) : 1.f;
+        l[hh] *= al;
+        if (w == 0 && g == 0) {
+          mnew_s[hd] = up ? mb : mo;
+          alpha_s[buf * 64 + hd] = al;
+        }
+      }
+      if (PV_F16) {
+        const int* er = ex_s + 4 + 4 * half;
+        const int emax = max(max(er[0], er[1]), max(er[2], er[3]));
+        const int En = emax > E + E_HI ? max(emax - 6, E_MIN) : E;
+        ef = exp2i(max(E - En, -127));
+        E = En;
+        // (also: every warp has read m_s, red and emax, and the staged m is written)
+        exact = bar_red_or(1 + half, 128, !(pv_f16_ok(p0, t0, e0, E) && pv_f16_ok(p1, t1, e1, E)));
+      } else {
+        bar_sync(1 + half, 128);  // every warp has read m_s and red, the staged m is written
+      }
+      m_use = mnew_s;
       if (w == 0 && g == 0) {
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
-          *reinterpret_cast<float2*>(m_s + 8 * jj + 2 * c) = make_float2(m[2 * jj], m[2 * jj + 1]);
+          *reinterpret_cast<float2*>(m_s + 8 * jj + 2 * c) =
+              *reinterpret_cast<const float2*>(mnew_s + 8 * jj + 2 * c);
       }
-    } else {
-#pragma unroll
-      for (int hh = 0; hh < 16; ++hh) mb[hh] = 1.f;
+      if (PV_F16 && wt == 0) ex_s[0] = E;
     }
-    const float (&al)[16] = mb;
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
+      const float2 x = *reinterpret_cast<const float2*>(m_use + 8 * jj + 2 * c);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float ms = m[2 * jj + (k & 1)] == -INFINITY ? 0.f : m[2 * jj + (k & 1)];
-        s[4 * jj + k] = ex2(s[4 * jj + k] - ms);
+        const float mk = (k & 1) ? x.y : x.x;
+        s[4 * jj + k] = ex2(s[4 * jj + k] - (mk == -INFINITY ? 0.f : mk));
       }
 #pragma unroll
-      for (int bb = 0; bb < 2; ++bb)
-        l[2 * jj + bb] = l[2 * jj + bb] * al[2 * jj + bb] + s[4 * jj + bb] + s[4 * jj + 2 + bb];
+      for (int bb = 0; bb < 2; ++bb) l[2 * jj + bb] += s[4 * jj + bb] + s[4 * jj + 2 + bb];
     }
-    // P^T[buf] was last read by PV of block j - 2, by both warpgroups
-    mbar_wait(b.pempty + 8 * buf, ((j >> 1) & 1) ^ 1);
+    // P^T's factors: 2^(e_k - 6 - E) for the f16 PV, 2^-E for the exact one (E >= E_MIN there)
+    const float ge = exp2i(min(-E, 127));
+    const float g0 = exact ? ge : (p0 ? exp2i(max(e0 - 6 - E, -127)) : 0.f);
+    const float g1 = exact ? ge : (p1 ? exp2i(max(e1 - 6 - E, -127)) : 0.f);
     const uint32_t pt = sbase + OFF_PT + buf * 8192;
-#pragma unroll
-    for (int qq = 0; qq < 4; ++qq) {
-      const int hf = qq >> 1, jb = 4 * (qq & 1);
-      const int head = 8 * (jb + (lane >> 3)) + (lane & 7);
-      const uint32_t addr = pt + head * 128 + ((((2 * w + hf) ^ (head & 7))) << 4);
-      stmatrix_x4_trans(addr, pack_bf16(s[4 * jb + 2 * hf], s[4 * jb + 2 * hf + 1]),
-                        pack_bf16(s[4 * (jb + 1) + 2 * hf], s[4 * (jb + 1) + 2 * hf + 1]),
-                        pack_bf16(s[4 * (jb + 2) + 2 * hf], s[4 * (jb + 2) + 2 * hf + 1]),
-                        pack_bf16(s[4 * (jb + 3) + 2 * hf], s[4 * (jb + 3) + 2 * hf + 1]));
-    }
-    if (w == 0 && g == 0) {
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-        *reinterpret_cast<float2*>(alpha_s + buf * 64 + 8 * jj + 2 * c) =
-            make_float2(al[2 * jj], al[2 * jj + 1]);
-      if (c == 0) flag_s[buf] = moved ? 1 : 0;
+    if (exact)
+      store_pt<true>(pt, s, g0, g1, w, lane);
+    else
+      store_pt<false>(pt, s, g0, g1, w, lane);
+    if (wt == 0) {
+      flag_s[buf] = (moved ? 1 : 0) | (exact ? 2 : 0);
+      reinterpret_cast<float*>(ex_s)[1 + buf] = ef;
     }
     fence_proxy_async();
     mbar_arrive(b.pfull + 8 * buf);
     bar_sync(1 + half, 128);  // this warpgroup's PV reads every warp's part of P^T
-    seesaw_pv(acc, l, j, true, al, moved, smem, sbase, b, half, w, g, c);
+    }
+    seesaw_pv(acc, l, j, mine, smem, sbase, b, half, w, g, c);
   }
-  // the last block, if the other warpgroup scored it
-  if (nblk > 0 && ((nblk - 1 - half) & 1))
-    seesaw_pv(acc, l, nblk - 1, false, none, false, smem, sbase, b, half, w, g, c);
 }
-

@@ -47,6 +47,12 @@
 #ifndef SCHEDULE_SEESAW
 #define SCHEDULE_SEESAW 0
 #endif
+// PV_F16 (seesaw only) 1: PV in f16 (V = e4m3 x the tile scale over the row's largest, P times
+// that largest over the block's stabiliser 2^E), falling back to the exact bf16 PV for a block
+// whose scales the f16 range cannot hold (see consumer_seesaw); 0: always the exact bf16 PV.
+#ifndef PV_F16
+#define PV_F16 1
+#endif
 #ifndef QK_KSTEPS
 #define QK_KSTEPS 4
 #endif
@@ -74,7 +80,9 @@ constexpr int OFF_MISC = OFF_L + 64 * 4;                 // [16] f32
 constexpr int OFF_BAR = OFF_MISC + 64;                   // full[3], empty[3], pfull[2], pempty[2]
 constexpr int OFF_M = OFF_BAR + 10 * 8;                  // [64] f32 (seesaw: shared max)
 constexpr int OFF_FLAG = OFF_M + 64 * 4;                 // [4] int32 (seesaw: max moved)
-constexpr int SMEM_BYTES = OFF_FLAG + 16;
+constexpr int OFF_SIG = OFF_FLAG + 16;                   // seesaw f16 PV: [2][4 tiles][64] f16
+constexpr int OFF_EX = OFF_SIG + 2 * 4 * 64 * 2;         // seesaw f16 PV: E, ef[2], [2][4] emax
+constexpr int SMEM_BYTES = OFF_EX + 48;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
 static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
@@ -571,6 +579,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   }
 #if SCHEDULE_SEESAW
   if (tid < 64) reinterpret_cast<float*>(smem + OFF_M)[tid] = -INFINITY;
+  if (tid == 64) reinterpret_cast<int*>(smem + OFF_EX)[0] = E_NONE;
 #endif
   // Rows of a -1 id keep what the stage held (masked, never NaN): zero the stages once.
   for (int o = tid * 16; o < NUM_STAGES * STAGE; o += 384 * 16)
@@ -681,6 +690,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       const float x = l_s[8 * jj + 2 * c + bb];
       inv[2 * jj + bb] = x > 0.f ? 1.f / x : 0.f;
     }
+#if SCHEDULE_SEESAW && PV_F16
+  {  // O accumulated in units of 2^E (E_NONE: nothing had a scale, O is zero)
+    const int E = reinterpret_cast<const int*>(smem + OFF_EX)[0];
+    const float fe = E == E_NONE ? 0.f : exp2i(E);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) inv[i] *= fe;
+  }
+#endif
   store_out(acc, inv, out, split * stride_os + t * stride_ot, stride_oh, num_heads,
             256 * half + 8 * (8 * w + g), c, out_fp32 != 0);
 }
