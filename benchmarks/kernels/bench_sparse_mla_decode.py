@@ -5,7 +5,8 @@ beyond L2); each query's top-k are random slots of its own request.
 A row's time is the GPU time per call: 20 calls captured in a CUDA graph and replayed
 (:func:`benchmarks.kernels.common.time_ms_graph`; the engine's decode steps run as graphs). At 64
 queries a call takes ~0.1 ms, about what the host needs to launch its kernels from Python, so
-the eager time (in the note) measures the host there."""
+the eager time (in the note) measures the host there. ``--ctx N`` shrinks each request to N tokens
+(a diagnostic: at 2K tokens the whole cache sits in L2, so the gap to 128K is what HBM costs)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ SHAPES = [64, 128, 256, 512, 1024]  # decode queries
 CTX, NUM_REQS, TOPK, H = 131072, 16, 2048, 64
 
 
-def make_inputs(t: int, cache_dtype: str, seed: int = 0):
+def make_inputs(t: int, cache_dtype: str, seed: int = 0, ctx: int = CTX):
     g = torch.Generator(device="cuda").manual_seed(seed)
     layout = KVCacheLayout(cache_dtype, torch.bfloat16, 512, 64, 128)
-    nb = NUM_REQS * CTX // layout.block_size
+    nb = NUM_REQS * ctx // layout.block_size
     if layout.is_fp8:  # random valid rows: e4m3 values, positive scales, bf16 rope
         cache = torch.randint(0, 256, layout.mla_cache_shape(nb), device="cuda", dtype=torch.uint8)
         cache[..., :512] &= 0x77  # no NaN patterns, moderate magnitudes
@@ -48,15 +49,22 @@ def make_inputs(t: int, cache_dtype: str, seed: int = 0):
         cache = torch.randn(layout.mla_cache_shape(nb), device="cuda", generator=g)
         cache = cache.to(torch.bfloat16)
     req = torch.arange(t, device="cuda") % NUM_REQS
-    slots = torch.randint(0, CTX, (t, TOPK), device="cuda", generator=g) + (req * CTX)[:, None]
+    slots = torch.randint(0, ctx, (t, TOPK), device="cuda", generator=g) + (req * ctx)[:, None]
     q = torch.randn(t, H, 576, device="cuda", generator=g).to(torch.bfloat16)
     return layout, cache, slots.to(torch.int32), q
 
 
 def bench(
-    t: int, cache_dtype: str, config=None, int_dequant=False, ref=True, tag="", kernel="triton"
+    t: int,
+    cache_dtype: str,
+    config=None,
+    int_dequant=False,
+    ref=True,
+    tag="",
+    kernel="triton",
+    ctx: int = CTX,
 ) -> dict:
-    layout, cache, slots, q = make_inputs(t, cache_dtype)
+    layout, cache, slots, q = make_inputs(t, cache_dtype, ctx=ctx)
     scale = 1 / math.sqrt(256)
 
     def run():
@@ -83,7 +91,8 @@ def bench(
         note = f"cuda c++ kernel, split{cfg.num_splits}"
         tag = "_cuda" + tag
     note += f"; eager {eager_ms:.3f} ms"
-    return row(f"sparse_decode_{cache_dtype[:3]}{tag}", f"T={t} H=64 topk=2048 ctx=128K", ms,
+    shape = f"T={t} H=64 topk=2048 ctx={ctx // 1024}K"
+    return row(f"sparse_decode_{cache_dtype[:3]}{tag}", shape, ms,
                flops, nbytes, "bf16", ref_ms, note)  # fmt: skip
 
 
@@ -94,15 +103,19 @@ def main():
         default="",
         help="';'-separated build variants of the CUDA kernel, each 'NAME=V,...' (its -D knobs)",
     )
+    p.add_argument("--ctx", type=int, default=CTX, help="tokens per request (16 requests)")
     args = p.parse_args()
+    ctx = args.ctx
     shapes = SHAPES[:2] if args.quick else SHAPES
     kernels = [k for k in args.kernels.split(",") if k != "ws" or ws_available()]
     rows = []
     for kernel in kernels:  # same process, same inputs: the ratio between kernels is direct
-        rows += [bench(t, "fp8_ds_mla", kernel=kernel, ref=kernel == "triton") for t in shapes]
+        rows += [
+            bench(t, "fp8_ds_mla", kernel=kernel, ref=kernel == "triton", ctx=ctx) for t in shapes
+        ]
         if kernel != "cuda":  # the CUDA kernel reads fp8_ds_mla rows only
             rows += [
-                bench(t, "auto", kernel=kernel, ref=kernel == "triton")
+                bench(t, "auto", kernel=kernel, ref=kernel == "triton", ctx=ctx)
                 for t in (shapes[0], shapes[-1])
             ]
     if args.sweep:
@@ -120,7 +133,9 @@ def main():
         for spec in args.cuda_defines.split(";"):
             sparse_mla_cuda.DEFINES = sparse_mla_cuda.parse_defines(spec)
             for t in shapes:
-                rows.append(bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]"))
+                rows.append(
+                    bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]", ctx=ctx)
+                )
         sparse_mla_cuda.DEFINES = {}
     print_rows(rows)
     dump_json(rows, args.json)

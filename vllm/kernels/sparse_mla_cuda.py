@@ -39,10 +39,11 @@ D_V = 512
 
 def _smem_bytes() -> int:
     """The kernel's dynamic shared memory, mirrored from the .cu's constexpr layout."""
-    qt, pt = 9 * 8192, 2 * 8192
+    pbuf = 3
+    qt, pt = 9 * 8192, pbuf * 8192
     stages = 3 * BLOCK_N * ROW_BYTES
-    ids, red, alpha, ell, misc = 3 * BLOCK_N * 4, 2 * 4 * 64 * 4, 2 * 64 * 4, 64 * 4, 64
-    m, flags, bars, sig, ex = 64 * 4, 16, 10 * 8, 2 * 4 * 64 * 2, 48
+    ids, red, alpha, ell, misc = 3 * BLOCK_N * 4, 2 * 4 * 64 * 4, pbuf * 64 * 4, 64 * 4, 64
+    m, flags, bars, sig, ex = 64 * 4, 16, 12 * 8, pbuf * 4 * 64 * 2, 48
     return qt + pt + stages + ids + red + alpha + ell + misc + m + flags + bars + sig + ex + 1024
 
 

@@ -194,50 +194,40 @@ __device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t*
   }
 }
 
-// PV of block j (scored by either warpgroup) on this warpgroup's value half, after its
-// published alpha; then release P^T[j & 1] and the stage. The block's flags: bit 0 the
-// stabilisers moved (O *= alpha ef; l *= alpha, which the scoring warpgroup already did), bit 1
-// it takes the exact bf16 PV.
-__device__ __forceinline__ void seesaw_pv(float (&acc)[4][32], float (&l)[16], int j, bool mine,
-                                          uint8_t* smem, uint32_t sbase, Bars b, int half, int w,
-                                          int g, int c) {
-  const int buf = j & 1, st = j % NUM_STAGES;
-  if (!mine) {
-    mbar_wait(b.pfull + 8 * buf, (j >> 1) & 1);
-    mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);  // orders our reads of the stage
-  }
-  const int flags = reinterpret_cast<const int*>(smem + OFF_FLAG)[buf];
+// PV of block j (scored by either warpgroup, whose P^T we have waited for) on this
+// warpgroup's value half; then release P^T[j % NUM_PBUF] and the stage. The block's flags:
+// bit 0 the stabilisers moved (O *= alpha ef; l took alpha where the block's P^T was awaited),
+// bit 1 it takes the exact bf16 PV.
+__device__ __forceinline__ void seesaw_pv(float (&acc)[4][32], int j, uint8_t* smem,
+                                          uint32_t sbase, Bars b, int half, int w, int g, int c) {
+  const int pb = j % NUM_PBUF, st = j % NUM_STAGES;
+  mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);  // orders our reads of the stage
+  const int flags = reinterpret_cast<const int*>(smem + OFF_FLAG)[pb];
   if (flags & 1) {  // uniform: one flag per block
-    const float* alpha_s = reinterpret_cast<const float*>(smem + OFF_ALPHA) + buf * 64;
-    const float ef = reinterpret_cast<const float*>(smem + OFF_EX)[1 + buf];
+    const float* alpha_s = reinterpret_cast<const float*>(smem + OFF_ALPHA) + pb * 64;
+    const float ef = reinterpret_cast<const float*>(smem + OFF_EX)[1 + pb];
     float alpha[16];
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const float2 x = *reinterpret_cast<const float2*>(alpha_s + 8 * jj + 2 * c);
-      alpha[2 * jj] = x.x;
-      alpha[2 * jj + 1] = x.y;
+      alpha[2 * jj] = x.x * ef;
+      alpha[2 * jj + 1] = x.y * ef;
     }
-    if (!mine) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) l[i] *= alpha[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) alpha[i] *= ef;
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) rescale(acc[jj], alpha);
   }
   const uint8_t* stg = smem + OFF_ST + st * STAGE;
-  const uint32_t dp = desc_lo(sbase + OFF_PT) + buf * (8192 >> 4);
+  const uint32_t dp = desc_lo(sbase + OFF_PT) + pb * (8192 >> 4);
   // (each variant retires its wgmmas inside its branch: a group in flight across the merge
   // serialises them all)
   if (PV_F16 && !(flags & 2)) {
-    pv_block_f16(acc, stg, smem + OFF_SIG + buf * 512, dp, half, w, g, c);
+    pv_block_f16(acc, stg, smem + OFF_SIG + pb * 512, dp, half, w, g, c);
     wgmma_wait<0>();
   } else {
     pv_block(acc, stg, dp, half, w, g, c);
     wgmma_wait<0>();
   }
-  mbar_arrive(b.pempty + 8 * buf);
+  mbar_arrive(b.pempty + 8 * pb);
   mbar_arrive(b.empty + 8 * st);
 }
 
@@ -282,35 +272,63 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
   float* red_s = reinterpret_cast<float*>(smem + OFF_RED);
   float* alpha_s = reinterpret_cast<float*>(smem + OFF_ALPHA);
   int* flag_s = reinterpret_cast<int*>(smem + OFF_FLAG);
-  int* ex_s = reinterpret_cast<int*>(smem + OFF_EX);  // E, ef[2] (f32), pad, emax[2][4]
+  int* ex_s = reinterpret_cast<int*>(smem + OFF_EX);  // E, ef[3] (f32), emax[2][4]
 #pragma unroll 1
-  for (int j = 0; j < nblk; ++j) {
-    // Every block's PV, in block order, from one call site (two inlined PV variants per call
-    // site serialise the wgmmas); a block of our own is scored first. The other warpgroup's
-    // previous block comes before our next one: its PV (whose wait also publishes the m our
-    // softmax starts from) frees its stage a block earlier, and no S is live across it.
-    const bool mine = (j & 1) == half;
-    if (mine) {
-    const int st = j % NUM_STAGES, buf = j & 1;
-    const uint8_t* stg = smem + OFF_ST + st * STAGE;
-    mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);
+  for (int j = half; j <= nblk; j += 2) {
+    // Our block j (none when j == nblk: only the other warpgroup's last block is left). Its QK
+    // needs only the stage, so it runs before we wait for the other warpgroup's block j - 1
+    // (whose softmax publishes the stabilisers ours starts from); the softmaxes alternate
+    // between the warpgroups in block order, and the PVs (the other's block j - 1, then ours)
+    // come after our P^T is out, so the other warpgroup's next softmax can start.
+    const bool own = j < nblk;
+    const int st = j % NUM_STAGES, pb = j % NUM_PBUF;
     float s[32];
-    int e0, e1;
-    float mx0, mx1, ca, cb;
-    qk_block64(s, stg + r0 * ROW, stg + r1 * ROW, dq, c, e0, e1, mx0, mx1, ca, cb);
-    const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
-    const bool p0 = v0 && mx0 > 0.f, p1 = v1 && mx1 > 0.f;  // rows with a scale exponent
-    const bool t0 = !(ca > 0.f && ilog2(ca) < e0 - TILE_LO), t1 = !(cb > 0.f && ilog2(cb) < e1 - TILE_LO);
-    // P^T[buf] and sigma[buf] were last read by PV of block j - 2, by both warpgroups (done:
-    // the other warpgroup ran it before scoring block j - 1, whose P^T we have waited for)
-    mbar_wait(b.pempty + 8 * buf, ((j >> 1) & 1) ^ 1);
-    if (PV_F16) {
-      __half* sig = reinterpret_cast<__half*>(smem + OFF_SIG + buf * 512) + 64 * c;
-      sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(6 - e0, 127)) : 0.f);
-      sig[r1] = __float2half_rn(p1 ? cb * exp2i(min(6 - e1, 127)) : 0.f);
+    int e0 = 0, e1 = 0;
+    bool p0 = false, p1 = false, t0 = true, t1 = true;
+    if (own) {
+      const uint8_t* stg = smem + OFF_ST + st * STAGE;
+      mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);
+      float mx0, mx1, ca, cb;
+      qk_block64(s, stg + r0 * ROW, stg + r1 * ROW, dq, c, e0, e1, mx0, mx1, ca, cb);
+      const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
+      p0 = v0 && mx0 > 0.f;  // rows with a scale exponent
+      p1 = v1 && mx1 > 0.f;
+      t0 = !(ca > 0.f && ilog2(ca) < e0 - TILE_LO);
+      t1 = !(cb > 0.f && ilog2(cb) < e1 - TILE_LO);
+      // P^T[pb] and sigma[pb] were last read by PV of block j - 3, by both warpgroups (long
+      // done: the other warpgroup ran it before its PV of block j - 2)
+      mbar_wait(b.pempty + 8 * pb, ((j / NUM_PBUF) & 1) ^ 1);
+      if (PV_F16) {
+        __half* sig = reinterpret_cast<__half*>(smem + OFF_SIG + pb * 512) + 64 * c;
+        sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(6 - e0, 127)) : 0.f);
+        sig[r1] = __float2half_rn(p1 ? cb * exp2i(min(6 - e1, 127)) : 0.f);
+      }
+      const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int bb = 0; bb < 2; ++bb) {
+          s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
+          s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
+        }
     }
+    if (j > 0) {  // the other warpgroup's block j - 1: its P^T and stabilisers; l takes alpha
+      const int qb = (j - 1) % NUM_PBUF;
+      mbar_wait(b.pfull + 8 * qb, ((j - 1) / NUM_PBUF) & 1);
+      if (flag_s[qb] & 1) {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const float2 x = *reinterpret_cast<const float2*>(alpha_s + qb * 64 + 8 * jj + 2 * c);
+          l[2 * jj] *= x.x;
+          l[2 * jj + 1] *= x.y;
+        }
+      }
+#if SEESAW_ORDER == 1
+      seesaw_pv(acc, j - 1, smem, sbase, b, half, w, g, c);
+#endif
+    }
+    if (own) {
     int E = PV_F16 ? ex_s[0] : 0;
-    const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
     // Fast check, no per-head state kept: does any row maximum pass m + 2^RESCALE_LOG2, or
     // any row leave the f16 PV's range?
     bool over = PV_F16 && !(pv_f16_ok(p0, t0, e0, E) && pv_f16_ok(p1, t1, e1, E));
@@ -318,11 +336,8 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     for (int jj = 0; jj < 8; ++jj) {
       const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
 #pragma unroll
-      for (int bb = 0; bb < 2; ++bb) {
-        s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
-        s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
+      for (int bb = 0; bb < 2; ++bb)
         over |= fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]) > (bb ? x.y : x.x) + RESCALE_LOG2;
-      }
     }
     const bool moved = bar_red_or(1 + half, 128, over);
     bool exact = !PV_F16;
@@ -356,7 +371,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
         l[hh] *= al;
         if (w == 0 && g == 0) {
           mnew_s[hd] = up ? mb : mo;
-          alpha_s[buf * 64 + hd] = al;
+          alpha_s[pb * 64 + hd] = al;
         }
       }
       if (PV_F16) {
@@ -394,19 +409,27 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     const float ge = exp2i(min(-E, 127));
     const float g0 = exact ? ge : (p0 ? exp2i(max(e0 - 6 - E, -127)) : 0.f);
     const float g1 = exact ? ge : (p1 ? exp2i(max(e1 - 6 - E, -127)) : 0.f);
-    const uint32_t pt = sbase + OFF_PT + buf * 8192;
+    const uint32_t pt = sbase + OFF_PT + pb * 8192;
     if (exact)
       store_pt<true>(pt, s, g0, g1, w, lane);
     else
       store_pt<false>(pt, s, g0, g1, w, lane);
     if (wt == 0) {
-      flag_s[buf] = (moved ? 1 : 0) | (exact ? 2 : 0);
-      reinterpret_cast<float*>(ex_s)[1 + buf] = ef;
+      flag_s[pb] = (moved ? 1 : 0) | (exact ? 2 : 0);
+      reinterpret_cast<float*>(ex_s)[1 + pb] = ef;
     }
     fence_proxy_async();
-    mbar_arrive(b.pfull + 8 * buf);
+    mbar_arrive(b.pfull + 8 * pb);
     bar_sync(1 + half, 128);  // this warpgroup's PV reads every warp's part of P^T
     }
-    seesaw_pv(acc, l, j, mine, smem, sbase, b, half, w, g, c);
+    // PV in block order, from one call site (two inlined PV variants per call site serialise
+    // the wgmmas): the other warpgroup's block j - 1, then ours
+#if SEESAW_ORDER == 1
+    if (own) seesaw_pv(acc, j, smem, sbase, b, half, w, g, c);
+#else
+#pragma unroll 1
+    for (int k = max(j - 1, 0); k <= min(j, nblk - 1); ++k)
+      seesaw_pv(acc, k, smem, sbase, b, half, w, g, c);
+#endif
   }
 }

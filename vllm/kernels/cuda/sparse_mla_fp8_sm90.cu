@@ -53,6 +53,11 @@
 #ifndef PV_F16
 #define PV_F16 1
 #endif
+// SEESAW_ORDER (seesaw only): 1: per own block j, QK_j, then PV of the other warpgroup's block
+// j - 1 (S live across it), softmax_j, PV_j; 0: QK_j, softmax_j, then both PVs.
+#ifndef SEESAW_ORDER
+#define SEESAW_ORDER 1
+#endif
 #ifndef QK_KSTEPS
 #define QK_KSTEPS 4
 #endif
@@ -68,20 +73,21 @@ constexpr int ROW = 656;        // fp8_ds_mla row bytes
 constexpr int BN = 64;          // rows per block
 constexpr int NUM_STAGES = 3;
 constexpr int STAGE = BN * ROW; // 41984
+constexpr int NUM_PBUF = 3;     // P^T buffers (the default consumer uses two)
 constexpr int QT_HALF = 9 * 4096;                        // a warpgroup's Q^T: 9 x [32 heads x 128 B]
 constexpr int OFF_QT = 0;
-constexpr int OFF_PT = OFF_QT + 9 * 8192;                // P^T: 2 x [64 heads x 128 B]
-constexpr int OFF_ST = OFF_PT + 2 * 8192;                // raw stages
+constexpr int OFF_PT = OFF_QT + 9 * 8192;                // P^T: NUM_PBUF x [64 heads x 128 B]
+constexpr int OFF_ST = OFF_PT + NUM_PBUF * 8192;         // raw stages
 constexpr int OFF_IDS = OFF_ST + NUM_STAGES * STAGE;     // [stages][64] int32
 constexpr int OFF_RED = OFF_IDS + NUM_STAGES * BN * 4;   // [2 bufs][2 halves][4 warps][32] f32
-constexpr int OFF_ALPHA = OFF_RED + 2 * 4 * 64 * 4;      // [2][64] f32
-constexpr int OFF_L = OFF_ALPHA + 2 * 64 * 4;            // [64] f32
+constexpr int OFF_ALPHA = OFF_RED + 2 * 4 * 64 * 4;      // [NUM_PBUF][64] f32
+constexpr int OFF_L = OFF_ALPHA + NUM_PBUF * 64 * 4;     // [64] f32
 constexpr int OFF_MISC = OFF_L + 64 * 4;                 // [16] f32
-constexpr int OFF_BAR = OFF_MISC + 64;                   // full[3], empty[3], pfull[2], pempty[2]
-constexpr int OFF_M = OFF_BAR + 10 * 8;                  // [64] f32 (seesaw: shared max)
+constexpr int OFF_BAR = OFF_MISC + 64;                   // full, empty [3]; pfull, pempty [3]
+constexpr int OFF_M = OFF_BAR + 12 * 8;                  // [64] f32 (seesaw: shared max)
 constexpr int OFF_FLAG = OFF_M + 64 * 4;                 // [4] int32 (seesaw: max moved)
-constexpr int OFF_SIG = OFF_FLAG + 16;                   // seesaw f16 PV: [2][4 tiles][64] f16
-constexpr int OFF_EX = OFF_SIG + 2 * 4 * 64 * 2;         // seesaw f16 PV: E, ef[2], [2][4] emax
+constexpr int OFF_SIG = OFF_FLAG + 16;                   // seesaw f16 PV: [3][4 tiles][64] f16
+constexpr int OFF_EX = OFF_SIG + NUM_PBUF * 4 * 64 * 2;  // seesaw f16 PV: E, ef[3], [2][4] emax
 constexpr int SMEM_BYTES = OFF_EX + 48;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
@@ -563,14 +569,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   const int k_lo = split * k_per_split;
   const int k_hi = min(topk, k_lo + k_per_split);
   const int nblk = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
-  const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24, sbase + OFF_BAR + 48, sbase + OFF_BAR + 64};
+  const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24, sbase + OFF_BAR + 48, sbase + OFF_BAR + 72};
   if (tid == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
       mbar_init(b.full + 8 * s, PRODUCER_CPASYNC ? 132 : 1);
       mbar_init(b.empty + 8 * s, 256);
     }
 #if SCHEDULE_SEESAW
-    for (int s = 0; s < 2; ++s) {
+    for (int s = 0; s < NUM_PBUF; ++s) {
       mbar_init(b.pfull + 8 * s, 128);
       mbar_init(b.pempty + 8 * s, 256);
     }
