@@ -33,7 +33,14 @@ def _need_nvcc():
 
 @pytest.mark.parametrize(
     "defines,max_spill",
-    [((), 8), (("-DPRODUCER_CPASYNC=1",), 8), (("-DSCHEDULE_SEESAW=1",), 32)],
+    [
+        ((), 160),  # the seesaw build keeps 5 of its 16 row sums in (L1-cached) local memory
+        (("-DPRODUCER_CPASYNC=0",), 160),
+        (("-DPV_F16=0",), 48),
+        (("-DSEESAW_ORDER=0",), 160),
+        (("-DSCHEDULE_SEESAW=0",), 8),
+        (("-DSCHEDULE_SEESAW=0", "-DPRODUCER_CPASYNC=0"), 8),
+    ],
 )
 def test_cuda_kernel_builds_for_sm90a(defines, max_spill):
     """ptxas's report for the default build and its variants: the consumer warpgroups' 232-register
@@ -145,17 +152,41 @@ def test_cuda_decode_gpu_fp32_out_and_query():
 
 
 @pytest.mark.gpu
-def test_cuda_decode_gpu_fp8_dequant_exact():
+@pytest.mark.parametrize("pv_f16", [1, 0])
+def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
     """One valid row per token, so P = 1 and the output is that row's dequantised values: every
-    finite e4m3 code (subnormals and ±448 included) times tile scales from 2^-24 to 2^7 comes out
-    as the fp32 product rounded to bf16, exactly (the PV operand is rounded like the reference)."""
+    finite e4m3 code (subnormals and ±448 included) times tile scales from 2^-24 to 2^7.
+    PV_F16=0: the fp32 product rounded to bf16, exactly (the PV operand is rounded like the
+    reference). PV_F16=1 (default): rows whose tile scales lie within 2^11 of each other take the
+    f16 PV, within 2^-10 of the exact product (the tile scale rounded to f16, then the product);
+    the others (most rows here: their scales span up to 2^31) the exact bf16 PV. A second cache
+    with each row's scales within 2^3 sends every row through the f16 PV."""
     from vllm.kernels import sparse_mla_decode as mod
 
     _gpu()
+    monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {"PV_F16": pv_f16})
     layout, cache, slots, q, n = exact_dequant_inputs()
     out, lse = mod.sparse_mla_decode(q, cache, slots, layout, 0.04, kernel="cuda")
     want = read_mla_cache_ref(cache, slots[:, 17], layout)[:, None, :512].expand(n, 64, 512)
-    assert torch.equal(out.float(), want.to(torch.bfloat16).float())
+    if not pv_f16:
+        assert torch.equal(out.float(), want.to(torch.bfloat16).float())
+    narrow = cache.clone().view(n, -1)
+    g = torch.Generator().manual_seed(9)
+    sc = torch.exp2(torch.randint(-12, 4, (n, 1), generator=g).float())
+    sc = sc * (1 + 7 * torch.rand(n, 4, generator=g))
+    narrow[:, 512:528] = sc.contiguous().view(torch.uint8).cuda()
+    narrow = narrow.view_as(cache)
+    for c in (cache, narrow):
+        o32, _ = mod.sparse_mla_decode(q, c, slots, layout, 0.04, torch.float32, kernel="cuda")
+        truth = read_mla_cache_ref(c, slots[:, 17], layout)[:, None, :512].expand(n, 64, 512)
+        err = (o32 - truth).abs()
+        exact = o32 == truth.to(torch.bfloat16).float()
+        if pv_f16 and c is narrow:
+            assert (err <= 2**-10 * truth.abs()).all(), err.max()
+        elif pv_f16:  # each row either way
+            assert ((err <= 2**-10 * truth.abs()) | exact).all(), err.max()
+        else:
+            assert torch.equal(o32, truth.to(torch.bfloat16).float())
     # With one row the lse is that row's logit, here up to ~1e4 (codes up to 448 times scales up
     # to 2^8), so its rounding error is large in absolute terms: the f16 QK operands (11-bit)
     # must do at least as well as bf16 operands (what the Triton and Gluon kernels use) would.
@@ -164,6 +195,28 @@ def test_cuda_decode_gpu_fp8_dequant_exact():
     bf16_l = 0.04 * torch.einsum("nhd,nd->nh", q.float(), k.to(torch.bfloat16).float())
     err, bf16_err = (lse - ref_l).abs(), (bf16_l - ref_l).abs()
     assert err.max().item() <= bf16_err.max().item() and err.mean() <= bf16_err.mean()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "defines",
+    [{"SCHEDULE_SEESAW": 0}, {"PRODUCER_CPASYNC": 0}, {"PV_F16": 0}, {"SEESAW_ORDER": 0}],
+)
+def test_cuda_decode_gpu_build_variants(defines, monkeypatch):
+    """The other builds (the first consumer design, the bulk-copy producer, the exact PV, the
+    other seesaw order): GLM shapes, ragged split-K, few heads."""
+    from vllm.kernels import sparse_mla_decode as mod
+    from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
+
+    _gpu()
+    monkeypatch.setattr(sparse_mla_cuda, "DEFINES", defines)
+    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
+    _check_decode(mod, layout, 7, 64, 2048, 64, "cuda", torch.bfloat16, 1e-2, seed=3,
+                  kernel="cuda")  # fmt: skip
+    _check_decode(mod, layout, 5, 16, 700, 64, "cuda", torch.bfloat16, 1e-2, seed=4,
+                  kernel="cuda")  # fmt: skip
+    _check_decode(mod, layout, 9, 64, 2048, 64, "cuda", torch.bfloat16, 1e-2, seed=5,
+                  config=SparseMLAConfig(64, 64, 8, 2, 3), kernel="cuda")  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -5,29 +5,37 @@
 // rope 64 (bf16); a row is 656 bytes. What differs from the Gluon kernel (sparse_mla_ws.py) is
 // where the FP8 rows are dequantised: never into shared memory.
 //
-// - Producer warp (warpgroup 0, 40 registers): per 64-row block, one cp.async.bulk of 656 bytes per
-//   selected row into a ring of NUM_STAGES raw stages, completing on the stage's `full` mbarrier
-//   (expect_tx = valid rows x 656; a -1 id copies nothing and its row is masked).
-// - Two consumer warpgroups (232 registers each), both on the same block. Warpgroup h:
-//   - S^T = K . Q^T for heads [32h, 32h + 32): M = the block's 64 rows, N = 32 heads. K is the
-//     A operand *in registers*: each thread loads its rows' raw bytes from the stage and converts
-//     e4m3 -> f16 (exact) times the tile scale normalised by the row's largest scale (2^-E_row,
-//     undone in the softmax); its Q^T (f16, times a power of two so it fits f16) is B in shared
+// The default build (the knobs below select the others):
+// - Producer warpgroup (warpgroup 0, 40 registers; PRODUCER_CPASYNC 1): its 4 warps copy each
+//   64-row block's selected rows in 16-byte cp.async pieces into a ring of NUM_STAGES raw stages
+//   (a -1 id is zero-filled and masked). PRODUCER_CPASYNC 0: one warp, one cp.async.bulk per row
+//   (5 % slower at 1024 queries: the per-row bulk copies become the limit once the consumers are
+//   fast enough).
+// - Two consumer warpgroups (232 registers each) that score alternate blocks (SCHEDULE_SEESAW,
+//   consumer_seesaw in sparse_mla_fp8_seesaw.cuh). For its block j, warpgroup j % 2:
+//   - S^T = K . Q^T for all 64 heads: M = the block's 64 rows, N = 64 heads. K is the wgmma A
+//     operand *in registers*: each thread loads its rows' raw bytes from the stage and converts
+//     e4m3 -> f16 (exact) times the tile scale normalised by the row's largest scale (2^-e_row,
+//     undone in the softmax); Q^T (f16, times a power of two so it fits f16) is B in shared
 //     memory. The 576 features are permuted (the same permutation on Q) so each thread reads 16
 //     contiguous bytes per row per 4 k-steps, conflict-free. The rope part is a bf16 wgmma into
 //     the same fp32 accumulator.
-//   - Online base-2 softmax over the rows for its heads. The running max moves only when a row
-//     exceeds it by 2^RESCALE_LOG2: one barrier-with-OR per block decides, and only then are the
-//     row maxima reduced across the warps and O rescaled. P^T (bf16) goes to shared memory by
-//     stmatrix.trans, alpha beside it; one 256-thread barrier publishes both halves.
-//   - O^T += V^T . P^T on value columns [256h, 256h + 256) for all 64 heads (4 m64 tiles x 64
-//     heads = 128 fp32 registers): V^T is A in registers, dequantised exactly like the reference
-//     (fp32 e4m3 x scale, rounded to bf16), P^T is B.
+//   - Online base-2 softmax. The stabiliser m is shared by both warpgroups (softmaxes run in
+//     block order) and moves only when a row exceeds it by 2^RESCALE_LOG2: one barrier-with-OR
+//     per block decides; only then are the row maxima reduced and alpha published. P^T goes to
+//     shared memory by stmatrix.trans (one of NUM_PBUF buffers), with the block's flags.
+//   - Both warpgroups then run PV of every block in block order, each on its value columns
+//     [256h, 256h + 256) for all 64 heads (4 m64 tiles x 64 heads = 128 fp32 registers):
+//     O^T += V^T . P^T, V^T the A operand in registers. PV_F16: V^T in f16 (e4m3 times the
+//     tile scale over the row's largest power of two, which P^T carries against a second
+//     CTA-wide stabiliser 2^E), with an exact bf16 PV for blocks whose scales f16 cannot hold.
 //   The row sums l come from the softmax; the epilogue reduces them across warps and
 //   warpgroups, normalises O and writes it and the LSE.
-// Files: this one (layout, producer, PV, the default consumer, the kernel), the PTX wrappers in
-// sparse_mla_sm90_ptx.cuh, the SCHEDULE_SEESAW consumer in sparse_mla_fp8_seesaw.cuh.
-// Measurements, the profile and what limits it: BENCHMARKS.md, twelfth session.
+// SCHEDULE_SEESAW 0 (the consumer below, the first design): both warpgroups score every block,
+// 32 heads each, and run PV on their value half with exact bf16 V.
+// Files: this one (layout, producers, PV, the SCHEDULE_SEESAW 0 consumer, the kernel), the PTX
+// wrappers in sparse_mla_sm90_ptx.cuh, the seesaw consumer in sparse_mla_fp8_seesaw.cuh.
+// Measurements, the profile and what limits it: BENCHMARKS.md, twelfth and thirteenth sessions.
 //
 // Shapes: q [T, H<=64, 576] bf16; kv [rows, 656] uint8; idx [T, K] int32 (-1 = none);
 // out [splits, T, H, 512] (bf16 or fp32), lse [splits, T, H] fp32 natural log (-inf, zeros for a
@@ -40,12 +48,12 @@
 // PRODUCER_CPASYNC: how the raw rows reach shared memory (see the producers below).
 // QK_KSTEPS: k-steps per wgmma group in QK (the A registers of two groups are live).
 #ifndef PRODUCER_CPASYNC
-#define PRODUCER_CPASYNC 0
+#define PRODUCER_CPASYNC 1
 #endif
 // SCHEDULE_SEESAW 1: the warpgroups score alternate blocks for all 64 heads (see
-// consumer_seesaw); 0: both score each block, 32 heads each (consumer). Not yet run on a GPU.
+// consumer_seesaw); 0: both score each block, 32 heads each (consumer).
 #ifndef SCHEDULE_SEESAW
-#define SCHEDULE_SEESAW 0
+#define SCHEDULE_SEESAW 1
 #endif
 // PV_F16 (seesaw only) 1: PV in f16 (V = e4m3 x the tile scale over the row's largest, P times
 // that largest over the block's stabiliser 2^E), falling back to the exact bf16 PV for a block
