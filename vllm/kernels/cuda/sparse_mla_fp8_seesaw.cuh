@@ -285,6 +285,25 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     float s[32];
     int e0 = 0, e1 = 0;
     bool p0 = false, p1 = false, t0 = true, t1 = true;
+    // the other warpgroup's block j - 1: its P^T and stabilisers; l takes alpha; its PV
+    auto other_block = [&]() {
+      if (j > 0) {
+        const int qb = (j - 1) % NUM_PBUF;
+        mbar_wait(b.pfull + 8 * qb, ((j - 1) / NUM_PBUF) & 1);
+        if (flag_s[qb] & 1) {
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+            const float2 x = *reinterpret_cast<const float2*>(alpha_s + qb * 64 + 8 * jj + 2 * c);
+            l[2 * jj] *= x.x;
+            l[2 * jj + 1] *= x.y;
+          }
+        }
+  #if SEESAW_ORDER >= 1
+        seesaw_pv(acc, j - 1, smem, sbase, b, half, w, g, c);
+  #endif
+      }
+    };
+    if (SEESAW_ORDER == 2) other_block();
     if (own) {
       const uint8_t* stg = smem + OFF_ST + st * STAGE;
       mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);
@@ -312,21 +331,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
           s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
         }
     }
-    if (j > 0) {  // the other warpgroup's block j - 1: its P^T and stabilisers; l takes alpha
-      const int qb = (j - 1) % NUM_PBUF;
-      mbar_wait(b.pfull + 8 * qb, ((j - 1) / NUM_PBUF) & 1);
-      if (flag_s[qb] & 1) {
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-          const float2 x = *reinterpret_cast<const float2*>(alpha_s + qb * 64 + 8 * jj + 2 * c);
-          l[2 * jj] *= x.x;
-          l[2 * jj + 1] *= x.y;
-        }
-      }
-#if SEESAW_ORDER == 1
-      seesaw_pv(acc, j - 1, smem, sbase, b, half, w, g, c);
-#endif
-    }
+    if (SEESAW_ORDER != 2) other_block();
     if (own) {
     int E = PV_F16 ? ex_s[0] : 0;
     // Fast check, no per-head state kept: does any row maximum pass m + 2^RESCALE_LOG2, or
@@ -424,7 +429,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     }
     // PV in block order, from one call site (two inlined PV variants per call site serialise
     // the wgmmas): the other warpgroup's block j - 1, then ours
-#if SEESAW_ORDER == 1
+#if SEESAW_ORDER >= 1
     if (own) seesaw_pv(acc, j, smem, sbase, b, half, w, g, c);
 #else
 #pragma unroll 1

@@ -62,7 +62,9 @@
 #define PV_F16 1
 #endif
 // SEESAW_ORDER (seesaw only): 1: per own block j, QK_j, then PV of the other warpgroup's block
-// j - 1 (S live across it), softmax_j, PV_j; 0: QK_j, softmax_j, then both PVs.
+// j - 1 (S live across it), softmax_j, PV_j; 0: QK_j, softmax_j, then both PVs; 2: PV of block
+// j - 1 first (no S live across it, but QK_j waits for block j - 1's softmax), QK_j, softmax_j,
+// PV_j.
 #ifndef SEESAW_ORDER
 #define SEESAW_ORDER 1
 #endif
