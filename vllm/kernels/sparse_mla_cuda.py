@@ -3,10 +3,16 @@
 
 Same function as :func:`vllm.kernels.sparse_mla_fwd.sparse_mla_fwd` on fp8_ds_mla rows at GLM-5.3's
 dims (kv_lora 512, rope 64, <= 64 heads), selected with ``kernel="cuda"`` or
-``VLLM_SPARSE_MLA_KERNEL=cuda``. Numerics differ from the Triton/Gluon kernels in one place: QK
-runs in f16 (e4m3 -> f16 is exact; the tile scale is normalised by the row's largest scale and
-the query by a power of two, both undone in fp32), so logits carry 11-bit instead of 8-bit operand
-rounding; PV uses bf16 values rounded exactly like the reference (fp32 e4m3 · scale -> bf16).
+``VLLM_SPARSE_MLA_KERNEL=cuda``. Numerics differ from the Triton/Gluon kernels in two places,
+both with 11-bit (f16) instead of 8-bit (bf16) operand rounding:
+- QK runs in f16: e4m3 -> f16 is exact; the tile scale is normalised by the row's largest scale
+  and the query by a power of two, both undone in fp32.
+- PV runs in f16 (``PV_F16``): V = e4m3 times the tile scale over the row's largest power of two,
+  rounded to f16 (within 2^-10 of the exact product); P carries that power of two against a
+  CTA-wide stabiliser. A block whose scales f16 cannot hold (a tile scale under 2^-11 of its
+  row's largest, or a row's largest ~2^10 below the largest seen so far; larger rows move the
+  stabiliser) takes the exact bf16 PV: values rounded like the reference (fp32 e4m3 · scale ->
+  bf16).
 
 The kernel is compiled at first use by ``nvcc`` (``$VLLM_NVCC``, else ``$CUDA_HOME/bin/nvcc``,
 else ``nvcc`` on ``PATH``) for sm_90a into ``$VLLM_CACHE_ROOT/cuda`` (default ``~/.cache/vllm``),

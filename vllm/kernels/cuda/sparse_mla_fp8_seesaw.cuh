@@ -1,17 +1,15 @@
-// The SCHEDULE_SEESAW=1 consumer of sparse_mla_fp8_sm90.cu (included inside its anonymous
-// namespace, after the default consumer's helpers it reuses).
+// The consumer warpgroups of sparse_mla_fp8_sm90.cu (included inside its anonymous namespace,
+// after the layout, the PTX wrappers and the exact PV it reuses).
 #pragma once
 
-// ---- SCHEDULE_SEESAW: each warpgroup scores alternate blocks for all 64 heads ------------------
-// Warpgroup h scores blocks j = h, h + 2, ...: S^T[64 rows x 64 heads] (n64: half the QK wgmmas
-// and half the K dequantisation per warpgroup of the 32-head split), its softmax, P^T[j & 1];
-// both warpgroups then run PV of every block on their value half, in block order (per block j
-// of its own: PV of block j - 1, QK_j, softmax_j, PV_j; QK_j overlaps the other warpgroup's
-// softmax). The stabiliser m is one shared
-// array (OFF_M): softmaxes run in block order (block j waits for block j-1's publication,
-// pfull), so both warpgroups read the same m, and it moves (rarely) only in the scoring
-// warpgroup's slow path; alpha and a moved-flag go with P^T. pempty[b]: both warpgroups have
-// retired PV of the block that last used P^T[b].
+// ---- the seesaw: each warpgroup scores alternate blocks for all 64 heads ----------------------
+// Warpgroup h scores blocks j = h, h + 2, ...: S^T[64 rows x 64 heads] (n64), its softmax,
+// P^T[j % NUM_PBUF]; both warpgroups run PV of every block on their value half, in block order.
+// Per block j of its own (SEESAW_ORDER 1): QK_j; wait for the other warpgroup's block j - 1
+// (pfull) and run its PV; softmax_j; PV_j. The stabilisers (m, OFF_M; E, OFF_EX) live in shared
+// memory: softmaxes run in block order, so both warpgroups read the same values, and they move
+// (rarely) only in the scoring warpgroup's slow path; alpha and the block's flags go with P^T.
+// pempty[b]: both warpgroups have retired PV of the block that last used P^T[b] (and sigma[b]).
 
 // The whole query (64 heads) into the shared Q^T: 9 atoms of [64 heads x 128 B]; each
 // warpgroup loads its 32 heads; one power of two for the query (both warpgroups' amax).

@@ -110,33 +110,6 @@ __device__ __forceinline__ void wgmma_f16(float (&d)[32], uint32_t a0, uint32_t 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
 }
 
-#define WGMMA_D16                                                                           \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-#define WGMMA_OUT16(d)                                                                       \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
-      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-      "+f"(d[14]), "+f"(d[15])
-
-// D[64x32] (+)= A[64x16] (registers) . B[16x32] (shared, descriptor).
-__device__ __forceinline__ void wgmma_f16_n32(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
-                                              uint32_t a3, uint64_t desc, int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " WGMMA_D16
-      ", {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : WGMMA_OUT16(d)
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
-}
-__device__ __forceinline__ void wgmma_bf16_n32(float (&d)[16], uint32_t a0, uint32_t a1,
-                                               uint32_t a2, uint32_t a3, uint64_t desc, int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " WGMMA_D16
-      ", {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-      : WGMMA_OUT16(d)
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
-}
-
 __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
                                                   uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
