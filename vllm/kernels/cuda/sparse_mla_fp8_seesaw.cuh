@@ -165,15 +165,8 @@ __device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t*
     uint32_t a[4][4];
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
-      const uint32_t x0 = wi ? r0.y : r0.x, x1 = wi ? r1.y : r1.x;
-      const uint32_t x2 = wi ? r2.y : r2.x, x3 = wi ? r3.y : r3.x;
-      const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
-      const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
       uint32_t f[8];
-      e4m3x4_to_f16x4(u01, f[0], f[1]);
-      e4m3x4_to_f16x4(u23, f[2], f[3]);
-      e4m3x4_to_f16x4(v01, f[4], f[5]);
-      e4m3x4_to_f16x4(v23, f[6], f[7]);
+      v_pairs_f16(wi ? r0.y : r0.x, wi ? r1.y : r1.x, wi ? r2.y : r2.x, wi ? r3.y : r3.x, f);
       a[2 * wi][0] = hmul2(f[0], g01);
       a[2 * wi][1] = hmul2(f[1], g01);
       a[2 * wi][2] = hmul2(f[2], g89);

@@ -183,6 +183,18 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
   }
 }
 
+// Vᵀ fragments of 4 rows (s0, s0+1, s0+8, s0+9; 4 bytes each), e4m3 -> f16x2 pairs of two rows
+// (the lower row low): f[0..3] columns 0-1, f[4..7] columns 2-3 (rows s0/s0+1, then s0+8/s0+9).
+__device__ __forceinline__ void v_pairs_f16(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3,
+                                            uint32_t (&f)[8]) {
+  const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
+  const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
+  e4m3x4_to_f16x4(u01, f[0], f[1]);
+  e4m3x4_to_f16x4(u23, f[2], f[3]);
+  e4m3x4_to_f16x4(v01, f[4], f[5]);
+  e4m3x4_to_f16x4(v23, f[6], f[7]);
+}
+
 // ---- PV on one half of the value columns ------------------------------------------------------
 // O^T[256 dv x 64 heads] += V^T . P^T over the block in stage `stg`. Thread (w, g, c) holds dv
 // rows dv0 + 2j + h (tile j, h = 0 for M row g / 1 for g + 8) with dv0 = 256*half + 8*(8w + g),
@@ -206,15 +218,8 @@ __device__ __forceinline__ void pv_block(float (&acc)[4][32], const uint8_t* stg
     uint32_t a[4][4];
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
-      const uint32_t x0 = wi ? r0.y : r0.x, x1 = wi ? r1.y : r1.x;
-      const uint32_t x2 = wi ? r2.y : r2.x, x3 = wi ? r3.y : r3.x;
-      const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
-      const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
       uint32_t f[8];
-      e4m3x4_to_f16x4(u01, f[0], f[1]);
-      e4m3x4_to_f16x4(u23, f[2], f[3]);
-      e4m3x4_to_f16x4(v01, f[4], f[5]);
-      e4m3x4_to_f16x4(v23, f[6], f[7]);
+      v_pairs_f16(wi ? r0.y : r0.x, wi ? r1.y : r1.x, wi ? r2.y : r2.x, wi ? r3.y : r3.x, f);
       a[2 * wi][0] = deq_bf16(f[0], c0, c1);
       a[2 * wi][1] = deq_bf16(f[1], c0, c1);
       a[2 * wi][2] = deq_bf16(f[2], c2, c3);
