@@ -88,7 +88,13 @@ def bench(
         note = f"gluon ws kernel, split{cfg.num_splits}"
         tag = "_ws" + tag
     elif kernel == "cuda":
-        note = f"cuda c++ kernel, split{cfg.num_splits}"
+        from vllm.kernels import sparse_mla_cuda
+
+        ctas = sparse_mla_cuda.NUM_CTAS or min(
+            torch.cuda.get_device_properties(q.device).multi_processor_count,
+            -(-t * (TOPK // 64) // sparse_mla_cuda.MIN_BLOCKS_PER_CTA),
+        )
+        note = f"cuda c++ kernel, persistent x{ctas}"
         tag = "_cuda" + tag
     note += f"; eager {eager_ms:.3f} ms"
     shape = f"T={t} H=64 topk=2048 ctx={ctx // 1024}K"

@@ -3,7 +3,8 @@
 CPU: the kernel builds for sm_90a with nvcc (CI's machine has nvcc 13.0), within its register
 budget, with no wgmma serialisation and (almost) no spills, and its shared-memory size matches the
 Python launcher's. GPU (H200): parity with the fp32 reference on fresh random caches, corner cases
-(all −1 tokens, top-k past the context, ragged split-K slices, fewer heads), exact dequantisation
+(all −1 tokens, top-k past the context, ragged top-k lengths, tokens cut between the
+persistent CTAs and merged in the kernel, fewer heads), exact dequantisation
 of every e4m3 code through PV, and queries / tile scales over a wide range of magnitudes.
 
 Tolerances: PV uses bf16 operands (values rounded exactly like the reference, P in bf16) and QK
@@ -34,11 +35,14 @@ def _need_nvcc():
 @pytest.mark.parametrize(
     "defines,max_spill",
     [
-        ((), 160),  # the seesaw build keeps 5 of its 16 row sums in (L1-cached) local memory
-        (("-DPRODUCER_CPASYNC=0",), 160),
-        (("-DPV_F16=0",), 48),
-        (("-DSEESAW_ORDER=0",), 160),
-        (("-DSEESAW_ORDER=2",), 160),
+        # the seesaw build keeps 5 of its 16 row sums and a few of the persistent loop's
+        # scalars in (L1-cached) local memory
+        ((), 200),
+        (("-DPRODUCER_CPASYNC=0",), 200),
+        (("-DPV_F16=0",), 160),
+        (("-DSEESAW_ORDER=0",), 200),
+        (("-DSEESAW_ORDER=2",), 240),
+        (("-DQ_PREFETCH=0",), 200),
     ],
 )
 def test_cuda_kernel_builds_for_sm90a(defines, max_spill):
@@ -68,11 +72,11 @@ def test_cuda_kernel_errors_name_the_problem():
     rows = torch.zeros(10, 656, dtype=torch.uint8)
     idx = torch.zeros(2, 64, dtype=torch.int32)
     with pytest.raises(ValueError, match="<=64"):
-        sparse_mla_cuda.sparse_mla_fp8_cuda(q.repeat(1, 2, 1), rows, idx, 0.1, torch.bfloat16, 1)
+        sparse_mla_cuda.sparse_mla_fp8_cuda(q.repeat(1, 2, 1), rows, idx, 0.1, torch.bfloat16)
     with pytest.raises(ValueError, match="656"):
-        sparse_mla_cuda.sparse_mla_fp8_cuda(q, rows[:, :600], idx, 0.1, torch.bfloat16, 1)
+        sparse_mla_cuda.sparse_mla_fp8_cuda(q, rows[:, :600], idx, 0.1, torch.bfloat16)
     with pytest.raises(ValueError, match="bf16 or fp32"):
-        sparse_mla_cuda.sparse_mla_fp8_cuda(q, rows, idx, 0.1, torch.float16, 1)
+        sparse_mla_cuda.sparse_mla_fp8_cuda(q, rows, idx, 0.1, torch.float16)
     from vllm.kernels.sparse_mla_decode import sparse_mla_decode
 
     layout = KVCacheLayout("auto", torch.bfloat16, 512, 64, 64)
@@ -126,18 +130,35 @@ def test_cuda_decode_gpu(t, h):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,k", [(1, 64), (2, 2048), (3, 2048), (5, 700), (1, 3000), (1, 1)])
-def test_cuda_decode_gpu_splits(splits, k):
-    """Split-K slices merged by merge_attn; ragged top-k lengths (the last block of a slice
-    partly past the list), a 3000-row slice, one row."""
+@pytest.mark.parametrize(
+    "ctas,t,k", [(1, 9, 64), (2, 9, 2048), (3, 9, 2048), (5, 9, 700), (7, 2, 3000), (4, 9, 1),
+                 (13, 5, 2048), (200, 3, 2048)],
+)  # fmt: skip
+def test_cuda_decode_gpu_ctas(ctas, t, k, monkeypatch):
+    """The persistent grid at other sizes: tokens cut between CTAs (up to 8 pieces of one token
+    merged in the kernel), one CTA for all tokens, ragged top-k lengths (the last block partly
+    past the list), a 3000-row list, one row, more CTAs asked for than there are blocks."""
     from vllm.kernels import sparse_mla_decode as mod
-    from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
 
     _gpu()
+    monkeypatch.setattr(sparse_mla_cuda, "NUM_CTAS", ctas)
     layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
-    cfg = SparseMLAConfig(64, 64, 8, 2, splits)
-    _check_decode(mod, layout, 9, 64, k, 64, "cuda", torch.bfloat16, 1e-2, seed=splits + k,
-                  config=cfg, kernel="cuda")  # fmt: skip
+    _check_decode(mod, layout, t, 64, k, 64, "cuda", torch.bfloat16, 1e-2, seed=ctas + k,
+                  kernel="cuda")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [None, 7])
+def test_cuda_decode_gpu_fp32_out_merged(ctas, monkeypatch):
+    """fp32 output, through the in-kernel merge of split tokens (7 CTAs) and without it."""
+    from vllm.kernels import sparse_mla_decode as mod
+
+    _gpu()
+    monkeypatch.setattr(sparse_mla_cuda, "NUM_CTAS", ctas)
+    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 64)
+    for seed in (3, 4):
+        _check_decode(mod, layout, 5, 64, 2048, 64, "cuda", torch.float32, 1e-2, seed=seed,
+                      kernel="cuda", out_dtype=torch.float32)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -203,9 +224,8 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):
     """The other builds (the bulk-copy producer, the exact PV, the other two orders of a
-    warpgroup's work): GLM shapes, ragged split-K, few heads."""
+    warpgroup's work): GLM shapes, few heads, tokens cut between 4 CTAs."""
     from vllm.kernels import sparse_mla_decode as mod
-    from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
 
     _gpu()
     monkeypatch.setattr(sparse_mla_cuda, "DEFINES", defines)
@@ -214,8 +234,9 @@ def test_cuda_decode_gpu_build_variants(defines, monkeypatch):
                   kernel="cuda")  # fmt: skip
     _check_decode(mod, layout, 5, 16, 700, 64, "cuda", torch.bfloat16, 1e-2, seed=4,
                   kernel="cuda")  # fmt: skip
+    monkeypatch.setattr(sparse_mla_cuda, "NUM_CTAS", 4)
     _check_decode(mod, layout, 9, 64, 2048, 64, "cuda", torch.bfloat16, 1e-2, seed=5,
-                  config=SparseMLAConfig(64, 64, 8, 2, 3), kernel="cuda")  # fmt: skip
+                  kernel="cuda")  # fmt: skip
 
 
 @pytest.mark.gpu

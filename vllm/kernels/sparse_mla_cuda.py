@@ -49,8 +49,11 @@ def _smem_bytes() -> int:
     qt, pt = 9 * 8192, pbuf * 8192
     stages = 3 * BLOCK_N * ROW_BYTES
     ids, red, alpha, ell, misc = 3 * BLOCK_N * 4, 2 * 4 * 64 * 4, pbuf * 64 * 4, 64 * 4, 64
-    m, flags, bars, sig, ex = 64 * 4, 16, 12 * 8, pbuf * 4 * 64 * 2, 48
-    return qt + pt + stages + ids + red + alpha + ell + misc + m + flags + bars + sig + ex + 1024
+    m, flags, bars, sig, ex, ctl = 64 * 4, 16, 12 * 8, pbuf * 4 * 64 * 2, 48, 16
+    return (
+        qt + pt + stages + ids + red + alpha + ell + misc + m + flags + bars + sig + ex + ctl
+        + 1024
+    )  # fmt: skip
 
 
 SMEM_ALLOC = _smem_bytes()
@@ -182,19 +185,31 @@ def is_available(device: torch.device) -> str | None:
     return None
 
 
+NUM_CTAS: int | None = None  # the persistent grid's size (tests, sweeps); None: see below
+MIN_BLOCKS_PER_CTA = 4  # fewer 64-row blocks per CTA only add split pieces to merge
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def sparse_mla_fp8_cuda(
     q: torch.Tensor,
     kv_rows: torch.Tensor,
     indices: torch.Tensor,
     sm_scale: float,
     out_dtype: torch.dtype,
-    num_splits: int,
+    num_ctas: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H<=64, 576] (bf16; other dtypes are converted), kv_rows uint8 [rows, 656] fp8_ds_mla,
-    indices [T, K] int32 row ids (−1 = none). Returns (part_o [S, T, H, 512], part_l [S, T, H])
-    with S = the number of top-k slices (``num_splits``, fewer if K is short), like
-    :func:`vllm.kernels.sparse_mla_ws.sparse_mla_ws`: fp32 partials when S > 1, else
-    ``out_dtype`` (bf16 or fp32); lse in natural log, −inf (and zeros) for no valid row."""
+    indices [T, K] int32 row ids (−1 = none). Returns (out [1, T, H, 512] ``out_dtype`` (bf16 or
+    fp32), lse [1, T, H] fp32 natural log; −inf and zeros for a token with no valid row), the
+    leading 1 like the single slice of :func:`vllm.kernels.sparse_mla_ws.sparse_mla_ws`.
+
+    The kernel is persistent and balances itself: ``num_ctas`` CTAs (default ``NUM_CTAS``, else
+    the SM count, at most one per ``MIN_BLOCKS_PER_CTA`` blocks of work) share the T · ⌈K/64⌉
+    blocks equally, and the tokens cut between two CTAs are merged inside the kernel."""
     t, h, d = q.shape
     if h > 64 or d != 576:
         raise ValueError(f"the CUDA sparse-MLA kernel takes [T, <=64, 576] queries, got {q.shape}")
@@ -211,30 +226,33 @@ def sparse_mla_fp8_cuda(
     if indices.dtype != torch.int32 or indices.stride(-1) != 1:
         indices = indices.to(torch.int32).contiguous()
     k = indices.shape[1]
-    splits = max(1, num_splits)
-    k_per_split = max(BLOCK_N, _cdiv(_cdiv(k, splits), BLOCK_N) * BLOCK_N)
-    splits = max(1, _cdiv(k, k_per_split))
-    odt = torch.float32 if splits > 1 else out_dtype
-    part_o = torch.empty(splits, t, h, D_V, dtype=odt, device=q.device)
-    part_l = torch.empty(splits, t, h, dtype=torch.float32, device=q.device)
+    out = torch.empty(1, t, h, D_V, dtype=out_dtype, device=q.device)
+    lse = torch.empty(1, t, h, dtype=torch.float32, device=q.device)
     if t == 0:
-        return part_o, part_l
+        return out, lse
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    nb = max(1, _cdiv(k, BLOCK_N))  # K = 0: one block of -1 rows (zeros, -inf)
+    work = t * nb
+    ctas = num_ctas or NUM_CTAS or min(_num_sms(dev), _cdiv(work, MIN_BLOCKS_PER_CTA))
+    ctas = max(1, min(ctas, work))
+    ws_o = torch.empty(2 * ctas, 64, D_V, dtype=torch.float32, device=q.device)
+    ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
+    counters = torch.zeros(t, dtype=torch.int32, device=q.device)
     fn = _function(dev, tuple(sorted(DEFINES.items())))
     c = ctypes
     args = [
         c.c_void_p(q.data_ptr()), c.c_void_p(kv_rows.data_ptr()), c.c_void_p(indices.data_ptr()),
-        c.c_void_p(part_o.data_ptr()), c.c_void_p(part_l.data_ptr()),
-        c.c_float(sm_scale * 1.4426950408889634), c.c_int(h), c.c_int(k), c.c_int(k_per_split),
+        c.c_void_p(out.data_ptr()), c.c_void_p(lse.data_ptr()), c.c_void_p(ws_o.data_ptr()),
+        c.c_void_p(ws_l.data_ptr()), c.c_void_p(counters.data_ptr()),
+        c.c_float(sm_scale * 1.4426950408889634), c.c_int(h), c.c_int(k), c.c_int(nb), c.c_int(t),
         c.c_longlong(q.stride(0)), c.c_longlong(q.stride(1)), c.c_longlong(indices.stride(0)),
-        c.c_longlong(part_o.stride(0)), c.c_longlong(part_o.stride(1)),
-        c.c_longlong(part_o.stride(2)), c.c_longlong(part_l.stride(0)),
-        c.c_longlong(part_l.stride(1)), c.c_int(1 if odt == torch.float32 else 0),
+        c.c_longlong(out.stride(1)), c.c_longlong(out.stride(2)), c.c_longlong(lse.stride(1)),
+        c.c_int(1 if out_dtype == torch.float32 else 0),
     ]  # fmt: skip
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
-        _driver().launch(fn, (t, splits), stream, args)
-    return part_o, part_l
+        _driver().launch(fn, (ctas, 1), stream, args)
+    return out, lse
 
 
 __all__ = ["sparse_mla_fp8_cuda", "compile_cubin", "ptxas_resources", "is_available"]

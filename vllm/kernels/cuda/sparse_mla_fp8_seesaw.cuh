@@ -2,6 +2,10 @@
 // after the layout, the PTX wrappers and the exact PV it reuses).
 #pragma once
 
+// The f16 PV's stabiliser E (see pv_f16_ok and the softmax): rows within [E - E_LO, E + E_HI]
+// take the f16 PV; E_NONE: no row had a scale yet.
+constexpr int E_HI = 13, E_LO = 4, TILE_LO = 11, E_MIN = -100, E_NONE = -1000;
+
 // ---- the seesaw: each warpgroup scores alternate blocks for all 64 heads ----------------------
 // Warpgroup h scores blocks j = h, h + 2, ...: S^T[64 rows x 64 heads] (n64), its softmax,
 // P^T[j % NUM_PBUF]; both warpgroups run PV of every block on their value half, in block order.
@@ -39,6 +43,9 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
   float* misc = reinterpret_cast<float*>(smem + OFF_MISC);
   if (lane == 0) misc[4 * half + w] = amax;
   bar_sync(3, 256);
+  // (every consumer thread is past the previous piece's epilogue: its stabilisers can reset)
+  if (half == 0 && wt < 64) reinterpret_cast<float*>(smem + OFF_M)[wt] = -INFINITY;
+  if (half == 1 && wt == 0) reinterpret_cast<int*>(smem + OFF_EX)[0] = E_NONE;
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, misc[i]);
   int eq = amax > 0.f ? 13 - ilog2(amax) : 0;
@@ -192,7 +199,7 @@ __device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t*
 __device__ __forceinline__ void seesaw_pv(float (&acc)[4][32], int j, uint8_t* smem,
                                           uint32_t sbase, Bars b, int half, int w, int g, int c) {
   const int pb = j % NUM_PBUF, st = j % NUM_STAGES;
-  mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);  // orders our reads of the stage
+  if (!DIAG_SKIP_FULL) mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);  // orders our reads
   const int flags = reinterpret_cast<const int*>(smem + OFF_FLAG)[pb];
   if (flags & 1) {  // uniform: one flag per block
     const float* alpha_s = reinterpret_cast<const float*>(smem + OFF_ALPHA) + pb * 64;
@@ -242,7 +249,6 @@ __device__ __forceinline__ void store_pt(uint32_t pt, const float (&s)[32], floa
   }
 }
 
-constexpr int E_HI = 13, E_LO = 4, TILE_LO = 11, E_MIN = -100, E_NONE = -1000;
 
 // p: the row has a scale exponent; tile_ok: this thread's tile scale is within 2^TILE_LO of e.
 __device__ __forceinline__ bool pv_f16_ok(bool p, bool tile_ok, int e, int E) {
@@ -251,7 +257,7 @@ __device__ __forceinline__ bool pv_f16_ok(bool p, bool tile_ok, int e, int E) {
 
 __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict__ qrow,
                                                 long long stride_qh, int num_heads, int nblk,
-                                                float scale_log2, uint8_t* smem, uint32_t sbase,
+                                                int base, float scale_log2, uint8_t* smem, uint32_t sbase,
                                                 Bars b, int half, int wt, float (&acc)[4][32],
                                                 float (&l)[16]) {
   const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
@@ -264,23 +270,26 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
   float* alpha_s = reinterpret_cast<float*>(smem + OFF_ALPHA);
   int* flag_s = reinterpret_cast<int*>(smem + OFF_FLAG);
   int* ex_s = reinterpret_cast<int*>(smem + OFF_EX);  // E, ef[3] (f32), emax[2][4]
+  // The piece's blocks j = 0 .. nblk - 1 are the CTA's blocks base + j (stages, P^T buffers and
+  // their barriers' phases count those); warpgroup h scores those with (base + j) % 2 == h.
 #pragma unroll 1
-  for (int j = half; j <= nblk; j += 2) {
+  for (int j = (half + base) & 1; j <= nblk; j += 2) {
+    const int gj = base + j;
     // Our block j (none when j == nblk: only the other warpgroup's last block is left). Its QK
     // needs only the stage, so it runs before we wait for the other warpgroup's block j - 1
     // (whose softmax publishes the stabilisers ours starts from); the softmaxes alternate
     // between the warpgroups in block order, and the PVs (the other's block j - 1, then ours)
     // come after our P^T is out, so the other warpgroup's next softmax can start.
     const bool own = j < nblk;
-    const int st = j % NUM_STAGES, pb = j % NUM_PBUF;
+    const int st = gj % NUM_STAGES, pb = gj % NUM_PBUF;
     float s[32];
     int e0 = 0, e1 = 0;
     bool p0 = false, p1 = false, t0 = true, t1 = true;
     // the other warpgroup's block j - 1: its P^T and stabilisers; l takes alpha; its PV
     auto other_block = [&]() {
       if (j > 0) {
-        const int qb = (j - 1) % NUM_PBUF;
-        mbar_wait(b.pfull + 8 * qb, ((j - 1) / NUM_PBUF) & 1);
+        const int qb = (gj - 1) % NUM_PBUF;
+        mbar_wait(b.pfull + 8 * qb, ((gj - 1) / NUM_PBUF) & 1);
         if (flag_s[qb] & 1) {
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
@@ -290,14 +299,14 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
           }
         }
   #if SEESAW_ORDER >= 1
-        seesaw_pv(acc, j - 1, smem, sbase, b, half, w, g, c);
+        seesaw_pv(acc, gj - 1, smem, sbase, b, half, w, g, c);
   #endif
       }
     };
     if (SEESAW_ORDER == 2) other_block();
     if (own) {
       const uint8_t* stg = smem + OFF_ST + st * STAGE;
-      mbar_wait(b.full + 8 * st, (j / NUM_STAGES) & 1);
+      if (!DIAG_SKIP_FULL) mbar_wait(b.full + 8 * st, (gj / NUM_STAGES) & 1);
       float mx0, mx1, ca, cb;
       qk_block64(s, stg + r0 * ROW, stg + r1 * ROW, dq, c, e0, e1, mx0, mx1, ca, cb);
       const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
@@ -307,7 +316,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       t1 = !(cb > 0.f && ilog2(cb) < e1 - TILE_LO);
       // P^T[pb] and sigma[pb] were last read by PV of block j - 3, by both warpgroups (long
       // done: the other warpgroup ran it before its PV of block j - 2)
-      mbar_wait(b.pempty + 8 * pb, ((j / NUM_PBUF) & 1) ^ 1);
+      mbar_wait(b.pempty + 8 * pb, ((gj / NUM_PBUF) & 1) ^ 1);
       if (PV_F16) {
         __half* sig = reinterpret_cast<__half*>(smem + OFF_SIG + pb * 512) + 64 * c;
         sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(6 - e0, 127)) : 0.f);
@@ -421,11 +430,11 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     // PV in block order, from one call site (two inlined PV variants per call site serialise
     // the wgmmas): the other warpgroup's block j - 1, then ours
 #if SEESAW_ORDER >= 1
-    if (own) seesaw_pv(acc, j, smem, sbase, b, half, w, g, c);
+    if (own) seesaw_pv(acc, gj, smem, sbase, b, half, w, g, c);
 #else
 #pragma unroll 1
     for (int k = max(j - 1, 0); k <= min(j, nblk - 1); ++k)
-      seesaw_pv(acc, k, smem, sbase, b, half, w, g, c);
+      seesaw_pv(acc, base + k, smem, sbase, b, half, w, g, c);
 #endif
   }
 }

@@ -1,10 +1,14 @@
 // Sparse-MLA decode over fp8_ds_mla rows for Hopper (sm_90a), in CUDA C++.
 //
-// Same function as vllm.kernels.sparse_mla_fwd (one query token, all of its <= 64 heads, one
-// slice of its top-k list per CTA) at GLM-5.3's dims: kv_lora 512 (e4m3 + 4 fp32 tile scales),
+// Same function as vllm.kernels.sparse_mla_fwd (per query token, all of its <= 64 heads at once)
+// at GLM-5.3's dims: kv_lora 512 (e4m3 + 4 fp32 tile scales),
 // rope 64 (bf16); a row is 656 bytes. What differs from the Gluon kernel (sparse_mla_ws.py) is
 // where the FP8 rows are dequantised: never into shared memory.
 //
+// The grid is persistent: G <= #SMs CTAs share the T x ceil(topk / 64) blocks of 64 rows
+// equally (contiguous ranges of (token, block) items, see "persistent work split" below), so the
+// SMs stay evenly loaded at any T, a CTA's producer keeps filling stages across its tokens, and a
+// token cut between two CTAs is merged in the kernel by whichever of its pieces finishes last.
 // The default build (the knobs below select the others):
 // - Producer warpgroup (warpgroup 0, 40 registers; PRODUCER_CPASYNC 1): its 4 warps copy each
 //   64-row block's selected rows in 16-byte cp.async pieces into a ring of NUM_STAGES raw stages
@@ -38,8 +42,8 @@
 // Measurements, the profile and what limits it: BENCHMARKS.md, twelfth and thirteenth sessions.
 //
 // Shapes: q [T, H<=64, 576] bf16; kv [rows, 656] uint8; idx [T, K] int32 (-1 = none);
-// out [splits, T, H, 512] (bf16 or fp32), lse [splits, T, H] fp32 natural log (-inf, zeros for a
-// slice with no valid row). Grid (T, splits), 384 threads, one CTA per SM.
+// out [T, H, 512] (bf16 or fp32), lse [T, H] fp32 natural log (-inf, zeros for a token with no
+// valid row). Grid (G, 1), 384 threads, one CTA per SM.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -67,10 +71,21 @@
 #ifndef RESCALE_LOG2
 #define RESCALE_LOG2 8.0f
 #endif
+// Q_PREFETCH 1: when the producer starts a token that is not the CTA's first, it prefetches that
+// token's query (64 heads x 1152 bytes) into L2, ~3 blocks before the consumers load it.
+#ifndef Q_PREFETCH
+#define Q_PREFETCH 1
+#endif
+// DIAG_SKIP_FULL 1 (diagnostic, wrong results): the consumers never wait for a stage to fill, so
+// the time shows what the refill of the stages costs.
+#ifndef DIAG_SKIP_FULL
+#define DIAG_SKIP_FULL 0
+#endif
 
 namespace {
 
 constexpr int ROW = 656;        // fp8_ds_mla row bytes
+constexpr int D_V = 512;        // value columns
 constexpr int BN = 64;          // rows per block
 constexpr int NUM_STAGES = 3;
 constexpr int STAGE = BN * ROW; // 41984
@@ -88,7 +103,8 @@ constexpr int OFF_M = OFF_BAR + 12 * 8;                  // [64] f32: the shared
 constexpr int OFF_FLAG = OFF_M + 64 * 4;                 // [NUM_PBUF] int32: block flags
 constexpr int OFF_SIG = OFF_FLAG + 16;                   // f16 PV sigma: [3][4 tiles][64] f16
 constexpr int OFF_EX = OFF_SIG + NUM_PBUF * 4 * 64 * 2;  // f16 PV: E, ef[3], [2][4] emax
-constexpr int SMEM_BYTES = OFF_EX + 48;
+constexpr int OFF_CTL = OFF_EX + 48;                     // [4] int32: the merge decision
+constexpr int SMEM_BYTES = OFF_CTL + 16;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
 static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
@@ -106,27 +122,45 @@ struct Bars {
   uint32_t full, empty, pfull, pempty;  // base addresses; +8 per index
 };
 
-// ---- producer -------------------------------------------------------------------------------
-// The ids of block i + 1 are loaded while block i's copies go out (a dependent global load per
-// block otherwise adds its latency to every refill).
-__device__ __forceinline__ int block_id(const int* __restrict__ idx_row, int k_lo, int k_hi,
-                                        int i, int row) {
-  const int k = k_lo + i * BN + row;
-  return k < k_hi ? __ldg(idx_row + k) : -1;
+// ---- producer ----------------------------------------------------------------------------
+// Both producers walk this CTA's range of (token, block) work items, w in [w0, w1): token
+// w / nb, block w % nb (rows 64 (w % nb) + row of the token's top-k list, -1 past topk). The ids
+// of item w + 1 are loaded while item w's copies go out (a dependent global load per block
+// otherwise adds its latency to every refill).
+struct Work {
+  const int* idx;
+  long long stride_it;
+  int topk, nb;
+  const uint8_t* q;  // the query rows, for Q_PREFETCH
+  long long stride_qt, stride_qh;  // bytes
+  int num_heads;
+};
+// Thread p (of n) of the producer prefetches its share of token t's query rows into L2.
+__device__ __forceinline__ void prefetch_query(const Work& wk, int t, int p, int n) {
+  for (int i = p; i < wk.num_heads * 9; i += n) {
+    const int h = i / 9, line = i - 9 * h;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(wk.q + t * wk.stride_qt + h * wk.stride_qh +
+                                                     128 * line));
+  }
+}
+__device__ __forceinline__ int block_id(const Work& wk, int w, int row) {
+  const int t = w / wk.nb;
+  const int k = (w - t * wk.nb) * BN + row;
+  return k < wk.topk ? __ldg(wk.idx + t * wk.stride_it + k) : -1;
 }
 
 // PRODUCER_CPASYNC 0: one warp, a cp.async.bulk of 656 bytes per row (lane l: rows 2l, 2l+1),
 // completing on `full` with expect_tx = valid rows x 656.
-__device__ __forceinline__ void producer(const uint8_t* __restrict__ kv,
-                                         const int* __restrict__ idx_row, int k_lo, int k_hi,
-                                         int nblk, uint8_t* smem, uint32_t sbase, Bars b,
+__device__ __forceinline__ void producer(const uint8_t* __restrict__ kv, const Work& wk, int w0,
+                                         int w1, uint8_t* smem, uint32_t sbase, Bars b,
                                          int lane) {
   int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
-  int id0 = block_id(idx_row, k_lo, k_hi, 0, 2 * lane);
-  int id1 = block_id(idx_row, k_lo, k_hi, 0, 2 * lane + 1);
-  for (int i = 0; i < nblk; ++i) {
-    const int st = i % NUM_STAGES;
+  int id0 = w0 < w1 ? block_id(wk, w0, 2 * lane) : -1;
+  int id1 = w0 < w1 ? block_id(wk, w0, 2 * lane + 1) : -1;
+  for (int w = w0; w < w1; ++w) {
+    const int i = w - w0, st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
+    if (Q_PREFETCH && w > w0 && w % wk.nb == 0) prefetch_query(wk, w / wk.nb, lane, 32);
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     ids_s[st * BN + 2 * lane] = id0;
     ids_s[st * BN + 2 * lane + 1] = id1;
@@ -138,9 +172,9 @@ __device__ __forceinline__ void producer(const uint8_t* __restrict__ kv,
     const uint32_t dst = sbase + OFF_ST + st * STAGE + 2 * lane * ROW;
     if (id0 >= 0) bulk_g2s(dst, kv + (size_t)id0 * ROW, ROW, b.full + 8 * st);
     if (id1 >= 0) bulk_g2s(dst + ROW, kv + (size_t)id1 * ROW, ROW, b.full + 8 * st);
-    if (i + 1 < nblk) {
-      id0 = block_id(idx_row, k_lo, k_hi, i + 1, 2 * lane);
-      id1 = block_id(idx_row, k_lo, k_hi, i + 1, 2 * lane + 1);
+    if (w + 1 < w1) {
+      id0 = block_id(wk, w + 1, 2 * lane);
+      id1 = block_id(wk, w + 1, 2 * lane + 1);
     }
   }
 }
@@ -155,15 +189,15 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
-                                                 const int* __restrict__ idx_row, int k_lo,
-                                                 int k_hi, int nblk, uint8_t* smem,
-                                                 uint32_t sbase, Bars b, int pw, int lane) {
+__device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv, const Work& wk,
+                                                 int w0, int w1, uint8_t* smem, uint32_t sbase,
+                                                 Bars b, int pw, int lane) {
   int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
-  int id = block_id(idx_row, k_lo, k_hi, 0, 16 * pw + (lane & 15));
-  for (int i = 0; i < nblk; ++i) {
-    const int st = i % NUM_STAGES;
+  int id = w0 < w1 ? block_id(wk, w0, 16 * pw + (lane & 15)) : -1;
+  for (int w = w0; w < w1; ++w) {
+    const int i = w - w0, st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
+    if (Q_PREFETCH && w > w0 && w % wk.nb == 0) prefetch_query(wk, w / wk.nb, 32 * pw + lane, 128);
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
     const uint32_t dst0 = sbase + OFF_ST + st * STAGE + 16 * pw * ROW;
@@ -179,8 +213,9 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
     cp_async_arrive_noinc(b.full + 8 * st);
     __syncwarp();
     if (lane == 0) mbar_arrive(b.full + 8 * st);
-    if (i + 1 < nblk) id = block_id(idx_row, k_lo, k_hi, i + 1, 16 * pw + (lane & 15));
+    if (w + 1 < w1) id = block_id(wk, w + 1, 16 * pw + (lane & 15));
   }
+  if (DIAG_SKIP_FULL) asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
 // Vᵀ fragments of 4 rows (s0, s0+1, s0+8, s0+9; 4 bytes each), e4m3 -> f16x2 pairs of two rows
@@ -276,23 +311,121 @@ __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float
 
 #include "sparse_mla_fp8_seesaw.cuh"
 
+// ---- persistent work split --------------------------------------------------------------------
+// The T * nb (token, 64-row block) items are cut into gridDim.x contiguous ranges, CTA c taking
+// [c W / G, (c + 1) W / G): every SM gets the same number of blocks whatever T is, and a CTA moves
+// on to its next token while the producer keeps filling stages. A token cut by a range boundary
+// is a split token: each of its pieces but the last to finish writes its normalised partial
+// (fp32 O and the natural-log LSE) to a workspace slot and counts itself on the token's counter;
+// the piece that brings the count to the number of pieces merges the others into its own (no
+// CTA ever waits for another, so any number of CTAs may be resident at once).
+__device__ __forceinline__ int range_lo(int c, long long W, int G) { return (int)(c * W / G); }
+__device__ __forceinline__ int cta_of(int w, long long W, int G) {
+  return (int)(((long long)(w + 1) * G - 1) / W);
+}
+// CTA c's piece of the token whose first item is tw: slot 2c if the piece starts c's range,
+// 2c + 1 if it ends it (a CTA has at most one split piece of each kind).
+__device__ __forceinline__ int piece_slot(int c, int tw, long long W, int G) {
+  return 2 * c + (range_lo(c, W, G) >= tw ? 0 : 1);
+}
+
+// The piece starting at item wi of this CTA's range. Computed again after the piece's blocks
+// from a laundered wi and the grid registers, so none of it stays live (spilled) across them.
+struct Piece {
+  int t, tw, npb, base, w1, G, cta;
+  long long W;
+  bool split;
+};
+__device__ __forceinline__ Piece piece_at(int wi, int nb, int num_tokens) {
+  Piece p;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(p.G));
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(p.cta));
+  p.W = (long long)num_tokens * nb;
+  p.w1 = range_lo(p.cta + 1, p.W, p.G);
+  p.base = wi - range_lo(p.cta, p.W, p.G);
+  p.t = wi / nb;
+  p.tw = p.t * nb;
+  p.npb = min(nb - (wi - p.tw), p.w1 - wi);
+  p.split = p.npb < nb;
+  return p;
+}
+__device__ __forceinline__ int launder(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// This thread's O values for its 16 heads (acc * inv) into a workspace slot, fp32 [64][512].
+__device__ __forceinline__ void store_partial(const float (&acc)[4][32], const float (&inv)[16],
+                                              float* __restrict__ slot, int num_heads, int dv0,
+                                              int c) {
+  store_out(acc, inv, slot, 0, D_V, num_heads, dv0, c, true);
+}
+
+// The last piece of a split token to finish: merges the partials of all its pieces (slots of
+// CTAs c_a..c_b, its own included) into the token's out and (threads of dv0 == 0) its LSE.
+__device__ __forceinline__ void merge_out(const float* __restrict__ ws_o,
+                                          const float* __restrict__ ws_l, int c_a, int c_b,
+                                          int tw, long long W, int G, void* out, long long base,
+                                          long long stride_oh, float* lse, int num_heads, int dv0,
+                                          int c, bool fp32) {
+#pragma unroll 1
+  for (int hh = 0; hh < 16; ++hh) {
+    const int head = 8 * (hh >> 1) + 2 * c + (hh & 1);
+    if (head >= num_heads) continue;
+    float mx = -INFINITY;
+    for (int cc = c_a; cc <= c_b; ++cc)
+      mx = fmaxf(mx, __ldcg(ws_l + piece_slot(cc, tw, W, G) * 64 + head));
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
+    for (int cc = c_a; cc <= c_b; ++cc) {
+      const int sl = piece_slot(cc, tw, W, G);
+      const float lk = __ldcg(ws_l + sl * 64 + head);
+      const float wk = mx == -INFINITY ? 0.f : __expf(lk - mx);
+      wsum += wk;
+      const float4* p = reinterpret_cast<const float4*>(ws_o + ((long long)sl * 64 + head) * D_V + dv0);
+      const float4 x0 = __ldcg(p), x1 = __ldcg(p + 1);
+      v[0] += wk * x0.x; v[1] += wk * x0.y; v[2] += wk * x0.z; v[3] += wk * x0.w;
+      v[4] += wk * x1.x; v[5] += wk * x1.y; v[6] += wk * x1.z; v[7] += wk * x1.w;
+    }
+    const float r = wsum > 0.f ? 1.f / wsum : 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] *= r;
+    const long long o = base + head * stride_oh + dv0;
+    if (fp32) {
+      float4* p = reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + o);
+      p[0] = make_float4(v[0], v[1], v[2], v[3]);
+      p[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else {
+      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(out) + o) =
+          make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
+                     pack_bf16(v[6], v[7]));
+    }
+    if (dv0 == 0) lse[head] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
+  }
+}
+
 }  // namespace
 
+// Grid (G, 1), G <= the SM count (any G >= 1 is correct), 384 threads, one CTA per SM.
+// out [T, H, 512] (bf16 or fp32), lse [T, H] fp32; ws_o [2G, 64, 512] fp32 and ws_l [2G, 64]
+// the split tokens' partials; counters [T] int32, zero on entry (the merging piece re-zeroes its
+// token's, so they are zero again on exit).
 extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
     const int* __restrict__ idx, void* __restrict__ out, float* __restrict__ lse,
-    float scale_log2, int num_heads, int topk, int k_per_split, long long stride_qt,
-    long long stride_qh, long long stride_it, long long stride_os, long long stride_ot,
-    long long stride_oh, long long stride_ls, long long stride_lt, int out_fp32) {
+    float* __restrict__ ws_o, float* __restrict__ ws_l, int* __restrict__ counters,
+    float scale_log2, int num_heads, int topk, int nb, int num_tokens, long long stride_qt,
+    long long stride_qh, long long stride_it, long long stride_ot, long long stride_oh,
+    long long stride_lt, int out_fp32) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t sbase = (raw + 1023) & ~1023u;
   uint8_t* smem = smem_raw + (sbase - raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
-  const int t = blockIdx.x, split = blockIdx.y;
-  const int k_lo = split * k_per_split;
-  const int k_hi = min(topk, k_lo + k_per_split);
-  const int nblk = k_hi > k_lo ? (k_hi - k_lo + BN - 1) / BN : 0;
+  const int G = gridDim.x, cta = blockIdx.x;
+  const long long W = (long long)num_tokens * nb;
+  const int w0 = range_lo(cta, W, G), w1 = range_lo(cta + 1, W, G);
+  const Work wk{idx, stride_it, topk, nb, reinterpret_cast<const uint8_t*>(q), 2 * stride_qt,
+                2 * stride_qh, num_heads};
   const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24, sbase + OFF_BAR + 48, sbase + OFF_BAR + 72};
   if (tid == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
@@ -305,8 +438,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (tid < 64) reinterpret_cast<float*>(smem + OFF_M)[tid] = -INFINITY;
-  if (tid == 64) reinterpret_cast<int*>(smem + OFF_EX)[0] = E_NONE;
   // Rows of a -1 id keep what the stage held (masked, never NaN): zero the stages once.
   for (int o = tid * 16; o < NUM_STAGES * STAGE; o += 384 * 16)
     *reinterpret_cast<uint4*>(smem + OFF_ST + o) = make_uint4(0, 0, 0, 0);
@@ -316,72 +447,107 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (PRODUCER_CPASYNC)
-      producer_cpasync(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, warp,
-                       lane);
+      producer_cpasync(kv, wk, w0, w1, smem, sbase, b, warp, lane);
     else if (warp == 0)
-      producer(kv, idx + (long long)t * stride_it, k_lo, k_hi, nblk, smem, sbase, b, lane);
+      producer(kv, wk, w0, w1, smem, sbase, b, lane);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
   const int half = wg - 1;
   const int wt = tid - 128 * wg;  // thread within its warpgroup
   const int w = wt >> 5, g = (wt & 31) >> 2, c = wt & 3;
-  float acc[4][32];
+  const int dv0 = 256 * half + 8 * (8 * w + g);
+  int* ctl_s = reinterpret_cast<int*>(smem + OFF_CTL);
+#pragma unroll 1
+  for (int wi = w0;;) {  // one piece per pass: token t, its blocks [b0, b0 + npb)
+    if (wi >= piece_at(wi, nb, num_tokens).w1) break;
+    float acc[4][32];
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
-  {
-    float l[16];
+      for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
+    {
+      float l[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) l[i] = 0.f;
-    consumer_seesaw(q + (long long)t * stride_qt, stride_qh, num_heads, nblk, scale_log2, smem,
-                    sbase, b, half, wt, acc, l);
-    // Row sums over this warpgroup's blocks: over the warp's rows, then the 4 warps and both
-    // warpgroups (shared memory); the stabiliser is the shared m.
+      for (int i = 0; i < 16; ++i) l[i] = 0.f;
+      {
+        const Piece pc = piece_at(wi, nb, num_tokens);
+        consumer_seesaw(q + (long long)pc.t * stride_qt, stride_qh, num_heads, pc.npb, pc.base,
+                        scale_log2, smem, sbase, b, half, wt, acc, l);
+      }
+      wi = launder(wi);
+      // Row sums over this warpgroup's blocks: over the warp's rows, then the 4 warps and both
+      // warpgroups (shared memory); the stabiliser is the shared m.
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1)
+      for (int o = 4; o < 32; o <<= 1)
 #pragma unroll
-      for (int hh = 0; hh < 16; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
-    float* red = reinterpret_cast<float*>(smem + OFF_RED);
-    float* l_s = reinterpret_cast<float*>(smem + OFF_L);
-    const float* m_s = reinterpret_cast<const float*>(smem + OFF_M);
-    if (g == 0) {
+        for (int hh = 0; hh < 16; ++hh) l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], o);
+      float* red = reinterpret_cast<float*>(smem + OFF_RED);
+      float* l_s = reinterpret_cast<float*>(smem + OFF_L);
+      const float* m_s = reinterpret_cast<const float*>(smem + OFF_M);
+      if (g == 0) {
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
-        *reinterpret_cast<float2*>(red + (4 * half + w) * 64 + 8 * jj + 2 * c) =
-            make_float2(l[2 * jj], l[2 * jj + 1]);
+        for (int jj = 0; jj < 8; ++jj)
+          *reinterpret_cast<float2*>(red + (4 * half + w) * 64 + 8 * jj + 2 * c) =
+              make_float2(l[2 * jj], l[2 * jj + 1]);
+      }
+      bar_sync(3, 256);
+      const Piece pc = piece_at(wi, nb, num_tokens);
+      if (wt < 32) {  // heads [32 half, +32): a lane of each warpgroup's first warp each
+        const int head = 32 * half + wt;
+        float x = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x += red[i * 64 + head];
+        l_s[head] = x;
+        const float ls = x > 0.f ? (m_s[head] + __log2f(x)) * 0.6931471805599453f : -INFINITY;
+        if (head < num_heads) {
+          if (pc.split)
+            ws_l[piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 + head] = ls;
+          else
+            lse[pc.t * stride_lt + head] = ls;
+        }
+      }
+      bar_sync(3, 256);
     }
-    bar_sync(3, 256);
-    if (wt < 32) {  // heads [32 half, +32): a lane of each warpgroup's first warp each
-      const int head = 32 * half + wt;
-      float x = 0.f;
+    const float* l_s = reinterpret_cast<const float*>(smem + OFF_L);
+    float inv[16];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x += red[i * 64 + head];
-      l_s[head] = x;
-      if (head < num_heads)
-        lse[split * stride_ls + t * stride_lt + head] =
-            x > 0.f ? (m_s[head] + __log2f(x)) * 0.6931471805599453f : -INFINITY;
-    }
-    bar_sync(3, 256);
-  }
-  const float* l_s = reinterpret_cast<const float*>(smem + OFF_L);
-  float inv[16];
+    for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
-  for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-    for (int bb = 0; bb < 2; ++bb) {
-      const float x = l_s[8 * jj + 2 * c + bb];
-      inv[2 * jj + bb] = x > 0.f ? 1.f / x : 0.f;
-    }
+      for (int bb = 0; bb < 2; ++bb) {
+        const float x = l_s[8 * jj + 2 * c + bb];
+        inv[2 * jj + bb] = x > 0.f ? 1.f / x : 0.f;
+      }
 #if PV_F16
-  {  // O accumulated in units of 2^E (E_NONE: nothing had a scale, O is zero)
-    const int E = reinterpret_cast<const int*>(smem + OFF_EX)[0];
-    const float fe = E == E_NONE ? 0.f : exp2i(E);
+    {  // O accumulated in units of 2^E (E_NONE: nothing had a scale, O is zero)
+      const int E = reinterpret_cast<const int*>(smem + OFF_EX)[0];
+      const float fe = E == E_NONE ? 0.f : exp2i(E);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) inv[i] *= fe;
-  }
+      for (int i = 0; i < 16; ++i) inv[i] *= fe;
+    }
 #endif
-  store_out(acc, inv, out, split * stride_os + t * stride_ot, stride_oh, num_heads,
-            256 * half + 8 * (8 * w + g), c, out_fp32 != 0);
+    const Piece pc = piece_at(wi, nb, num_tokens);
+    if (!pc.split) {
+      store_out(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c, out_fp32 != 0);
+    } else {
+      const int c_a = cta_of(pc.tw, pc.W, pc.G), c_b = cta_of(pc.tw + nb - 1, pc.W, pc.G);
+      store_partial(acc, inv, ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V,
+                    num_heads, dv0, c);
+      __threadfence();
+      bar_sync(3, 256);
+      if (wt == 0 && half == 0) {
+        const int done = atomicAdd(counters + pc.t, 1);
+        const int last = done == c_b - c_a;
+        if (last) counters[pc.t] = 0;  // zero again for the next launch
+        ctl_s[0] = last;
+      }
+      bar_sync(3, 256);
+      if (ctl_s[0]) {
+        __threadfence();
+        merge_out(ws_o, ws_l, c_a, c_b, pc.tw, pc.W, pc.G, out, pc.t * stride_ot, stride_oh,
+                  lse + pc.t * stride_lt, num_heads, dv0, c, out_fp32 != 0);
+      }
+    }
+    wi += pc.npb;
+  }
 }
