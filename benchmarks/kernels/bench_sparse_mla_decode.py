@@ -110,6 +110,11 @@ def main():
         help="';'-separated build variants of the CUDA kernel, each 'NAME=V,...' (its -D knobs)",
     )
     p.add_argument("--ctx", type=int, default=CTX, help="tokens per request (16 requests)")
+    p.add_argument(
+        "--cuda-ctas",
+        default="",
+        help="','-separated persistent grid sizes of the CUDA kernel to time (its NUM_CTAS)",
+    )
     args = p.parse_args()
     ctx = args.ctx
     shapes = SHAPES[:2] if args.quick else SHAPES
@@ -143,6 +148,16 @@ def main():
                     bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]", ctx=ctx)
                 )
         sparse_mla_cuda.DEFINES = {}
+    if args.cuda_ctas:  # the CUDA kernel's persistent grid at other sizes, same inputs
+        from vllm.kernels import sparse_mla_cuda
+
+        for n in (int(x) for x in args.cuda_ctas.split(",")):
+            sparse_mla_cuda.NUM_CTAS = n
+            for t in shapes:
+                rows.append(
+                    bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[ctas={n}]", ctx=ctx)
+                )
+        sparse_mla_cuda.NUM_CTAS = None
     print_rows(rows)
     dump_json(rows, args.json)
 

@@ -123,7 +123,7 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
                   desc(dq + (uint32_t)(((kk >> 2) * 8192 + (kk & 3) * 32) >> 4)), kk > 0);
       }
       wgmma_commit();
-      if (mm + hk > 0) wgmma_wait<1>();
+      if (mm + hk >= QK_INFLIGHT - 1) wgmma_wait<QK_INFLIGHT - 1>();
     }
   }
   const uint4 v00 = *reinterpret_cast<const uint4*>(row0 + 528 + 32 * c);

@@ -76,6 +76,11 @@
 #ifndef Q_PREFETCH
 #define Q_PREFETCH 1
 #endif
+// QK_INFLIGHT: groups of 2 QK k-steps in flight while the next group's K is converted (each
+// holds its 8 A registers until it retires).
+#ifndef QK_INFLIGHT
+#define QK_INFLIGHT 2
+#endif
 // DIAG_SKIP_FULL 1 (diagnostic, wrong results): the consumers never wait for a stage to fill, so
 // the time shows what the refill of the stages costs.
 #ifndef DIAG_SKIP_FULL
