@@ -90,11 +90,7 @@ def bench(
     elif kernel == "cuda":
         from vllm.kernels import sparse_mla_cuda
 
-        ctas = sparse_mla_cuda.NUM_CTAS or min(
-            torch.cuda.get_device_properties(q.device).multi_processor_count,
-            -(-t * (TOPK // 64) // sparse_mla_cuda.MIN_BLOCKS_PER_CTA),
-        )
-        note = f"cuda c++ kernel, persistent x{ctas}"
+        note = f"cuda c++ kernel, persistent x{sparse_mla_cuda.NUM_CTAS or 'auto'}"
         tag = "_cuda" + tag
     note += f"; eager {eager_ms:.3f} ms"
     shape = f"T={t} H=64 topk=2048 ctx={ctx // 1024}K"
@@ -111,9 +107,10 @@ def main():
     )
     p.add_argument("--ctx", type=int, default=CTX, help="tokens per request (16 requests)")
     p.add_argument(
-        "--cuda-ctas",
+        "--cuda-attrs",
         default="",
-        help="','-separated persistent grid sizes of the CUDA kernel to time (its NUM_CTAS)",
+        help="';'-separated launcher settings of the CUDA kernel to time, each 'NAME=V,...' "
+        "(attributes of vllm.kernels.sparse_mla_cuda, e.g. NUM_CTAS=128)",
     )
     args = p.parse_args()
     ctx = args.ctx
@@ -148,16 +145,18 @@ def main():
                     bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]", ctx=ctx)
                 )
         sparse_mla_cuda.DEFINES = {}
-    if args.cuda_ctas:  # the CUDA kernel's persistent grid at other sizes, same inputs
+    if args.cuda_attrs:  # launcher settings of the CUDA kernel (grid size...), same inputs
         from vllm.kernels import sparse_mla_cuda
 
-        for n in (int(x) for x in args.cuda_ctas.split(",")):
-            sparse_mla_cuda.NUM_CTAS = n
+        for spec in args.cuda_attrs.split(";"):
+            attrs = sparse_mla_cuda.parse_defines(spec)
+            saved = {k: getattr(sparse_mla_cuda, k) for k in attrs}
+            for k, v in attrs.items():
+                setattr(sparse_mla_cuda, k, v)
             for t in shapes:
-                rows.append(
-                    bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[ctas={n}]", ctx=ctx)
-                )
-        sparse_mla_cuda.NUM_CTAS = None
+                rows.append(bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]", ctx=ctx))
+            for k, v in saved.items():
+                setattr(sparse_mla_cuda, k, v)
     print_rows(rows)
     dump_json(rows, args.json)
 

@@ -3,8 +3,8 @@
 # variants ($VARIANTS, ';'-separated NAME=V lists), its GPU tests, an Nsight Compute profile of the
 # default build at T=1024 (pipes, stalls, hottest SASS), then the decode benchmark (Gluon ws vs
 # CUDA and its variants, same process). Everything also lands under $OUT. NCU_DEFINES: the build
-# the profiles take (default: the default build). CTAS: persistent grid sizes of the CUDA kernel
-# to time as well (","-separated).
+# the profiles take (default: the default build). ATTRS: launcher settings of the CUDA kernel
+# to time as well (";"-separated NAME=V lists, e.g. NUM_CTAS=128).
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 VLLM_CACHE_ROOT=/tmp/vllm-cache
@@ -30,5 +30,5 @@ if [ "${SKIP_NCU:-0}" != 1 ]; then
   python3 benchmarks/kernels/ncu_top_stalls.py "$OUT/src.csv" 15 2>&1 | tee "$OUT/top_stalls.txt"
 fi
 if [ "$smoke" = 0 ] && [ "${SKIP_BENCH:-0}" != 1 ]; then
-  timeout 400 python3 benchmarks/kernels/bench_sparse_mla_decode.py --kernels ${KERNELS:-ws,cuda} --cuda-defines "${VARIANTS:-}" --cuda-ctas "${CTAS:-}" --json "$OUT/decode.jsonl" 2>&1 | tee "$OUT/bench.txt" | grep -E "peaks|fp8" 
+  timeout 400 python3 benchmarks/kernels/bench_sparse_mla_decode.py --kernels ${KERNELS:-ws,cuda} --cuda-defines "${VARIANTS:-}" --cuda-attrs "${ATTRS:-}" --json "$OUT/decode.jsonl" 2>&1 | tee "$OUT/bench.txt" | grep -E "peaks|fp8" 
 fi

@@ -187,6 +187,24 @@ def is_available(device: torch.device) -> str | None:
 
 NUM_CTAS: int | None = None  # the persistent grid's size (tests, sweeps); None: see below
 MIN_BLOCKS_PER_CTA = 4  # fewer 64-row blocks per CTA only add split pieces to merge
+MAX_PIECES = 8  # pieces of one token the kernel's merge takes (its shared-memory weights)
+CACHE_COUNTERS = True  # per-(device, stream) token counters, left zero by each launch
+
+
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _counters(device: torch.device, stream: int, t: int) -> torch.Tensor:
+    """Zeroed int32 [>= t] token counters for a launch on ``stream``. The kernel leaves them
+    zero (the merging piece re-zeroes its token's), so one buffer serves every launch of a
+    stream, which runs them in order; CACHE_COUNTERS = False: a fresh torch.zeros per call."""
+    if not CACHE_COUNTERS:
+        return torch.zeros(t, dtype=torch.int32, device=device)
+    key = (device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < t:
+        buf = _COUNTERS[key] = torch.zeros(max(t, 1024), dtype=torch.int32, device=device)
+    return buf
 
 
 @functools.lru_cache(maxsize=8)
@@ -234,16 +252,17 @@ def sparse_mla_fp8_cuda(
     nb = max(1, _cdiv(k, BLOCK_N))  # K = 0: one block of -1 rows (zeros, -inf)
     work = t * nb
     ctas = num_ctas or NUM_CTAS or min(_num_sms(dev), _cdiv(work, MIN_BLOCKS_PER_CTA))
-    ctas = max(1, min(ctas, work))
+    # every CTA's range at least ceil((nb - 1) / (MAX_PIECES - 1)) blocks: a token then spans at
+    # most MAX_PIECES CTAs
+    ctas = max(1, min(ctas, work // max(1, _cdiv(nb - 1, MAX_PIECES - 1))))
     ws_o = torch.empty(2 * ctas, 64, D_V, dtype=torch.float32, device=q.device)
     ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
-    counters = torch.zeros(t, dtype=torch.int32, device=q.device)
     fn = _function(dev, tuple(sorted(DEFINES.items())))
     c = ctypes
     args = [
         c.c_void_p(q.data_ptr()), c.c_void_p(kv_rows.data_ptr()), c.c_void_p(indices.data_ptr()),
         c.c_void_p(out.data_ptr()), c.c_void_p(lse.data_ptr()), c.c_void_p(ws_o.data_ptr()),
-        c.c_void_p(ws_l.data_ptr()), c.c_void_p(counters.data_ptr()),
+        c.c_void_p(ws_l.data_ptr()), c.c_void_p(0),  # counters: set below
         c.c_float(sm_scale * 1.4426950408889634), c.c_int(h), c.c_int(k), c.c_int(nb), c.c_int(t),
         c.c_longlong(q.stride(0)), c.c_longlong(q.stride(1)), c.c_longlong(indices.stride(0)),
         c.c_longlong(out.stride(1)), c.c_longlong(out.stride(2)), c.c_longlong(lse.stride(1)),
@@ -251,6 +270,8 @@ def sparse_mla_fp8_cuda(
     ]  # fmt: skip
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
+        counters = _counters(q.device, stream, t)
+        args[7] = c.c_void_p(counters.data_ptr())
         _driver().launch(fn, (ctas, 1), stream, args)
     return out, lse
 

@@ -366,45 +366,63 @@ __device__ __forceinline__ void store_partial(const float (&acc)[4][32], const f
   store_out(acc, inv, slot, 0, D_V, num_heads, dv0, c, true);
 }
 
-// The last piece of a split token to finish: merges the partials of all its pieces (slots of
-// CTAs c_a..c_b, its own included) into the token's out and (threads of dv0 == 0) its LSE.
+// The last piece of a split token to finish merges the partials of all its pieces (slots of
+// CTAs c_a..c_b, its own included; at most MAX_PIECES, which the launcher's grid size ensures)
+// into the token's out and LSE. Every load of a phase is independent of the others, so each
+// phase costs about one L2 latency: (a) the pieces' LSEs into wts [MAX_PIECES][64] (shared),
+// (b) per head, the LSE and each piece's weight, (c) out = the weighted sum of the pieces.
+constexpr int MAX_PIECES = 8;
 __device__ __forceinline__ void merge_out(const float* __restrict__ ws_o,
-                                          const float* __restrict__ ws_l, int c_a, int c_b,
-                                          int tw, long long W, int G, void* out, long long base,
-                                          long long stride_oh, float* lse, int num_heads, int dv0,
-                                          int c, bool fp32) {
-#pragma unroll 1
+                                          const float* __restrict__ ws_l, float* wts, int c_a,
+                                          int c_b, int tw, long long W, int G, void* out,
+                                          long long base, long long stride_oh, float* lse,
+                                          int num_heads, int tc, int dv0, int c, bool fp32) {
+  const int np = c_b - c_a + 1;
+  for (int i = tc; i < np * 64; i += 256)
+    wts[i] = __ldcg(ws_l + piece_slot(c_a + (i >> 6), tw, W, G) * 64 + (i & 63));
+  bar_sync(3, 256);
+  if (tc < 64) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int k = 0; k < np; ++k) mx = fmaxf(mx, wts[64 * k + tc]);
+    for (int k = 0; k < np; ++k) sum += mx == -INFINITY ? 0.f : __expf(wts[64 * k + tc] - mx);
+    const float r = sum > 0.f ? 1.f / sum : 0.f;
+    for (int k = 0; k < np; ++k)
+      wts[64 * k + tc] = mx == -INFINITY ? 0.f : __expf(wts[64 * k + tc] - mx) * r;
+    if (tc < num_heads) lse[tc] = sum > 0.f ? mx + __logf(sum) : -INFINITY;
+  }
+  bar_sync(3, 256);
+  float v[16][8];
+#pragma unroll
+  for (int hh = 0; hh < 16; ++hh)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[hh][i] = 0.f;
+  for (int k = 0; k < np; ++k) {
+    const float* src = ws_o + (long long)piece_slot(c_a + k, tw, W, G) * 64 * D_V + dv0;
+#pragma unroll
+    for (int hh = 0; hh < 16; ++hh) {
+      const int head = 8 * (hh >> 1) + 2 * c + (hh & 1);
+      if (head >= num_heads) continue;
+      const float wk = wts[64 * k + head];
+      const float4* p = reinterpret_cast<const float4*>(src + head * D_V);
+      const float4 x0 = __ldcg(p), x1 = __ldcg(p + 1);
+      v[hh][0] += wk * x0.x; v[hh][1] += wk * x0.y; v[hh][2] += wk * x0.z; v[hh][3] += wk * x0.w;
+      v[hh][4] += wk * x1.x; v[hh][5] += wk * x1.y; v[hh][6] += wk * x1.z; v[hh][7] += wk * x1.w;
+    }
+  }
+#pragma unroll
   for (int hh = 0; hh < 16; ++hh) {
     const int head = 8 * (hh >> 1) + 2 * c + (hh & 1);
     if (head >= num_heads) continue;
-    float mx = -INFINITY;
-    for (int cc = c_a; cc <= c_b; ++cc)
-      mx = fmaxf(mx, __ldcg(ws_l + piece_slot(cc, tw, W, G) * 64 + head));
-    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, wsum = 0.f;
-    for (int cc = c_a; cc <= c_b; ++cc) {
-      const int sl = piece_slot(cc, tw, W, G);
-      const float lk = __ldcg(ws_l + sl * 64 + head);
-      const float wk = mx == -INFINITY ? 0.f : __expf(lk - mx);
-      wsum += wk;
-      const float4* p = reinterpret_cast<const float4*>(ws_o + ((long long)sl * 64 + head) * D_V + dv0);
-      const float4 x0 = __ldcg(p), x1 = __ldcg(p + 1);
-      v[0] += wk * x0.x; v[1] += wk * x0.y; v[2] += wk * x0.z; v[3] += wk * x0.w;
-      v[4] += wk * x1.x; v[5] += wk * x1.y; v[6] += wk * x1.z; v[7] += wk * x1.w;
-    }
-    const float r = wsum > 0.f ? 1.f / wsum : 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] *= r;
     const long long o = base + head * stride_oh + dv0;
     if (fp32) {
       float4* p = reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + o);
-      p[0] = make_float4(v[0], v[1], v[2], v[3]);
-      p[1] = make_float4(v[4], v[5], v[6], v[7]);
+      p[0] = make_float4(v[hh][0], v[hh][1], v[hh][2], v[hh][3]);
+      p[1] = make_float4(v[hh][4], v[hh][5], v[hh][6], v[hh][7]);
     } else {
       *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(out) + o) =
-          make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
-                     pack_bf16(v[6], v[7]));
+          make_uint4(pack_bf16(v[hh][0], v[hh][1]), pack_bf16(v[hh][2], v[hh][3]),
+                     pack_bf16(v[hh][4], v[hh][5]), pack_bf16(v[hh][6], v[hh][7]));
     }
-    if (dv0 == 0) lse[head] = wsum > 0.f ? mx + __logf(wsum) : -INFINITY;
   }
 }
 
@@ -549,8 +567,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       bar_sync(3, 256);
       if (ctl_s[0]) {
         __threadfence();
-        merge_out(ws_o, ws_l, c_a, c_b, pc.tw, pc.W, pc.G, out, pc.t * stride_ot, stride_oh,
-                  lse + pc.t * stride_lt, num_heads, dv0, c, out_fp32 != 0);
+        merge_out(ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a, c_b, pc.tw, pc.W,
+                  pc.G, out, pc.t * stride_ot, stride_oh, lse + pc.t * stride_lt, num_heads,
+                  128 * half + wt, dv0, c, out_fp32 != 0);
       }
     }
     wi += pc.npb;
