@@ -251,6 +251,8 @@ def sparse_mla_fp8_cuda(
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     nb = max(1, _cdiv(k, BLOCK_N))  # K = 0: one block of -1 rows (zeros, -inf)
     work = t * nb
+    if work >= 2**31:
+        raise ValueError(f"T * ceil(K / 64) = {work} work items: the kernel counts them in int32")
     ctas = num_ctas or NUM_CTAS or min(_num_sms(dev), _cdiv(work, MIN_BLOCKS_PER_CTA))
     # every CTA's range at least ceil((nb - 1) / (MAX_PIECES - 1)) blocks: a token then spans at
     # most MAX_PIECES CTAs

@@ -317,20 +317,26 @@ __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float
 #include "sparse_mla_fp8_seesaw.cuh"
 
 // ---- persistent work split --------------------------------------------------------------------
-// The T * nb (token, 64-row block) items are cut into gridDim.x contiguous ranges, CTA c taking
-// [c W / G, (c + 1) W / G): every SM gets the same number of blocks whatever T is, and a CTA moves
+// The W = T * nb (token, 64-row block) items are cut into G = gridDim.x contiguous ranges, the
+// first W % G of ceil(W / G) items, the others of floor(W / G): every SM gets the same number
+// of blocks (within one) whatever T is, and a CTA moves
 // on to its next token while the producer keeps filling stages. A token cut by a range boundary
 // is a split token: each of its pieces but the last to finish writes its normalised partial
 // (fp32 O and the natural-log LSE) to a workspace slot and counts itself on the token's counter;
 // the piece that brings the count to the number of pieces merges the others into its own (no
 // CTA ever waits for another, so any number of CTAs may be resident at once).
-__device__ __forceinline__ int range_lo(int c, long long W, int G) { return (int)(c * W / G); }
-__device__ __forceinline__ int cta_of(int w, long long W, int G) {
-  return (int)(((long long)(w + 1) * G - 1) / W);
+// (32-bit: the launcher keeps W < 2^31; a 64-bit division is a long software routine)
+__device__ __forceinline__ int range_lo(int c, int W, int G) {
+  const int q = W / G, r = W - q * G;
+  return c * q + min(c, r);
+}
+__device__ __forceinline__ int cta_of(int w, int W, int G) {
+  const int q = W / G, r = W - q * G, head = r * (q + 1);
+  return w < head ? w / (q + 1) : r + (w - head) / q;
 }
 // CTA c's piece of the token whose first item is tw: slot 2c if the piece starts c's range,
 // 2c + 1 if it ends it (a CTA has at most one split piece of each kind).
-__device__ __forceinline__ int piece_slot(int c, int tw, long long W, int G) {
+__device__ __forceinline__ int piece_slot(int c, int tw, int W, int G) {
   return 2 * c + (range_lo(c, W, G) >= tw ? 0 : 1);
 }
 
@@ -338,14 +344,14 @@ __device__ __forceinline__ int piece_slot(int c, int tw, long long W, int G) {
 // from a laundered wi and the grid registers, so none of it stays live (spilled) across them.
 struct Piece {
   int t, tw, npb, base, w1, G, cta;
-  long long W;
+  int W;
   bool split;
 };
 __device__ __forceinline__ Piece piece_at(int wi, int nb, int num_tokens) {
   Piece p;
   asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(p.G));
   asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(p.cta));
-  p.W = (long long)num_tokens * nb;
+  p.W = num_tokens * nb;
   p.w1 = range_lo(p.cta + 1, p.W, p.G);
   p.base = wi - range_lo(p.cta, p.W, p.G);
   p.t = wi / nb;
@@ -359,24 +365,36 @@ __device__ __forceinline__ int launder(int x) {
   return x;
 }
 
-// This thread's O values for its 16 heads (acc * inv) into a workspace slot, fp32 [64][512].
-__device__ __forceinline__ void store_partial(const float (&acc)[4][32], const float (&inv)[16],
-                                              float* __restrict__ slot, int num_heads, int dv0,
-                                              int c) {
-  store_out(acc, inv, slot, 0, D_V, num_heads, dv0, c, true);
+// A split piece's partial, normalised O (acc * inv) in the accumulators' own layout: slot
+// [32][256 threads] float4, value q of consumer thread tc = acc[q / 8][4 (q % 8) .. + 4) (heads
+// 8 (q % 8) + 2c + {0, 1, 0, 1}); the merging piece has the same layout in its registers. Each
+// store takes 4 consecutive accumulator registers and a warp writes 512 contiguous bytes.
+__device__ __forceinline__ void store_partial(float (&acc)[4][32], const float (&inv)[16],
+                                              float* __restrict__ slot, int tc) {
+  float4* dst = reinterpret_cast<float4*>(slot) + tc;
+#pragma unroll
+  for (int q = 0; q < 32; ++q) {
+    const int j = q >> 3, jj = q & 7;
+    float* a = acc[j] + 4 * jj;
+    a[0] *= inv[2 * jj];
+    a[1] *= inv[2 * jj + 1];
+    a[2] *= inv[2 * jj];
+    a[3] *= inv[2 * jj + 1];
+    __stcg(dst + 256 * q, make_float4(a[0], a[1], a[2], a[3]));
+  }
 }
 
 // The last piece of a split token to finish merges the partials of all its pieces (slots of
 // CTAs c_a..c_b, its own included; at most MAX_PIECES, which the launcher's grid size ensures)
-// into the token's out and LSE. Every load of a phase is independent of the others, so each
-// phase costs about one L2 latency: (a) the pieces' LSEs into wts [MAX_PIECES][64] (shared),
-// (b) per head, the LSE and each piece's weight, (c) out = the weighted sum of the pieces.
+// into acc (normalised O) and writes the token's LSE. Every load of a phase is independent of
+// the others, so each costs about one L2 latency: (a) the pieces' LSEs into wts
+// [MAX_PIECES][64] (shared), (b) per head, the LSE and each piece's weight, (c) acc = the
+// weighted sum of the pieces' partials.
 constexpr int MAX_PIECES = 8;
-__device__ __forceinline__ void merge_out(const float* __restrict__ ws_o,
-                                          const float* __restrict__ ws_l, float* wts, int c_a,
-                                          int c_b, int tw, long long W, int G, void* out,
-                                          long long base, long long stride_oh, float* lse,
-                                          int num_heads, int tc, int dv0, int c, bool fp32) {
+__device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float* __restrict__ ws_o,
+                                             const float* __restrict__ ws_l, float* wts, int c_a,
+                                             int c_b, int tw, int W, int G, float* lse,
+                                             int num_heads, int tc, int c) {
   const int np = c_b - c_a + 1;
   for (int i = tc; i < np * 64; i += 256)
     wts[i] = __ldcg(ws_l + piece_slot(c_a + (i >> 6), tw, W, G) * 64 + (i & 63));
@@ -391,37 +409,24 @@ __device__ __forceinline__ void merge_out(const float* __restrict__ ws_o,
     if (tc < num_heads) lse[tc] = sum > 0.f ? mx + __logf(sum) : -INFINITY;
   }
   bar_sync(3, 256);
-  float v[16][8];
 #pragma unroll
-  for (int hh = 0; hh < 16; ++hh)
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[hh][i] = 0.f;
+    for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
   for (int k = 0; k < np; ++k) {
-    const float* src = ws_o + (long long)piece_slot(c_a + k, tw, W, G) * 64 * D_V + dv0;
+    const float4* src = reinterpret_cast<const float4*>(
+                            ws_o + (long long)piece_slot(c_a + k, tw, W, G) * 64 * D_V) + tc;
+    const float* wk = wts + 64 * k + 2 * c;
 #pragma unroll
-    for (int hh = 0; hh < 16; ++hh) {
-      const int head = 8 * (hh >> 1) + 2 * c + (hh & 1);
-      if (head >= num_heads) continue;
-      const float wk = wts[64 * k + head];
-      const float4* p = reinterpret_cast<const float4*>(src + head * D_V);
-      const float4 x0 = __ldcg(p), x1 = __ldcg(p + 1);
-      v[hh][0] += wk * x0.x; v[hh][1] += wk * x0.y; v[hh][2] += wk * x0.z; v[hh][3] += wk * x0.w;
-      v[hh][4] += wk * x1.x; v[hh][5] += wk * x1.y; v[hh][6] += wk * x1.z; v[hh][7] += wk * x1.w;
-    }
-  }
-#pragma unroll
-  for (int hh = 0; hh < 16; ++hh) {
-    const int head = 8 * (hh >> 1) + 2 * c + (hh & 1);
-    if (head >= num_heads) continue;
-    const long long o = base + head * stride_oh + dv0;
-    if (fp32) {
-      float4* p = reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + o);
-      p[0] = make_float4(v[hh][0], v[hh][1], v[hh][2], v[hh][3]);
-      p[1] = make_float4(v[hh][4], v[hh][5], v[hh][6], v[hh][7]);
-    } else {
-      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(out) + o) =
-          make_uint4(pack_bf16(v[hh][0], v[hh][1]), pack_bf16(v[hh][2], v[hh][3]),
-                     pack_bf16(v[hh][4], v[hh][5]), pack_bf16(v[hh][6], v[hh][7]));
+    for (int q = 0; q < 32; ++q) {
+      const int j = q >> 3, jj = q & 7;
+      const float4 x = __ldcg(src + 256 * q);
+      const float w0 = wk[8 * jj], w1 = wk[8 * jj + 1];
+      float* a = acc[j] + 4 * jj;
+      a[0] += w0 * x.x;
+      a[1] += w1 * x.y;
+      a[2] += w0 * x.z;
+      a[3] += w1 * x.w;
     }
   }
 }
@@ -445,7 +450,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   uint8_t* smem = smem_raw + (sbase - raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
   const int G = gridDim.x, cta = blockIdx.x;
-  const long long W = (long long)num_tokens * nb;
+  const int W = num_tokens * nb;
   const int w0 = range_lo(cta, W, G), w1 = range_lo(cta + 1, W, G);
   const Work wk{idx, stride_it, topk, nb, reinterpret_cast<const uint8_t*>(q), 2 * stride_qt,
                 2 * stride_qh, num_heads};
@@ -555,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     } else {
       const int c_a = cta_of(pc.tw, pc.W, pc.G), c_b = cta_of(pc.tw + nb - 1, pc.W, pc.G);
       store_partial(acc, inv, ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V,
-                    num_heads, dv0, c);
+                    128 * half + wt);
       __threadfence();
       bar_sync(3, 256);
       if (wt == 0 && half == 0) {
@@ -567,9 +572,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       bar_sync(3, 256);
       if (ctl_s[0]) {
         __threadfence();
-        merge_out(ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a, c_b, pc.tw, pc.W,
-                  pc.G, out, pc.t * stride_ot, stride_oh, lse + pc.t * stride_lt, num_heads,
-                  128 * half + wt, dv0, c, out_fp32 != 0);
+        merge_pieces(acc, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a, c_b, pc.tw,
+                     pc.W, pc.G, lse + pc.t * stride_lt, num_heads, 128 * half + wt, c);
+        float one[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) one[i] = 1.f;
+        store_out(acc, one, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c, out_fp32 != 0);
       }
     }
     wi += pc.npb;
