@@ -72,7 +72,8 @@
 #define RESCALE_LOG2 8.0f
 #endif
 // Q_PREFETCH 1: when the producer starts a token that is not the CTA's first, it prefetches that
-// token's query (64 heads x 1152 bytes) into L2, ~3 blocks before the consumers load it.
+// token's query (64 heads x 1152 bytes) into L2, ~3 blocks before the consumers load it; 2: the
+// consumer warpgroups do, as each starts its last block of the piece before.
 #ifndef Q_PREFETCH
 #define Q_PREFETCH 1
 #endif
@@ -165,7 +166,7 @@ __device__ __forceinline__ void producer(const uint8_t* __restrict__ kv, const W
   for (int w = w0; w < w1; ++w) {
     const int i = w - w0, st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
-    if (Q_PREFETCH && w > w0 && w % wk.nb == 0) prefetch_query(wk, w / wk.nb, lane, 32);
+    if (Q_PREFETCH == 1 && w > w0 && w % wk.nb == 0) prefetch_query(wk, w / wk.nb, lane, 32);
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     ids_s[st * BN + 2 * lane] = id0;
     ids_s[st * BN + 2 * lane + 1] = id1;
@@ -202,7 +203,7 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
   for (int w = w0; w < w1; ++w) {
     const int i = w - w0, st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
-    if (Q_PREFETCH && w > w0 && w % wk.nb == 0) prefetch_query(wk, w / wk.nb, 32 * pw + lane, 128);
+    if (Q_PREFETCH == 1 && w > w0 && w % wk.nb == 0) prefetch_query(wk, w / wk.nb, 32 * pw + lane, 128);
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
     const uint32_t dst0 = sbase + OFF_ST + st * STAGE + 16 * pw * ROW;
@@ -500,8 +501,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       for (int i = 0; i < 16; ++i) l[i] = 0.f;
       {
         const Piece pc = piece_at(wi, nb, num_tokens);
+        const bool more = wi + pc.npb < pc.w1;  // a next piece (token t + 1) in this range
         consumer_seesaw(q + (long long)pc.t * stride_qt, stride_qh, num_heads, pc.npb, pc.base,
-                        scale_log2, smem, sbase, b, half, wt, acc, l);
+                        more ? q + (long long)(pc.t + 1) * stride_qt : nullptr, scale_log2, smem, sbase, b, half, wt, acc, l);
       }
       wi = launder(wi);
       // Row sums over this warpgroup's blocks: over the warp's rows, then the 4 warps and both
