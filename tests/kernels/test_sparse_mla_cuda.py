@@ -41,7 +41,6 @@ def _need_nvcc():
         (("-DPV_F16=0",), 120),
         (("-DSEESAW_ORDER=0",), 120),
         (("-DSEESAW_ORDER=2",), 120),
-        (("-DQ_PREFETCH=0",), 120),
     ],
 )
 def test_cuda_kernel_builds_for_sm90a(defines, max_spill):
@@ -302,3 +301,13 @@ def test_cuda_decode_gpu_matches_ws_kernel():
     assert torch.equal(la.isfinite(), fin), f"{la.isfinite().sum()} finite, want {fin.sum()}"
     assert torch.equal(lb.isfinite(), fin), f"ws: {lb.isfinite().sum()} finite, {lb.flatten()[:4]}"
     assert (la[fin] - lb[fin]).abs().max().item() < 2e-2
+
+
+def test_cuda_kernel_default_grid():
+    """One CTA per token from half the SM count up (the hardware runs them in waves); below,
+    each token in equal pieces (at most MAX_PIECES, at least MIN_BLOCKS_PER_CTA blocks)."""
+    grid = sparse_mla_cuda.default_ctas
+    assert grid(1024, 32, 132) == 1024 and grid(128, 32, 132) == 128 and grid(67, 32, 132) == 67
+    assert grid(64, 32, 132) == 128 and grid(44, 32, 132) == 132 and grid(16, 32, 132) == 128
+    assert grid(1, 32, 132) == sparse_mla_cuda.MAX_PIECES
+    assert grid(3, 1, 132) == 3 and grid(3, 8, 132) == 6  # short top-k lists: fewer pieces

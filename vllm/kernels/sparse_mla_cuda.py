@@ -212,6 +212,17 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def default_ctas(t: int, nb: int, num_sms: int) -> int:
+    """The grid size: ``t`` CTAs (one token each, in hardware-scheduled waves) from
+    ``t >= num_sms / 2`` up, else each token cut into ``num_sms // t`` equal pieces (at most
+    ``MAX_PIECES``, at least ``MIN_BLOCKS_PER_CTA`` blocks each) so the SMs are used.
+    Measured on an H200 (BENCHMARKS.md, fourteenth session): cutting tokens only to even out
+    the SMs' loads at large T (132 CTAs for 1024 tokens) was slower, 0.915 against 0.894 ms;
+    each cut costs a second query prologue, a pipeline restart and a merge, ~10 us."""
+    pieces = max(1, min(num_sms // max(t, 1), MAX_PIECES, nb // MIN_BLOCKS_PER_CTA))
+    return t * pieces
+
+
 def sparse_mla_fp8_cuda(
     q: torch.Tensor,
     kv_rows: torch.Tensor,
@@ -225,9 +236,9 @@ def sparse_mla_fp8_cuda(
     fp32), lse [1, T, H] fp32 natural log; −inf and zeros for a token with no valid row), the
     leading 1 like the single slice of :func:`vllm.kernels.sparse_mla_ws.sparse_mla_ws`.
 
-    The kernel is persistent and balances itself: ``num_ctas`` CTAs (default ``NUM_CTAS``, else
-    the SM count, at most one per ``MIN_BLOCKS_PER_CTA`` blocks of work) share the T · ⌈K/64⌉
-    blocks equally, and the tokens cut between two CTAs are merged inside the kernel."""
+    ``num_ctas`` CTAs (default ``NUM_CTAS``, else :func:`default_ctas`) share the T · ⌈K/64⌉
+    blocks of 64 rows equally in contiguous ranges; a token cut between CTAs is merged inside
+    the kernel."""
     t, h, d = q.shape
     if h > 64 or d != 576:
         raise ValueError(f"the CUDA sparse-MLA kernel takes [T, <=64, 576] queries, got {q.shape}")
@@ -253,7 +264,7 @@ def sparse_mla_fp8_cuda(
     work = t * nb
     if work >= 2**31:
         raise ValueError(f"T * ceil(K / 64) = {work} work items: the kernel counts them in int32")
-    ctas = num_ctas or NUM_CTAS or min(_num_sms(dev), _cdiv(work, MIN_BLOCKS_PER_CTA))
+    ctas = num_ctas or NUM_CTAS or default_ctas(t, nb, _num_sms(dev))
     # every CTA's range at least ceil((nb - 1) / (MAX_PIECES - 1)) blocks: a token then spans at
     # most MAX_PIECES CTAs
     ctas = max(1, min(ctas, work // max(1, _cdiv(nb - 1, MAX_PIECES - 1))))

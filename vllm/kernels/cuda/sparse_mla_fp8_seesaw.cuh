@@ -257,9 +257,8 @@ __device__ __forceinline__ bool pv_f16_ok(bool p, bool tile_ok, int e, int E) {
 
 __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict__ qrow,
                                                 long long stride_qh, int num_heads, int nblk,
-                                                int base, const __nv_bfloat16* qnext,
-                                                float scale_log2, uint8_t* smem, uint32_t sbase,
-                                                Bars b, int half, int wt, float (&acc)[4][32],
+                                                int base, float scale_log2, uint8_t* smem,
+                                                uint32_t sbase, Bars b, int half, int wt, float (&acc)[4][32],
                                                 float (&l)[16]) {
   const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
   const float base_f = scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w);
@@ -282,15 +281,6 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     // between the warpgroups in block order, and the PVs (the other's block j - 1, then ours)
     // come after our P^T is out, so the other warpgroup's next softmax can start.
     const bool own = j < nblk;
-    // Q_PREFETCH 2: the next piece's query into L2 when this warpgroup starts its last own block
-    // (its 64 heads x 9 lines over the 128 threads of each warpgroup, half each)
-    if (Q_PREFETCH == 2 && qnext != nullptr && own && j + 2 >= nblk) {
-      for (int i = wt + 128 * half; i < num_heads * 9; i += 256) {
-        const int h = i / 9;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const uint8_t*>(
-                         qnext + h * stride_qh) + 128 * (i - 9 * h)));
-      }
-    }
     const int st = gj % NUM_STAGES, pb = gj % NUM_PBUF;
     float s[32];
     int e0 = 0, e1 = 0;

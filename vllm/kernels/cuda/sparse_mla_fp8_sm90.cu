@@ -71,12 +71,6 @@
 #ifndef RESCALE_LOG2
 #define RESCALE_LOG2 8.0f
 #endif
-// Q_PREFETCH 1: when the producer starts a token that is not the CTA's first, it prefetches that
-// token's query (64 heads x 1152 bytes) into L2, ~3 blocks before the consumers load it; 2: the
-// consumer warpgroups do, as each starts its last block of the piece before.
-#ifndef Q_PREFETCH
-#define Q_PREFETCH 1
-#endif
 // QK_INFLIGHT: groups of 2 QK k-steps in flight while the next group's K is converted (each
 // holds its 8 A registers until it retires).
 #ifndef QK_INFLIGHT
@@ -137,18 +131,7 @@ struct Work {
   const int* idx;
   long long stride_it;
   int topk, nb;
-  const uint8_t* q;  // the query rows, for Q_PREFETCH
-  long long stride_qt, stride_qh;  // bytes
-  int num_heads;
 };
-// Thread p (of n) of the producer prefetches its share of token t's query rows into L2.
-__device__ __forceinline__ void prefetch_query(const Work& wk, int t, int p, int n) {
-  for (int i = p; i < wk.num_heads * 9; i += n) {
-    const int h = i / 9, line = i - 9 * h;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(wk.q + t * wk.stride_qt + h * wk.stride_qh +
-                                                     128 * line));
-  }
-}
 __device__ __forceinline__ int block_id(const Work& wk, int w, int row) {
   const int t = w / wk.nb;
   const int k = (w - t * wk.nb) * BN + row;
@@ -166,7 +149,6 @@ __device__ __forceinline__ void producer(const uint8_t* __restrict__ kv, const W
   for (int w = w0; w < w1; ++w) {
     const int i = w - w0, st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
-    if (Q_PREFETCH == 1 && w > w0 && w % wk.nb == 0) prefetch_query(wk, w / wk.nb, lane, 32);
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     ids_s[st * BN + 2 * lane] = id0;
     ids_s[st * BN + 2 * lane + 1] = id1;
@@ -203,7 +185,6 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
   for (int w = w0; w < w1; ++w) {
     const int i = w - w0, st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
-    if (Q_PREFETCH == 1 && w > w0 && w % wk.nb == 0) prefetch_query(wk, w / wk.nb, 32 * pw + lane, 128);
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
     const uint32_t dst0 = sbase + OFF_ST + st * STAGE + 16 * pw * ROW;
@@ -453,8 +434,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   const int G = gridDim.x, cta = blockIdx.x;
   const int W = num_tokens * nb;
   const int w0 = range_lo(cta, W, G), w1 = range_lo(cta + 1, W, G);
-  const Work wk{idx, stride_it, topk, nb, reinterpret_cast<const uint8_t*>(q), 2 * stride_qt,
-                2 * stride_qh, num_heads};
+  const Work wk{idx, stride_it, topk, nb};
   const Bars b{sbase + OFF_BAR, sbase + OFF_BAR + 24, sbase + OFF_BAR + 48, sbase + OFF_BAR + 72};
   if (tid == 0) {
     for (int s = 0; s < NUM_STAGES; ++s) {
@@ -501,9 +481,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       for (int i = 0; i < 16; ++i) l[i] = 0.f;
       {
         const Piece pc = piece_at(wi, nb, num_tokens);
-        const bool more = wi + pc.npb < pc.w1;  // a next piece (token t + 1) in this range
         consumer_seesaw(q + (long long)pc.t * stride_qt, stride_qh, num_heads, pc.npb, pc.base,
-                        more ? q + (long long)(pc.t + 1) * stride_qt : nullptr, scale_log2, smem, sbase, b, half, wt, acc, l);
+                        scale_log2, smem, sbase, b, half, wt, acc, l);
       }
       wi = launder(wi);
       // Row sums over this warpgroup's blocks: over the warp's rows, then the 4 warps and both
