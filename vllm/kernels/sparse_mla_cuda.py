@@ -216,9 +216,10 @@ def default_ctas(t: int, nb: int, num_sms: int) -> int:
     """The grid size: ``t`` CTAs (one token each, in hardware-scheduled waves) from
     ``t >= num_sms / 2`` up, else each token cut into ``num_sms // t`` equal pieces (at most
     ``MAX_PIECES``, at least ``MIN_BLOCKS_PER_CTA`` blocks each) so the SMs are used.
-    Measured on an H200 (BENCHMARKS.md, fourteenth session): cutting tokens only to even out
-    the SMs' loads at large T (132 CTAs for 1024 tokens) was slower, 0.915 against 0.894 ms;
-    each cut costs a second query prologue, a pipeline restart and a merge, ~10 us."""
+    Measured on an H200 (BENCHMARKS.md, fourteenth session, same process): 0.889 ms at 1024
+    tokens on 1024 CTAs against 0.902 on 132 (every SM the same number of blocks, ~130 tokens
+    cut), and 0.108 against 0.132 ms at 128 tokens: each cut costs a second query prologue, a
+    pipeline restart and a merge. 64 tokens on 128 CTAs: 0.067 ms."""
     pieces = max(1, min(num_sms // max(t, 1), MAX_PIECES, nb // MIN_BLOCKS_PER_CTA))
     return t * pieces
 

@@ -5,10 +5,11 @@
 // rope 64 (bf16); a row is 656 bytes. What differs from the Gluon kernel (sparse_mla_ws.py) is
 // where the FP8 rows are dequantised: never into shared memory.
 //
-// The grid is persistent: G <= #SMs CTAs share the T x ceil(topk / 64) blocks of 64 rows
-// equally (contiguous ranges of (token, block) items, see "persistent work split" below), so the
-// SMs stay evenly loaded at any T, a CTA's producer keeps filling stages across its tokens, and a
-// token cut between two CTAs is merged in the kernel by whichever of its pieces finishes last.
+// The grid's G CTAs share the T x ceil(topk / 64) blocks of 64 rows equally, in contiguous
+// ranges of (token, block) items (see "work split" below). A CTA with several tokens moves from
+// one to the next while its producer keeps filling stages. A token cut between CTAs is merged in
+// the kernel by whichever of its pieces finishes last. The launcher's default (default_ctas):
+// G = T from T >= #SMs / 2 (one token per CTA), else each token in #SMs / T equal pieces.
 // The default build (the knobs below select the others):
 // - Producer warpgroup (warpgroup 0, 40 registers; PRODUCER_CPASYNC 1): its 4 warps copy each
 //   64-row block's selected rows in 16-byte cp.async pieces into a ring of NUM_STAGES raw stages
@@ -298,15 +299,15 @@ __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float
 
 #include "sparse_mla_fp8_seesaw.cuh"
 
-// ---- persistent work split --------------------------------------------------------------------
+// ---- work split -------------------------------------------------------------------------------
 // The W = T * nb (token, 64-row block) items are cut into G = gridDim.x contiguous ranges, the
-// first W % G of ceil(W / G) items, the others of floor(W / G): every SM gets the same number
-// of blocks (within one) whatever T is, and a CTA moves
-// on to its next token while the producer keeps filling stages. A token cut by a range boundary
+// first W % G of ceil(W / G) items, the others of floor(W / G). A token cut by a range boundary
 // is a split token: each of its pieces but the last to finish writes its normalised partial
 // (fp32 O and the natural-log LSE) to a workspace slot and counts itself on the token's counter;
 // the piece that brings the count to the number of pieces merges the others into its own (no
-// CTA ever waits for another, so any number of CTAs may be resident at once).
+// CTA ever waits for another, so any number of CTAs may be resident at once). Each cut costs a
+// second query prologue, a pipeline restart and the merge: ~10 us measured, so the default grid
+// cuts tokens only to fill the SMs at small T.
 // (32-bit: the launcher keeps W < 2^31; a 64-bit division is a long software routine)
 __device__ __forceinline__ int range_lo(int c, int W, int G) {
   const int q = W / G, r = W - q * G;
@@ -415,7 +416,7 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float* _
 
 }  // namespace
 
-// Grid (G, 1), G <= the SM count (any G >= 1 is correct), 384 threads, one CTA per SM.
+// Grid (G, 1), any G >= 1 (more than the SMs run in waves), 384 threads, one CTA per SM.
 // out [T, H, 512] (bf16 or fp32), lse [T, H] fp32; ws_o [2G, 64, 512] fp32 and ws_l [2G, 64]
 // the split tokens' partials; counters [T] int32, zero on entry (the merging piece re-zeroes its
 // token's, so they are zero again on exit).
