@@ -154,7 +154,9 @@ def main():
             for k, v in attrs.items():
                 setattr(sparse_mla_cuda, k, v)
             for t in shapes:
-                rows.append(bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]", ctx=ctx))
+                rows.append(
+                    bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]", ctx=ctx)
+                )
             for k, v in saved.items():
                 setattr(sparse_mla_cuda, k, v)
     print_rows(rows)
