@@ -90,7 +90,7 @@ def bench(
     elif kernel == "cuda":
         from vllm.kernels import sparse_mla_cuda
 
-        note = f"cuda c++ kernel, persistent x{sparse_mla_cuda.NUM_CTAS or 'auto'}"
+        note = f"cuda c++ kernel, grid {sparse_mla_cuda.NUM_CTAS or 'default'}"
         tag = "_cuda" + tag
     note += f"; eager {eager_ms:.3f} ms"
     shape = f"T={t} H=64 topk=2048 ctx={ctx // 1024}K"

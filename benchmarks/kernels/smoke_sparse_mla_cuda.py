@@ -3,7 +3,7 @@
 Prints, per case, ‖out − ref‖/‖ref‖ and max |lse − ref|: lse depends only on QK and the softmax,
 out also on PV, so the pair says which half is off. Cases: random rows; one valid row per token
 (out = that row's values: checks PV's operand layout alone); few heads; tokens cut between the
-persistent CTAs (``ctas``: the grid's size; the pieces are merged in the kernel)."""
+CTAs (``ctas``: the grid's size; the pieces are merged in the kernel)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ CPU: the kernel builds for sm_90a with nvcc (CI's machine has nvcc 13.0), within
 budget, with no wgmma serialisation and (almost) no spills, and its shared-memory size matches the
 Python launcher's. GPU (H200): parity with the fp32 reference on fresh random caches, corner cases
 (all −1 tokens, top-k past the context, ragged top-k lengths, tokens cut between the
-persistent CTAs and merged in the kernel, fewer heads), exact dequantisation
+CTAs and merged in the kernel, fewer heads), exact dequantisation
 of every e4m3 code through PV, and queries / tile scales over a wide range of magnitudes.
 
 Tolerances: PV uses bf16 operands (values rounded exactly like the reference, P in bf16) and QK
@@ -133,7 +133,7 @@ def test_cuda_decode_gpu(t, h):
                  (13, 5, 2048), (200, 3, 2048)],
 )  # fmt: skip
 def test_cuda_decode_gpu_ctas(ctas, t, k, monkeypatch):
-    """The persistent grid at other sizes: tokens cut between CTAs (up to 8 pieces of one token
+    """The grid at other sizes: tokens cut between CTAs (up to 8 pieces of one token
     merged in the kernel), one CTA for all tokens, ragged top-k lengths (the last block partly
     past the list), a 3000-row list, one row, more CTAs asked for than there are blocks."""
     from vllm.kernels import sparse_mla_decode as mod

@@ -185,7 +185,7 @@ def is_available(device: torch.device) -> str | None:
     return None
 
 
-NUM_CTAS: int | None = None  # the persistent grid's size (tests, sweeps); None: see below
+NUM_CTAS: int | None = None  # the grid size (tests, sweeps); None: default_ctas
 MIN_BLOCKS_PER_CTA = 4  # fewer 64-row blocks per CTA only add split pieces to merge
 MAX_PIECES = 8  # pieces of one token the kernel's merge takes (its shared-memory weights)
 CACHE_COUNTERS = True  # per-(device, stream) token counters, left zero by each launch
