@@ -63,6 +63,7 @@ def test_cuda_kernel_smem_layout_matches_launcher():
     assert consts["SMEM_ALLOC"] == sparse_mla_cuda.SMEM_ALLOC
     assert consts["SMEM_ALLOC"] <= 227 * 1024  # one CTA per SM on an H200
     assert consts["OFF_QT"] % 1024 == 0 and consts["OFF_PT"] % 1024 == 0  # 128-B swizzle atoms
+    assert consts["MAX_PIECES"] == sparse_mla_cuda.MAX_PIECES  # the launcher's grid bound
 
 
 def test_cuda_kernel_errors_name_the_problem():

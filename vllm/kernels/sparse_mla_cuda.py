@@ -272,20 +272,19 @@ def sparse_mla_fp8_cuda(
     ws_o = torch.empty(2 * ctas, 64, D_V, dtype=torch.float32, device=q.device)
     ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
     fn = _function(dev, tuple(sorted(DEFINES.items())))
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    counters = _counters(q.device, stream, t)
     c = ctypes
     args = [
         c.c_void_p(q.data_ptr()), c.c_void_p(kv_rows.data_ptr()), c.c_void_p(indices.data_ptr()),
         c.c_void_p(out.data_ptr()), c.c_void_p(lse.data_ptr()), c.c_void_p(ws_o.data_ptr()),
-        c.c_void_p(ws_l.data_ptr()), c.c_void_p(0),  # counters: set below
+        c.c_void_p(ws_l.data_ptr()), c.c_void_p(counters.data_ptr()),
         c.c_float(sm_scale * 1.4426950408889634), c.c_int(h), c.c_int(k), c.c_int(nb), c.c_int(t),
         c.c_longlong(q.stride(0)), c.c_longlong(q.stride(1)), c.c_longlong(indices.stride(0)),
         c.c_longlong(out.stride(1)), c.c_longlong(out.stride(2)), c.c_longlong(lse.stride(1)),
         c.c_int(1 if out_dtype == torch.float32 else 0),
     ]  # fmt: skip
     with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        counters = _counters(q.device, stream, t)
-        args[7] = c.c_void_p(counters.data_ptr())
         _driver().launch(fn, (ctas, 1), stream, args)
     return out, lse
 

@@ -223,7 +223,7 @@ def sparse_mla_fwd(
     if t and _use_cuda(kernel, q, kv_rows, fmt, int_dequant):
         from vllm.kernels.sparse_mla_cuda import sparse_mla_fp8_cuda
 
-        fast = sparse_mla_fp8_cuda(q, kv_rows, indices, sm_scale, out_dtype)  # self-balancing
+        fast = sparse_mla_fp8_cuda(q, kv_rows, indices, sm_scale, out_dtype)  # its own grid
     elif t and _use_ws(kernel, q, kv_rows, fmt, int_dequant):
         from vllm.kernels.sparse_mla_ws import sparse_mla_ws
 

@@ -123,7 +123,7 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
                   desc(dq + (uint32_t)(((kk >> 2) * 8192 + (kk & 3) * 32) >> 4)), kk > 0);
       }
       wgmma_commit();
-      if (mm + hk >= QK_INFLIGHT - 1) wgmma_wait<QK_INFLIGHT - 1>();
+      if (mm + hk > 0) wgmma_wait<1>();
     }
   }
   const uint4 v00 = *reinterpret_cast<const uint4*>(row0 + 528 + 32 * c);
@@ -258,8 +258,8 @@ __device__ __forceinline__ bool pv_f16_ok(bool p, bool tile_ok, int e, int E) {
 __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict__ qrow,
                                                 long long stride_qh, int num_heads, int nblk,
                                                 int base, float scale_log2, uint8_t* smem,
-                                                uint32_t sbase, Bars b, int half, int wt, float (&acc)[4][32],
-                                                float (&l)[16]) {
+                                                uint32_t sbase, Bars b, int half, int wt,
+                                                float (&acc)[4][32], float (&l)[16]) {
   const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
   const float base_f = scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w);
   const uint32_t dq = desc_lo(sbase + OFF_QT);

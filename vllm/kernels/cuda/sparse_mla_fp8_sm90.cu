@@ -72,11 +72,6 @@
 #ifndef RESCALE_LOG2
 #define RESCALE_LOG2 8.0f
 #endif
-// QK_INFLIGHT: groups of 2 QK k-steps in flight while the next group's K is converted (each
-// holds its 8 A registers until it retires).
-#ifndef QK_INFLIGHT
-#define QK_INFLIGHT 2
-#endif
 // DIAG_SKIP_FULL 1 (diagnostic, wrong results): the consumers never wait for a stage to fill, so
 // the time shows what the refill of the stages costs.
 #ifndef DIAG_SKIP_FULL
@@ -302,10 +297,10 @@ __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float
 // ---- work split -------------------------------------------------------------------------------
 // The W = T * nb (token, 64-row block) items are cut into G = gridDim.x contiguous ranges, the
 // first W % G of ceil(W / G) items, the others of floor(W / G). A token cut by a range boundary
-// is a split token: each of its pieces but the last to finish writes its normalised partial
-// (fp32 O and the natural-log LSE) to a workspace slot and counts itself on the token's counter;
-// the piece that brings the count to the number of pieces merges the others into its own (no
-// CTA ever waits for another, so any number of CTAs may be resident at once). Each cut costs a
+// is a split token: each of its pieces writes its normalised partial (fp32 O and the natural-log
+// LSE) to a workspace slot and counts itself on the token's counter; the piece that brings the
+// count to the number of pieces merges all the partials (no CTA ever waits for another, so any
+// number of CTAs may be resident at once). Each cut costs a
 // second query prologue, a pipeline restart and the merge: ~10 us measured, so the default grid
 // cuts tokens only to fill the SMs at small T.
 // (32-bit: the launcher keeps W < 2^31; a 64-bit division is a long software routine)
@@ -350,8 +345,7 @@ __device__ __forceinline__ int launder(int x) {
 
 // A split piece's partial, normalised O (acc * inv) in the accumulators' own layout: slot
 // [32][256 threads] float4, value q of consumer thread tc = acc[q / 8][4 (q % 8) .. + 4) (heads
-// 8 (q % 8) + 2c + {0, 1, 0, 1}); the merging piece has the same layout in its registers. Each
-// store takes 4 consecutive accumulator registers and a warp writes 512 contiguous bytes.
+// 8 (q % 8) + 2c + {0, 1, 0, 1}), which is also the merging thread's own. Each store takes 4 consecutive accumulator registers and a warp writes 512 contiguous bytes.
 __device__ __forceinline__ void store_partial(float (&acc)[4][32], const float (&inv)[16],
                                               float* __restrict__ slot, int tc) {
   float4* dst = reinterpret_cast<float4*>(slot) + tc;
@@ -374,6 +368,7 @@ __device__ __forceinline__ void store_partial(float (&acc)[4][32], const float (
 // [MAX_PIECES][64] (shared), (b) per head, the LSE and each piece's weight, (c) acc = the
 // weighted sum of the pieces' partials.
 constexpr int MAX_PIECES = 8;
+static_assert(MAX_PIECES * 64 * 4 <= OFF_ALPHA - OFF_RED, "the merge's weights live in OFF_RED");
 __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float* __restrict__ ws_o,
                                              const float* __restrict__ ws_l, float* wts, int c_a,
                                              int c_b, int tw, int W, int G, float* lse,
