@@ -41,6 +41,7 @@ def _need_nvcc():
         (("-DPV_F16=0",), 120),
         (("-DSEESAW_ORDER=0",), 120),
         (("-DSEESAW_ORDER=2",), 120),
+        (("-DQK_FP8=1",), 130),
     ],
 )
 def test_cuda_kernel_builds_for_sm90a(defines, max_spill):
@@ -224,7 +225,13 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "defines",
-    [{"PRODUCER_CPASYNC": 0}, {"PV_F16": 0}, {"SEESAW_ORDER": 0}, {"SEESAW_ORDER": 2}],
+    [
+        {"PRODUCER_CPASYNC": 0},
+        {"PV_F16": 0},
+        {"SEESAW_ORDER": 0},
+        {"SEESAW_ORDER": 2},
+        {"QK_FP8": 1},
+    ],
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):
     """The other builds (the bulk-copy producer, the exact PV, the other two orders of a

@@ -49,9 +49,9 @@ def _smem_bytes() -> int:
     qt, pt = 9 * 8192, pbuf * 8192
     stages = 3 * BLOCK_N * ROW_BYTES
     ids, red, alpha, ell, misc = 3 * BLOCK_N * 4, 2 * 4 * 64 * 4, pbuf * 64 * 4, 64 * 4, 64
-    m, flags, bars, sig, ex, ctl = 64 * 4, 16, 12 * 8, pbuf * 4 * 64 * 2, 48, 16
+    m, flags, bars, sig, ex, ctl, qf = 64 * 4, 16, 12 * 8, pbuf * 4 * 64 * 2, 48, 16, 64 * 4
     return (
-        qt + pt + stages + ids + red + alpha + ell + misc + m + flags + bars + sig + ex + ctl
+        qt + pt + stages + ids + red + alpha + ell + misc + m + flags + bars + sig + ex + ctl + qf
         + 1024
     )  # fmt: skip
 
@@ -158,12 +158,16 @@ def _driver() -> _Driver:
     return _Driver()
 
 
-DEFINES: dict[str, int] = {}  # build knobs of the .cu (see its header), for sweeps
-
-
 def parse_defines(spec: str) -> dict[str, int]:
     """'NAME=V,NAME=V' (the .cu's -D knobs) -> {NAME: V}; '' -> {}."""
-    return {k: int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))}
+    try:
+        return {k: int(v) for k, v in (kv.split("=") for kv in filter(None, spec.split(",")))}
+    except ValueError:
+        raise ValueError(f"build knobs must be 'NAME=int,...', got {spec!r}") from None
+
+
+# build knobs of the .cu (see its header), for sweeps and tests of a variant
+DEFINES: dict[str, int] = parse_defines(os.environ.get("VLLM_SPARSE_MLA_CUDA_DEFINES", ""))
 
 
 @functools.lru_cache(maxsize=16)

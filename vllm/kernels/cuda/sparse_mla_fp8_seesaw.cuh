@@ -151,6 +151,10 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
   fence_acc(s);
 }
 
+#if QK_FP8
+#include "sparse_mla_qk_fp8.cuh"
+#endif
+
 // pv_block in f16: V^T = e4m3 (exact in f16) x sigma, sigma = the row's tile scale over its
 // largest power of two (published by the scoring warpgroup, [4 tiles][64 rows] f16, a row pair
 // per 32-bit word), P^T (f16) carries that power of two. 2 instructions per 2 values against 5.
@@ -162,11 +166,8 @@ __device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t*
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     const int s0 = 16 * kk + 2 * c;
-    const uint8_t* p0 = stg + s0 * ROW;
-    const uint2 r0 = *reinterpret_cast<const uint2*>(p0 + dv0);
-    const uint2 r1 = *reinterpret_cast<const uint2*>(p0 + ROW + dv0);
-    const uint2 r2 = *reinterpret_cast<const uint2*>(p0 + 8 * ROW + dv0);
-    const uint2 r3 = *reinterpret_cast<const uint2*>(p0 + 9 * ROW + dv0);
+    uint2 r0, r1, r2, r3;
+    v_rows(stg, s0, dv0, r0, r1, r2, r3);
     const uint32_t g01 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0);
     const uint32_t g89 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0 + 16);
     uint32_t a[4][4];
@@ -261,7 +262,12 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
                                                 uint32_t sbase, Bars b, int half, int wt,
                                                 float (&acc)[4][32], float (&l)[16]) {
   const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
+#if QK_FP8
+  load_query64_fp8(qrow, stride_qh, num_heads, half, smem, wt, scale_log2);
+  const float* qf_s = reinterpret_cast<const float*>(smem + OFF_QF);  // per-head score factors
+#else
   const float base_f = scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w);
+#endif
   const uint32_t dq = desc_lo(sbase + OFF_QT);
   const int r0 = 16 * w + g, r1 = r0 + 8;
   const int* ids_s = reinterpret_cast<const int*>(smem + OFF_IDS);
@@ -308,7 +314,12 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       const uint8_t* stg = smem + OFF_ST + st * STAGE;
       if (!DIAG_SKIP_FULL) mbar_wait(b.full + 8 * st, (gj / NUM_STAGES) & 1);
       float mx0, mx1, ca, cb;
+#if QK_FP8
+      fence_proxy_async();  // the stage's cp.async writes, before the wgmmas read them
+      qk_block64_fp8(s, stg, sbase + OFF_ST + st * STAGE, dq, r0, r1, c, e0, e1, mx0, mx1, ca, cb);
+#else
       qk_block64(s, stg + r0 * ROW, stg + r1 * ROW, dq, c, e0, e1, mx0, mx1, ca, cb);
+#endif
       const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
       p0 = v0 && mx0 > 0.f;  // rows with a scale exponent
       p1 = v1 && mx1 > 0.f;
@@ -322,6 +333,18 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
         sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(6 - e0, 127)) : 0.f);
         sig[r1] = __float2half_rn(p1 ? cb * exp2i(min(6 - e1, 127)) : 0.f);
       }
+#if QK_FP8
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const float2 f = *reinterpret_cast<const float2*>(qf_s + 8 * jj + 2 * c);
+#pragma unroll
+        for (int bb = 0; bb < 2; ++bb) {
+          const float fh = bb ? f.y : f.x;
+          s[4 * jj + bb] = v0 ? s[4 * jj + bb] * fh : -INFINITY;
+          s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * fh : -INFINITY;
+        }
+      }
+#else
       const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
@@ -330,6 +353,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
           s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
           s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
         }
+#endif
     }
     if (SEESAW_ORDER != 2) other_block();
     if (own) {

@@ -77,6 +77,19 @@
 #ifndef DIAG_SKIP_FULL
 #define DIAG_SKIP_FULL 0
 #endif
+// QK_FP8 1: QK on the FP8 tensor cores with both operands in shared memory and no dequantisation:
+// K is the raw e4m3 rows (the producer places each 16-byte piece in the wgmma's 128-B-swizzled
+// layout), the query is split per head into two e4m3 terms hi + lo (exact for bf16 values within
+// 2^10 of the head's largest), and the tile scales are applied in fp32 to each 128-feature
+// tile's sum (sparse_mla_qk_fp8.cuh). QK_FP8_NACC: tile accumulators (2: the next tile's
+// wgmmas run while this one's sum is scaled).
+#ifndef QK_FP8
+#define QK_FP8 0
+#endif
+#ifndef QK_FP8_NACC
+#define QK_FP8_NACC 1
+#endif
+static_assert(!QK_FP8 || PRODUCER_CPASYNC, "QK_FP8 places 16-byte pieces: the cp.async producer");
 
 namespace {
 
@@ -100,10 +113,54 @@ constexpr int OFF_FLAG = OFF_M + 64 * 4;                 // [NUM_PBUF] int32: bl
 constexpr int OFF_SIG = OFF_FLAG + 16;                   // f16 PV sigma: [3][4 tiles][64] f16
 constexpr int OFF_EX = OFF_SIG + NUM_PBUF * 4 * 64 * 2;  // f16 PV: E, ef[3], [2][4] emax
 constexpr int OFF_CTL = OFF_EX + 48;                     // [4] int32: the merge decision
-constexpr int SMEM_BYTES = OFF_CTL + 16;
+constexpr int OFF_QF = OFF_CTL + 16;                     // QK_FP8: [64] f32 per-head score factors
+constexpr int SMEM_BYTES = OFF_QF + 64 * 4;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
 static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
+
+// A stage's bytes. QK_FP8 0: the rows as copied, ROW bytes apart. QK_FP8 1: the layout of the QK
+// wgmma's A operand: 128-feature tile t of row r (128 e4m3 bytes) at t * 8192 + 128 r, its 16-byte
+// chunks XOR-swizzled by r % 8 (128-B swizzle, 8-row atoms 1024 bytes apart); the bf16 rope the
+// same at ST_ROPE; the 4 fp32 tile scales at ST_SC + 16 r.
+constexpr int ST_ROPE = 4 * 8192;  // (QK_FP8 stage layout)
+constexpr int ST_SC = 5 * 8192;
+static_assert(!QK_FP8 || (ST_SC + 16 * BN == STAGE && OFF_ST % 1024 == 0 && STAGE % 1024 == 0),
+              "QK_FP8 stage layout");
+__device__ __forceinline__ int swz(int r, int byte) {  // 128-B swizzle within a 128-byte row
+  return 128 * r + ((((byte >> 4) & 7) ^ (r & 7)) << 4) + (byte & 15);
+}
+// value byte b (0..511) of row r
+__device__ __forceinline__ int st_nope(int r, int b) {
+  return QK_FP8 ? (b >> 7) * 8192 + swz(r, b & 127) : r * ROW + b;
+}
+__device__ __forceinline__ int st_scale(int r) { return QK_FP8 ? ST_SC + 16 * r : r * ROW + 512; }
+// rope byte b (0..127) of row r
+__device__ __forceinline__ int st_rope(int r, int b) {
+  return QK_FP8 ? ST_ROPE + swz(r, b) : r * ROW + 528 + b;
+}
+// The 8 value bytes [dv0, dv0 + 8) of rows s0, s0 + 1, s0 + 8, s0 + 9 (s0 even)
+__device__ __forceinline__ void v_rows(const uint8_t* stg, int s0, int dv0, uint2& r0, uint2& r1,
+                                       uint2& r2, uint2& r3) {
+#if QK_FP8
+  const uint8_t* p = stg + st_nope(s0, dv0);
+  const uint8_t* p1 = stg + st_nope(s0 + 1, dv0);
+  r0 = *reinterpret_cast<const uint2*>(p);
+  r1 = *reinterpret_cast<const uint2*>(p1);
+  r2 = *reinterpret_cast<const uint2*>(p + 8 * 128);  // rows + 8: same swizzle
+  r3 = *reinterpret_cast<const uint2*>(p1 + 8 * 128);
+#else
+  const uint8_t* p0 = stg + s0 * ROW;
+  r0 = *reinterpret_cast<const uint2*>(p0 + dv0);
+  r1 = *reinterpret_cast<const uint2*>(p0 + ROW + dv0);
+  r2 = *reinterpret_cast<const uint2*>(p0 + 8 * ROW + dv0);
+  r3 = *reinterpret_cast<const uint2*>(p0 + 9 * ROW + dv0);
+#endif
+}
+// where the 16-byte piece p (0..40) of row r goes
+__device__ __forceinline__ int st_piece(int r, int p) {
+  return p < 32 ? st_nope(r, 16 * p) : (p == 32 ? st_scale(r) : st_rope(r, 16 * (p - 33)));
+}
 
 #include "sparse_mla_sm90_ptx.cuh"
 
@@ -183,6 +240,18 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
     const uint32_t ph = (i / NUM_STAGES) & 1;
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
+#if QK_FP8
+    const uint32_t dst0 = sbase + OFF_ST + st * STAGE;
+#pragma unroll 4
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r_id = __shfl_sync(0xffffffffu, id, rr);
+      const uint8_t* src = kv + (size_t)(r_id < 0 ? 0 : r_id) * ROW;
+      const uint32_t nb = r_id < 0 ? 0u : 16u;
+      const int r = 16 * pw + rr;
+      cp_async16(dst0 + st_piece(r, lane), src + 16 * lane, nb);
+      if (lane < 9) cp_async16(dst0 + st_piece(r, lane + 32), src + 16 * (lane + 32), nb);
+    }
+#else
     const uint32_t dst0 = sbase + OFF_ST + st * STAGE + 16 * pw * ROW;
 #pragma unroll 4
     for (int rr = 0; rr < 16; ++rr) {
@@ -193,6 +262,7 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
       cp_async16(dst + 16 * lane, src + 16 * lane, nb);
       if (lane < 9) cp_async16(dst + 16 * (lane + 32), src + 16 * (lane + 32), nb);
     }
+#endif
     cp_async_arrive_noinc(b.full + 8 * st);
     __syncwarp();
     if (lane == 0) mbar_arrive(b.full + 8 * st);
@@ -224,6 +294,15 @@ __device__ __forceinline__ void pv_block(float (&acc)[4][32], const uint8_t* stg
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     const int s0 = 16 * kk + 2 * c;
+#if QK_FP8
+    uint2 r0, r1, r2, r3;
+    v_rows(stg, s0, dv0, r0, r1, r2, r3);
+    const uint8_t* ps = stg + st_scale(s0) + 4 * ts;  // scales: 16 bytes a row
+    const float c0 = *reinterpret_cast<const float*>(ps);
+    const float c1 = *reinterpret_cast<const float*>(ps + 16);
+    const float c2 = *reinterpret_cast<const float*>(ps + 8 * 16);
+    const float c3 = *reinterpret_cast<const float*>(ps + 9 * 16);
+#else
     const uint8_t* p0 = stg + s0 * ROW;
     const uint2 r0 = *reinterpret_cast<const uint2*>(p0 + dv0);
     const uint2 r1 = *reinterpret_cast<const uint2*>(p0 + ROW + dv0);
@@ -233,6 +312,7 @@ __device__ __forceinline__ void pv_block(float (&acc)[4][32], const uint8_t* stg
     const float c1 = *reinterpret_cast<const float*>(p0 + ROW + 512 + 4 * ts);
     const float c2 = *reinterpret_cast<const float*>(p0 + 8 * ROW + 512 + 4 * ts);
     const float c3 = *reinterpret_cast<const float*>(p0 + 9 * ROW + 512 + 4 * ts);
+#endif
     uint32_t a[4][4];
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {

@@ -110,6 +110,25 @@ __device__ __forceinline__ void wgmma_f16(float (&d)[32], uint32_t a0, uint32_t 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(acc));
 }
 
+// QK_FP8: both operands in shared memory (descriptors). D[64x64] (+)= A[64x32] . B[32x64] in
+// e4m3 (exact products, the tensor core's own fp32 accumulation), and the bf16 k16 form.
+__device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[32], uint64_t da, uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " WGMMA_D32
+      ", %32, %33, p, 1, 1;\n}\n"
+      : WGMMA_OUT32(d)
+      : "l"(da), "l"(db), "r"(acc));
+}
+__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[32], uint64_t da, uint64_t db, int acc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : WGMMA_OUT32(d)
+      : "l"(da), "l"(db), "r"(acc));
+}
+
 __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
                                                   uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
@@ -157,6 +176,22 @@ __device__ __forceinline__ int ilog2(float x) {
   int e = ((__float_as_int(x) >> 23) & 0xFF) - 127;
   e = e < -126 ? -126 : (e > 126 ? 126 : e);
   return x > 0.f ? e : 0;
+}
+// x0, x1 as hi + lo, two e4m3 each (bytes: x0 low): hi = e4m3(x) to nearest, lo = e4m3(x - hi).
+// For a bf16 x with |x| in [2^-2, 448) the sum is exact (x - hi has at most 4 significant bits,
+// a multiple of 2^-9); below, within 2^-10.
+__device__ __forceinline__ void split_e4m3x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  uint32_t h16, hf, l16;
+  asm("{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, %2, %1;\ncvt.u32.u16 %0, t;\n}\n"
+      : "=r"(h16)
+      : "f"(x0), "f"(x1));
+  asm("{\n.reg .b16 t;\ncvt.u16.u32 t, %1;\ncvt.rn.f16x2.e4m3x2 %0, t;\n}\n" : "=r"(hf) : "r"(h16));
+  const float2 hb = __half22float2(*reinterpret_cast<const __half2*>(&hf));
+  asm("{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, %2, %1;\ncvt.u32.u16 %0, t;\n}\n"
+      : "=r"(l16)
+      : "f"(x0 - hb.x), "f"(x1 - hb.y));
+  hi = h16;
+  lo = l16;
 }
 // An f16x2 (exact e4m3 values of two rows, row a low) . (scale_a, scale_b), rounded to bf16x2.
 __device__ __forceinline__ uint32_t deq_bf16(uint32_t h, float sa, float sb) {
