@@ -193,6 +193,7 @@ NUM_CTAS: int | None = None  # the grid size (tests, sweeps); None: default_ctas
 MIN_BLOCKS_PER_CTA = 4  # fewer 64-row blocks per CTA only add split pieces to merge
 MAX_PIECES = 8  # pieces of one token the kernel's merge takes (its shared-memory weights)
 CACHE_COUNTERS = True  # per-(device, stream) token counters, left zero by each launch
+last_trace: torch.Tensor | None = None  # DIAG_TRACE builds: the last launch's clock64 stamps
 
 
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
@@ -274,6 +275,10 @@ def sparse_mla_fp8_cuda(
     # most MAX_PIECES CTAs
     ctas = max(1, min(ctas, work // max(1, _cdiv(nb - 1, MAX_PIECES - 1))))
     ws_o = torch.empty(2 * ctas, 64, D_V, dtype=torch.float32, device=q.device)
+    if DEFINES.get("DIAG_TRACE"):  # the stamps land in ws_o (one piece per CTA)
+        global last_trace
+        ws_o.zero_()
+        last_trace = ws_o
     ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
     fn = _function(dev, tuple(sorted(DEFINES.items())))
     stream = torch.cuda.current_stream(dev).cuda_stream

@@ -260,14 +260,17 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
                                                 long long stride_qh, int num_heads, int nblk,
                                                 int base, float scale_log2, uint8_t* smem,
                                                 uint32_t sbase, Bars b, int half, int wt,
-                                                float (&acc)[4][32], float (&l)[16]) {
+                                                float (&acc)[4][32], float (&l)[16],
+                                                long long* trace) {
   const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
+  stamp(trace, TRACE_ITERS - 1, 0, wt);
 #if QK_FP8
   load_query64_fp8(qrow, stride_qh, num_heads, half, smem, wt, scale_log2);
   const float* qf_s = reinterpret_cast<const float*>(smem + OFF_QF);  // per-head score factors
 #else
   const float base_f = scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w);
 #endif
+  stamp(trace, TRACE_ITERS - 1, 1, wt);
   const uint32_t dq = desc_lo(sbase + OFF_QT);
   const int r0 = 16 * w + g, r1 = r0 + 8;
   const int* ids_s = reinterpret_cast<const int*>(smem + OFF_IDS);
@@ -288,6 +291,8 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     // come after our P^T is out, so the other warpgroup's next softmax can start.
     const bool own = j < nblk;
     const int st = gj % NUM_STAGES, pb = gj % NUM_PBUF;
+    const int ts = j >> 1;  // this warpgroup's iteration: its trace slot
+    stamp(trace, ts, 0, wt);
     float s[32];
     int e0 = 0, e1 = 0;
     bool p0 = false, p1 = false, t0 = true, t1 = true;
@@ -296,6 +301,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       if (j > 0) {
         const int qb = (gj - 1) % NUM_PBUF;
         mbar_wait(b.pfull + 8 * qb, ((gj - 1) / NUM_PBUF) & 1);
+        stamp(trace, ts, 3, wt);
         if (flag_s[qb] & 1) {
 #pragma unroll
           for (int jj = 0; jj < 8; ++jj) {
@@ -306,6 +312,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
         }
   #if SEESAW_ORDER >= 1
         seesaw_pv(acc, gj - 1, smem, sbase, b, half, w, g, c);
+        stamp(trace, ts, 4, wt);
   #endif
       }
     };
@@ -313,6 +320,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     if (own) {
       const uint8_t* stg = smem + OFF_ST + st * STAGE;
       if (!DIAG_SKIP_FULL) mbar_wait(b.full + 8 * st, (gj / NUM_STAGES) & 1);
+      stamp(trace, ts, 1, wt);
       float mx0, mx1, ca, cb;
 #if QK_FP8
       fence_proxy_async();  // the stage's cp.async writes, before the wgmmas read them
@@ -320,6 +328,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
 #else
       qk_block64(s, stg + r0 * ROW, stg + r1 * ROW, dq, c, e0, e1, mx0, mx1, ca, cb);
 #endif
+      stamp(trace, ts, 2, wt);
       const bool v0 = ids_s[st * BN + r0] >= 0, v1 = ids_s[st * BN + r1] >= 0;
       p0 = v0 && mx0 > 0.f;  // rows with a scale exponent
       p1 = v1 && mx1 > 0.f;
@@ -450,11 +459,13 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     fence_proxy_async();
     mbar_arrive(b.pfull + 8 * pb);
     bar_sync(1 + half, 128);  // this warpgroup's PV reads every warp's part of P^T
+    stamp(trace, ts, 5, wt);
     }
     // PV in block order, from one call site (two inlined PV variants per call site serialise
     // the wgmmas): the other warpgroup's block j - 1, then ours
 #if SEESAW_ORDER >= 1
     if (own) seesaw_pv(acc, gj, smem, sbase, b, half, w, g, c);
+    stamp(trace, ts, 6, wt);
 #else
 #pragma unroll 1
     for (int k = max(j - 1, 0); k <= min(j, nblk - 1); ++k)

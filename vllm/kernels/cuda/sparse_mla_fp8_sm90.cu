@@ -77,6 +77,12 @@
 #ifndef DIAG_SKIP_FULL
 #define DIAG_SKIP_FULL 0
 #endif
+// DIAG_TRACE 1 (diagnostic): thread 0 of each consumer warpgroup writes clock64 stamps of its
+// steps into ws_o (benchmarks/kernels/trace_sparse_mla_cuda.py reads them; one piece per CTA).
+#ifndef DIAG_TRACE
+#define DIAG_TRACE 0
+#endif
+constexpr int TRACE_ITERS = 20;  // slots per warpgroup: 18 block iterations + the piece's stamps
 // QK_FP8 1: QK on the FP8 tensor cores with both operands in shared memory and no dequantisation:
 // K is the raw e4m3 rows (the producer places each 16-byte piece in the wgmma's 128-B-swizzled
 // layout), the query is split per head into two e4m3 terms hi + lo (exact for bf16 values within
@@ -372,6 +378,15 @@ __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float
   }
 }
 
+// DIAG_TRACE: a clock64 stamp k of trace slot `slot`
+__device__ __forceinline__ void stamp(long long* trace, int slot, int k, int wt) {
+  if (DIAG_TRACE && wt == 0) {
+    long long t;
+    asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+    trace[8 * slot + k] = t;
+  }
+}
+
 #include "sparse_mla_fp8_seesaw.cuh"
 
 // ---- work split -------------------------------------------------------------------------------
@@ -543,6 +558,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   const int w = wt >> 5, g = (wt & 31) >> 2, c = wt & 3;
   const int dv0 = 256 * half + 8 * (8 * w + g);
   int* ctl_s = reinterpret_cast<int*>(smem + OFF_CTL);
+  long long* trace = DIAG_TRACE ? reinterpret_cast<long long*>(ws_o) +
+                                      (long long)(2 * blockIdx.x + half) * TRACE_ITERS * 8
+                                : nullptr;
 #pragma unroll 1
   for (int wi = w0;;) {  // one piece per pass: token t, its blocks [b0, b0 + npb)
     if (wi >= piece_at(wi, nb, num_tokens).w1) break;
@@ -558,7 +576,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       {
         const Piece pc = piece_at(wi, nb, num_tokens);
         consumer_seesaw(q + (long long)pc.t * stride_qt, stride_qh, num_heads, pc.npb, pc.base,
-                        scale_log2, smem, sbase, b, half, wt, acc, l);
+                        scale_log2, smem, sbase, b, half, wt, acc, l, trace);
       }
       wi = launder(wi);
       // Row sums over this warpgroup's blocks: over the warp's rows, then the 4 warps and both
@@ -637,6 +655,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
         store_out(acc, one, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c, out_fp32 != 0);
       }
     }
+    stamp(trace, TRACE_ITERS - 1, 2, wt);
     wi += pc.npb;
   }
 }
