@@ -4,9 +4,9 @@ Builds the kernel with DIAG_TRACE=1 (plus the build knobs given as 'NAME=V,...' 
 variant each), runs the benchmark's inputs (16 requests x 128K tokens, random top-k 2048) at
 ``--tokens`` queries with one token per CTA, and prints per-step medians of the clock64 stamps
 that thread 0 of each consumer warpgroup wrote (sparse_mla_fp8_seesaw.cuh): per own block,
-wait for the stage, QK, the wait for the other warpgroup's P^T (with the pempty wait and the
-score scaling before it), PV of the other's block, the softmax, PV of its own block; per piece,
-the query prologue and the epilogue. Cycles are SM cycles; the kernel's CUDA-event time is
+wait for the stage, QK, the P^T buffer wait, the score scaling, the wait for the other
+warpgroup's P^T, PV of the other's block, the softmax's steps, PV of its own block; per piece,
+the query prologue and the epilogue's steps. Cycles are SM cycles; the kernel's CUDA-event time is
 printed beside them."""
 
 from __future__ import annotations
@@ -20,7 +20,17 @@ from benchmarks.kernels.bench_sparse_mla_decode import make_inputs
 from vllm.kernels import sparse_mla_cuda
 from vllm.kernels.sparse_mla_decode import sparse_mla_decode
 
-STEPS = ["wait stage", "QK", "to P^T(other)", "PV other", "softmax", "PV own"]
+# (name, from stamp, to stamp) of an own-block iteration (sparse_mla_fp8_seesaw.cuh's stamps)
+STEPS = [
+    ("wait stage", 0, 1), ("QK", 1, 2), ("pempty", 2, 12), ("scale", 12, 13),
+    ("wait P^T(other)", 13, 3), ("PV other", 3, 4), ("sm:check", 4, 7), ("sm:bar.red", 7, 8),
+    ("sm:exp", 8, 9), ("sm:store P^T", 9, 10), ("sm:fence", 10, 11), ("sm:arrive+bar", 11, 5),
+    ("PV own", 5, 6),
+]  # fmt: skip
+# the piece's stamps: entry 0, query loaded 3, first barrier 4, query stored 1, epilogue
+# barriers 5 and 6, before the output stores 7, end 2
+PIECE = [("query load", 0, 3), ("bar", 3, 4), ("query store", 4, 1), ("epi: l reduce", 5, 5),
+         ("epi: lse", 5, 6), ("epi: inv", 6, 7), ("epi: store", 7, 2)]  # fmt: skip
 
 
 def med(x: torch.Tensor) -> float:
@@ -43,26 +53,25 @@ def trace(t: int, spec: str) -> None:
     ms = ev[0].elapsed_time(ev[1])
     ctas = sparse_mla_cuda.default_ctas(t, 32, sparse_mla_cuda._num_sms(0))
     tr = sparse_mla_cuda.last_trace.view(torch.int64).flatten()
-    tr = tr[: ctas * 2 * 20 * 8].view(ctas, 2, 20, 8).cpu()
+    tr = tr[: ctas * 2 * 20 * 16].view(ctas, 2, 20, 16).cpu()
     it = tr[:, :, :18]  # [cta, wg, iteration, stamp]
     piece = tr[:, :, 19]
     total = piece[:, :, 2] - piece[:, :, 0]
     print(f"== [{spec}] T={t}: {ctas} CTAs, kernel {ms * 1e3:.1f} us (events, one call); "
           f"per CTA median {med(total):.0f} cycles")  # fmt: skip
-    print(f"   prologue (query) {med(piece[:, :, 1] - piece[:, :, 0]):.0f}, "
-          f"first stamp after it {med(it[:, :, 0, 0] - piece[:, :, 1]):.0f}")  # fmt: skip
-    # steady state: iterations 2..13 of each warpgroup (own blocks 4..27 of 32)
-    ss = it[:, :, 2:14]
-    d = [ss[..., 1] - ss[..., 0], ss[..., 2] - ss[..., 1], ss[..., 3] - ss[..., 2],
-         ss[..., 4] - ss[..., 3], ss[..., 5] - ss[..., 4], ss[..., 6] - ss[..., 5]]  # fmt: skip
+    ss = it[:, :, 2:14]  # steady state: iterations 2..13 of each warpgroup (own blocks 4..27)
     period = it[:, :, 3:15, 0] - it[:, :, 2:14, 0]
-    cells = "  ".join(f"{n} {med(x):.0f}" for n, x in zip(STEPS, d, strict=True))
-    print(f"   per own block (2 blocks of the CTA): {cells}  | period {med(period):.0f}")
-    last = it.flatten(2).max(dim=2).values  # each warpgroup's last block stamp
-    print(f"   epilogue (last block's stamp to the piece's end) {med(piece[:, :, 2] - last):.0f}")
-    first = it[:, :, 0]
-    print(f"   first block: wait stage {med(first[..., 1] - first[..., 0]):.0f}, "
-          f"QK {med(first[..., 2] - first[..., 1]):.0f}")  # fmt: skip
+    cells = [f"{n} {med(ss[..., b] - ss[..., a]):.0f}" for n, a, b in STEPS]
+    cells.append(f"loop {med(it[:, :, 3:15, 0] - it[:, :, 2:14, 6]):.0f}")
+    print(f"   per iteration (own block + the other's PV), period {med(period):.0f}:")
+    print("     " + ", ".join(cells))
+    last = it[..., :7].flatten(2).max(dim=2).values  # each warpgroup's last block stamp
+    cells = [f"{n} {med(piece[..., b] - piece[..., a]):.0f}" for n, a, b in PIECE]
+    cells[3] = f"epi: l reduce {med(piece[..., 5] - last):.0f}"
+    print("   piece: " + ", ".join(cells))
+    print(f"   first iteration: wait stage {med(it[:, :, 0, 1] - it[:, :, 0, 0]):.0f}, "
+          f"QK {med(it[:, :, 0, 2] - it[:, :, 0, 1]):.0f}; from the query to it "
+          f"{med(it[:, :, 0, 0] - piece[..., 1]):.0f}")  # fmt: skip
 
 
 def main():

@@ -19,7 +19,8 @@ constexpr int E_HI = 13, E_LO = 4, TILE_LO = 11, E_MIN = -100, E_NONE = -1000;
 // warpgroup loads its 32 heads; one power of two for the query (both warpgroups' amax).
 __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ qrow,
                                               long long stride_qh, int num_heads, int half,
-                                              uint8_t* smem, int wt, int lane, int w) {
+                                              uint8_t* smem, int wt, int lane, int w,
+                                              long long* trace) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   const bool hv = h < num_heads;
   const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
@@ -42,7 +43,9 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float* misc = reinterpret_cast<float*>(smem + OFF_MISC);
   if (lane == 0) misc[4 * half + w] = amax;
+  stamp(trace, TRACE_ITERS - 1, 3, wt);
   bar_sync(3, 256);
+  stamp(trace, TRACE_ITERS - 1, 4, wt);
   // (every consumer thread is past the previous piece's epilogue: its stabilisers can reset)
   if (half == 0 && wt < 64) reinterpret_cast<float*>(smem + OFF_M)[wt] = -INFINITY;
   if (half == 1 && wt == 0) reinterpret_cast<int*>(smem + OFF_EX)[0] = E_NONE;
@@ -265,10 +268,11 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
   const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
   stamp(trace, TRACE_ITERS - 1, 0, wt);
 #if QK_FP8
-  load_query64_fp8(qrow, stride_qh, num_heads, half, smem, wt, scale_log2);
+  load_query64_fp8(qrow, stride_qh, num_heads, half, smem, wt, scale_log2, trace);
   const float* qf_s = reinterpret_cast<const float*>(smem + OFF_QF);  // per-head score factors
 #else
-  const float base_f = scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w);
+  const float base_f =
+      scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w, trace);
 #endif
   stamp(trace, TRACE_ITERS - 1, 1, wt);
   const uint32_t dq = desc_lo(sbase + OFF_QT);
@@ -337,6 +341,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       // P^T[pb] and sigma[pb] were last read by PV of block j - 3, by both warpgroups (long
       // done: the other warpgroup ran it before its PV of block j - 2)
       mbar_wait(b.pempty + 8 * pb, ((gj / NUM_PBUF) & 1) ^ 1);
+      stamp(trace, ts, 12, wt);
       if (PV_F16) {
         __half* sig = reinterpret_cast<__half*>(smem + OFF_SIG + pb * 512) + 64 * c;
         sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(6 - e0, 127)) : 0.f);
@@ -364,6 +369,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
         }
 #endif
     }
+    stamp(trace, ts, 13, wt);
     if (SEESAW_ORDER != 2) other_block();
     if (own) {
     int E = PV_F16 ? ex_s[0] : 0;
@@ -377,7 +383,9 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       for (int bb = 0; bb < 2; ++bb)
         over |= fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]) > (bb ? x.y : x.x) + RESCALE_LOG2;
     }
+    stamp(trace, ts, 7, wt);
     const bool moved = bar_red_or(1 + half, 128, over);
+    stamp(trace, ts, 8, wt);
     bool exact = !PV_F16;
     float ef = 1.f;
     const float* m_use = m_s;  // the stabiliser this block's P uses
@@ -443,6 +451,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) l[2 * jj + bb] += s[4 * jj + bb] + s[4 * jj + 2 + bb];
     }
+    stamp(trace, ts, 9, wt);
     // P^T's factors: 2^(e_k - 6 - E) for the f16 PV, 2^-E for the exact one (E >= E_MIN there)
     const float ge = exp2i(min(-E, 127));
     const float g0 = exact ? ge : (p0 ? exp2i(max(e0 - 6 - E, -127)) : 0.f);
@@ -456,7 +465,9 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       flag_s[pb] = (moved ? 1 : 0) | (exact ? 2 : 0);
       reinterpret_cast<float*>(ex_s)[1 + pb] = ef;
     }
+    stamp(trace, ts, 10, wt);
     fence_proxy_async();
+    stamp(trace, ts, 11, wt);
     mbar_arrive(b.pfull + 8 * pb);
     bar_sync(1 + half, 128);  // this warpgroup's PV reads every warp's part of P^T
     stamp(trace, ts, 5, wt);

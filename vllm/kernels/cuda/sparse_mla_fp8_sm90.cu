@@ -78,9 +78,15 @@
 #define DIAG_SKIP_FULL 0
 #endif
 // DIAG_TRACE 1 (diagnostic): thread 0 of each consumer warpgroup writes clock64 stamps of its
-// steps into ws_o (benchmarks/kernels/trace_sparse_mla_cuda.py reads them; one piece per CTA).
+// steps into ws_o (benchmarks/kernels/trace_sparse_mla_cuda.py reads them; one piece per CTA):
+// 16 per slot, a slot per iteration of consumer_seesaw and the last one for the piece.
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
+#endif
+// EPI_FAST 1: the epilogue's 1/l by rcp.approx (one instruction; the IEEE division is a branchy
+// ~20-instruction sequence per head) and one store loop per output dtype.
+#ifndef EPI_FAST
+#define EPI_FAST 0
 #endif
 constexpr int TRACE_ITERS = 20;  // slots per warpgroup: 18 block iterations + the piece's stamps
 // QK_FP8 1: QK on the FP8 tensor cores with both operands in shared memory and no dequantisation:
@@ -383,8 +389,16 @@ __device__ __forceinline__ void stamp(long long* trace, int slot, int k, int wt)
   if (DIAG_TRACE && wt == 0) {
     long long t;
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
-    trace[8 * slot + k] = t;
+    trace[16 * slot + k] = t;
   }
+}
+
+// store_out with the output dtype fixed at compile time (EPI_FAST)
+template <bool FP32>
+__device__ __forceinline__ void store_out_t(const float (&acc)[4][32], const float (&inv)[16],
+                                            void* out, long long base, long long stride_oh,
+                                            int num_heads, int dv0, int c) {
+  store_out(acc, inv, out, base, stride_oh, num_heads, dv0, c, FP32);
 }
 
 #include "sparse_mla_fp8_seesaw.cuh"
@@ -559,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   const int dv0 = 256 * half + 8 * (8 * w + g);
   int* ctl_s = reinterpret_cast<int*>(smem + OFF_CTL);
   long long* trace = DIAG_TRACE ? reinterpret_cast<long long*>(ws_o) +
-                                      (long long)(2 * blockIdx.x + half) * TRACE_ITERS * 8
+                                      (long long)(2 * blockIdx.x + half) * TRACE_ITERS * 16
                                 : nullptr;
 #pragma unroll 1
   for (int wi = w0;;) {  // one piece per pass: token t, its blocks [b0, b0 + npb)
@@ -595,6 +609,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
               make_float2(l[2 * jj], l[2 * jj + 1]);
       }
       bar_sync(3, 256);
+      stamp(trace, TRACE_ITERS - 1, 5, wt);
       const Piece pc = piece_at(wi, nb, num_tokens);
       if (wt < 32) {  // heads [32 half, +32): a lane of each warpgroup's first warp each
         const int head = 32 * half + wt;
@@ -611,6 +626,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
         }
       }
       bar_sync(3, 256);
+      stamp(trace, TRACE_ITERS - 1, 6, wt);
     }
     const float* l_s = reinterpret_cast<const float*>(smem + OFF_L);
     float inv[16];
@@ -619,7 +635,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) {
         const float x = l_s[8 * jj + 2 * c + bb];
-        inv[2 * jj + bb] = x > 0.f ? 1.f / x : 0.f;
+        inv[2 * jj + bb] = x > 0.f ? (EPI_FAST ? rcp_approx(x) : 1.f / x) : 0.f;
       }
 #if PV_F16
     {  // O accumulated in units of 2^E (E_NONE: nothing had a scale, O is zero)
@@ -630,8 +646,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     }
 #endif
     const Piece pc = piece_at(wi, nb, num_tokens);
+    stamp(trace, TRACE_ITERS - 1, 7, wt);
     if (!pc.split) {
+#if EPI_FAST
+      if (out_fp32)
+        store_out_t<true>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
+      else
+        store_out_t<false>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
+#else
       store_out(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c, out_fp32 != 0);
+#endif
     } else {
       const int c_a = cta_of(pc.tw, pc.W, pc.G), c_b = cta_of(pc.tw + nb - 1, pc.W, pc.G);
       store_partial(acc, inv, ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V,

@@ -19,7 +19,8 @@ constexpr int QT_HI = 16384, QT_LO = 8192, QT_ROPE = 65536;  // Q regions (bytes
 // qq) holds tile qq of head h; the 4 threads of a head share its amax by two shuffles.
 __device__ __forceinline__ void load_query64_fp8(const __nv_bfloat16* __restrict__ qrow,
                                                  long long stride_qh, int num_heads, int half,
-                                                 uint8_t* smem, int wt, float scale_log2) {
+                                                 uint8_t* smem, int wt, float scale_log2,
+                                                 long long* trace) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   const bool hv = h < num_heads;
   const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
@@ -40,7 +41,9 @@ __device__ __forceinline__ void load_query64_fp8(const __nv_bfloat16* __restrict
   }
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  stamp(trace, TRACE_ITERS - 1, 3, wt);
   bar_sync(3, 256);
+  stamp(trace, TRACE_ITERS - 1, 4, wt);
   // (every consumer thread is past the previous piece's QKs and epilogue: the query regions and
   // the stabilisers can be rewritten)
   if (half == 0 && wt < 64) reinterpret_cast<float*>(smem + OFF_M)[wt] = -INFINITY;
