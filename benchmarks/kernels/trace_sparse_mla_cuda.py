@@ -37,8 +37,9 @@ def med(x: torch.Tensor) -> float:
     return float(x.float().median()) if x.numel() else float("nan")
 
 
-def trace(t: int, spec: str) -> None:
+def trace(t: int, spec: str, num_ctas: int | None = None) -> None:
     sparse_mla_cuda.DEFINES = {**sparse_mla_cuda.parse_defines(spec), "DIAG_TRACE": 1}
+    sparse_mla_cuda.NUM_CTAS = num_ctas
     layout, cache, slots, q = make_inputs(t, "fp8_ds_mla")
     scale = 1 / math.sqrt(256)
     run = lambda: sparse_mla_decode(q, cache, slots, layout, scale, kernel="cuda")  # noqa: E731
@@ -51,13 +52,13 @@ def trace(t: int, spec: str) -> None:
     ev[1].record()
     torch.cuda.synchronize()
     ms = ev[0].elapsed_time(ev[1])
-    ctas = sparse_mla_cuda.default_ctas(t, 32, sparse_mla_cuda._num_sms(0))
+    ctas = num_ctas or sparse_mla_cuda.default_ctas(t, 32, sparse_mla_cuda._num_sms(0))
     tr = sparse_mla_cuda.last_trace.view(torch.int64).flatten()
     tr = tr[: ctas * 2 * 20 * 16].view(ctas, 2, 20, 16).cpu()
     it = tr[:, :, :18]  # [cta, wg, iteration, stamp]
     piece = tr[:, :, 19]
     total = piece[:, :, 2] - piece[:, :, 0]
-    print(f"== [{spec}] T={t}: {ctas} CTAs, kernel {ms * 1e3:.1f} us (events, one call); "
+    print(f"== [{spec}] T={t}: {ctas} CTAs (stamps of each CTA's last token), kernel {ms * 1e3:.1f} us (events, one call); "
           f"per CTA median {med(total):.0f} cycles")  # fmt: skip
     ss = it[:, :, 2:14]  # steady state: iterations 2..13 of each warpgroup (own blocks 4..27)
     period = it[:, :, 3:15, 0] - it[:, :, 2:14, 0]
@@ -78,10 +79,11 @@ def main():
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("variants", nargs="*", default=[""], help="build knobs 'NAME=V,...' per variant")
     p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--ctas", type=int, default=None, help="grid size (default: the launcher's)")
     args = p.parse_args()
     for spec in args.variants:
-        trace(args.tokens, spec)
-    sparse_mla_cuda.DEFINES = {}
+        trace(args.tokens, spec, args.ctas)
+    sparse_mla_cuda.DEFINES, sparse_mla_cuda.NUM_CTAS = {}, None
 
 
 if __name__ == "__main__":
