@@ -83,6 +83,10 @@
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
 #endif
+// DIAG_STORE_SMEM 1 (diagnostic, wrong results): bf16 output rows stored to shared memory.
+#ifndef DIAG_STORE_SMEM
+#define DIAG_STORE_SMEM 0
+#endif
 // EPI_FAST 1: the epilogue's 1/l by rcp.approx (one instruction; the IEEE division is a branchy
 // ~20-instruction sequence per head) and one store loop per output dtype.
 #ifndef EPI_FAST
@@ -378,7 +382,12 @@ __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float
       } else {
         uint4 u = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
                              pack_bf16(v[6], v[7]));
+#if DIAG_STORE_SMEM  // (diagnostic: the output goes to the free query region, not to memory)
+        extern __shared__ uint8_t smem_raw[];
+        *reinterpret_cast<uint4*>(smem_raw + 1024 + ((head * 1024 + 2 * dv0) & 65535)) = u;
+#else
         *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(out) + o) = u;
+#endif
       }
     }
   }
