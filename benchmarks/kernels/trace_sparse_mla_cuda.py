@@ -70,6 +70,10 @@ def trace(t: int, spec: str, num_ctas: int | None = None) -> None:
     cells = [f"{n} {med(piece[..., b] - piece[..., a]):.0f}" for n, a, b in PIECE]
     cells[3] = f"epi: l reduce {med(piece[..., 5] - last):.0f}"
     print("   piece: " + ", ".join(cells))
+    twice = tr[:, :, 18]
+    if twice[..., 0].any():  # DIAG_STORE_TWICE: the store code's first and second pass
+        print(f"   stores twice: first {med(twice[..., 0] - piece[..., 7]):.0f}, "
+              f"second {med(twice[..., 1] - twice[..., 0]):.0f}")  # fmt: skip
     print(f"   first iteration: wait stage {med(it[:, :, 0, 1] - it[:, :, 0, 0]):.0f}, "
           f"QK {med(it[:, :, 0, 2] - it[:, :, 0, 1]):.0f}; from the query to it "
           f"{med(it[:, :, 0, 0] - piece[..., 1]):.0f}")  # fmt: skip

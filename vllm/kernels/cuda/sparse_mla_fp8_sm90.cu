@@ -87,6 +87,11 @@
 #ifndef DIAG_STORE_SMEM
 #define DIAG_STORE_SMEM 0
 #endif
+// DIAG_STORE_TWICE 1 (diagnostic): the bf16 output stores run twice (one copy of the code), with a
+// stamp after each pass: whether their time is the code's first fetch.
+#ifndef DIAG_STORE_TWICE
+#define DIAG_STORE_TWICE 0
+#endif
 // EPI_FAST 1: the epilogue's 1/l by rcp.approx (one instruction; the IEEE division is a branchy
 // ~20-instruction sequence per head) and one store loop per output dtype.
 #ifndef EPI_FAST
@@ -657,7 +662,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     const Piece pc = piece_at(wi, nb, num_tokens);
     stamp(trace, TRACE_ITERS - 1, 7, wt);
     if (!pc.split) {
-#if EPI_FAST
+#if DIAG_STORE_TWICE  // (diagnostic: the same store code twice, timed each time)
+#pragma unroll 1
+      for (int rep = 0; rep < 2; ++rep) {
+        store_out_t<false>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
+        stamp(trace, TRACE_ITERS - 2, rep, wt);
+      }
+#elif EPI_FAST
       if (out_fp32)
         store_out_t<true>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
       else
