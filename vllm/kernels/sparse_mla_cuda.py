@@ -280,7 +280,10 @@ def sparse_mla_fp8_cuda(
         ws_o.zero_()
         last_trace = ws_o
     ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
-    fn = _function(dev, tuple(sorted(DEFINES.items())))
+    defines = dict(DEFINES)
+    if defines.get("OUT_STATIC"):  # one cubin per output dtype
+        defines["OUT_FP32"] = int(out_dtype == torch.float32)
+    fn = _function(dev, tuple(sorted(defines.items())))
     stream = torch.cuda.current_stream(dev).cuda_stream
     counters = _counters(q.device, stream, t)
     c = ctypes

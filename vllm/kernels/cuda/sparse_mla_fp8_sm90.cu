@@ -92,6 +92,19 @@
 #ifndef DIAG_STORE_TWICE
 #define DIAG_STORE_TWICE 0
 #endif
+// OUT_STATIC 1: the output dtype is a build knob (OUT_FP32, set by the launcher: one cubin per
+// dtype), so the epilogue holds one store path.
+#ifndef OUT_STATIC
+#define OUT_STATIC 0
+#endif
+#ifndef OUT_FP32
+#define OUT_FP32 0
+#endif
+// PRODUCER_QFIRST 1: the producer issues the CTA's first stage, then waits until the consumers'
+// query loads have landed (mbarrier qld) before it issues the next stages.
+#ifndef PRODUCER_QFIRST
+#define PRODUCER_QFIRST 0
+#endif
 // EPI_FAST 1: the epilogue's 1/l by rcp.approx (one instruction; the IEEE division is a branchy
 // ~20-instruction sequence per head) and one store loop per output dtype.
 #ifndef EPI_FAST
@@ -195,6 +208,8 @@ __device__ __forceinline__ int st_piece(int r, int p) {
 struct Bars {
   uint32_t full, empty, pfull, pempty;  // base addresses; +8 per index
 };
+// PRODUCER_QFIRST's barrier: the consumers' query has landed (8 bytes in OFF_CTL's spare half)
+__device__ __forceinline__ uint32_t qld_bar(uint32_t sbase) { return sbase + OFF_CTL + 8; }
 
 // ---- producer ----------------------------------------------------------------------------
 // Both producers walk this CTA's range of (token, block) work items, w in [w0, w1): token
@@ -259,6 +274,7 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
   for (int w = w0; w < w1; ++w) {
     const int i = w - w0, st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
+    if (PRODUCER_QFIRST && i == 1) mbar_wait(qld_bar(sbase), 0);
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
 #if QK_FP8
@@ -564,6 +580,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       mbar_init(b.pfull + 8 * s, 128);
       mbar_init(b.pempty + 8 * s, 256);
     }
+    if (PRODUCER_QFIRST) mbar_init(qld_bar(sbase), 256);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Rows of a -1 id keep what the stage held (masked, never NaN): zero the stages once.
@@ -668,6 +685,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
         store_out_t<false>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
         stamp(trace, TRACE_ITERS - 2, rep, wt);
       }
+#elif OUT_STATIC
+      store_out_t<OUT_FP32 != 0>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
 #elif EPI_FAST
       if (out_fp32)
         store_out_t<true>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
