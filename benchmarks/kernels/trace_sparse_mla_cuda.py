@@ -70,6 +70,12 @@ def trace(t: int, spec: str, num_ctas: int | None = None) -> None:
     cells = [f"{n} {med(piece[..., b] - piece[..., a]):.0f}" for n, a, b in PIECE]
     cells[3] = f"epi: l reduce {med(piece[..., 5] - last):.0f}"
     print("   piece: " + ", ".join(cells))
+    for wg in range(2):  # the spread of the per-token steps, per warpgroup
+        q = torch.tensor([0.1, 0.5, 0.9])
+        ql = (piece[:, wg, 3] - piece[:, wg, 0]).float().quantile(q).tolist()
+        st = (piece[:, wg, 2] - piece[:, wg, 7]).float().quantile(q).tolist()
+        print(f"   warpgroup {wg}: query load p10/50/90 {ql[0]:.0f}/{ql[1]:.0f}/{ql[2]:.0f}, "
+              f"epi: store {st[0]:.0f}/{st[1]:.0f}/{st[2]:.0f}")  # fmt: skip
     twice = tr[:, :, 18]
     if twice[..., 0].any():  # DIAG_STORE_TWICE: the store code's first and second pass
         print(f"   stores twice: first {med(twice[..., 0] - piece[..., 7]):.0f}, "
