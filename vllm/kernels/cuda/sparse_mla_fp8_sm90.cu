@@ -105,6 +105,12 @@
 #ifndef STORE_LOOP
 #define STORE_LOOP 0
 #endif
+// NEXT_PREFETCH 1: once the producer has issued its CTA's last stage, it prefetches into L2 the
+// query and the first 3 blocks' rows of CTA blockIdx.x + #SMs, the CTA likely to start next
+// when the grid runs in waves (cp.async.bulk.prefetch.L2): that CTA's prologue then reads L2.
+#ifndef NEXT_PREFETCH
+#define NEXT_PREFETCH 0
+#endif
 // PRODUCER_QFIRST 1: the producer issues the CTA's first stage, then waits until the consumers'
 // query loads have landed (mbarrier qld) before it issues the next stages.
 #ifndef PRODUCER_QFIRST
@@ -271,9 +277,40 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+// NEXT_PREFETCH: the query (64 head rows of 1152 bytes) and the rows of the first 3 blocks of CTA
+// blockIdx.x + #SMs into L2; pt: this producer thread (0..127).
+struct QueryRef {
+  const __nv_bfloat16* q;
+  long long stride_qt, stride_qh;
+  int num_heads, num_tokens;
+};
+__device__ __forceinline__ void prefetch_next_cta(const uint8_t* __restrict__ kv, const Work& wk,
+                                                  const QueryRef& qr, int pt) {
+  uint32_t nsm, ncta, cta;
+  asm volatile("mov.u32 %0, %%nsmid;" : "=r"(nsm));
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(ncta));
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
+  const int nxt = (int)(cta + nsm);
+  if (nxt >= (int)ncta) return;
+  const int W = qr.num_tokens * wk.nb, G = (int)ncta;
+  const int wn = nxt * (W / G) + min(nxt, W - (W / G) * G);  // its first item (range_lo)
+  const int t = wn / wk.nb;
+  if (pt < qr.num_heads)
+    prefetch_l2(qr.q + t * qr.stride_qt + pt * qr.stride_qh, 1152);
+  for (int r = pt; r < 3 * BN; r += 128) {
+    const int w = wn + r / BN;
+    if (w >= W) break;
+    const int id = block_id(wk, w, r % BN);
+    if (id >= 0) prefetch_l2(kv + (size_t)id * ROW, ROW);
+  }
+}
 __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv, const Work& wk,
                                                  int w0, int w1, uint8_t* smem, uint32_t sbase,
-                                                 Bars b, int pw, int lane) {
+                                                 Bars b, int pw, int lane,
+                                                 const QueryRef& q) {
   int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
   int id = w0 < w1 ? block_id(wk, w0, 16 * pw + (lane & 15)) : -1;
   for (int w = w0; w < w1; ++w) {
@@ -311,6 +348,7 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
     if (w + 1 < w1) id = block_id(wk, w + 1, 16 * pw + (lane & 15));
   }
   if (DIAG_SKIP_FULL) asm volatile("cp.async.wait_all;" ::: "memory");
+  if (NEXT_PREFETCH) prefetch_next_cta(kv, wk, q, 32 * pw + lane);
 }
 
 // Vᵀ fragments of 4 rows (s0, s0+1, s0+8, s0+9; 4 bytes each), e4m3 -> f16x2 pairs of two rows
@@ -597,7 +635,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (PRODUCER_CPASYNC)
-      producer_cpasync(kv, wk, w0, w1, smem, sbase, b, warp, lane);
+      producer_cpasync(kv, wk, w0, w1, smem, sbase, b, warp, lane,
+                       QueryRef{q, stride_qt, stride_qh, num_heads, num_tokens});
     else if (warp == 0)
       producer(kv, wk, w0, w1, smem, sbase, b, lane);
     return;
