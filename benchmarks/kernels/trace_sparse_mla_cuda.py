@@ -76,10 +76,6 @@ def trace(t: int, spec: str, num_ctas: int | None = None) -> None:
         st = (piece[:, wg, 2] - piece[:, wg, 7]).float().quantile(q).tolist()
         print(f"   warpgroup {wg}: query load p10/50/90 {ql[0]:.0f}/{ql[1]:.0f}/{ql[2]:.0f}, "
               f"epi: store {st[0]:.0f}/{st[1]:.0f}/{st[2]:.0f}")  # fmt: skip
-    twice = tr[:, :, 18]
-    if twice[..., 0].any():  # DIAG_STORE_TWICE: the store code's first and second pass
-        print(f"   stores twice: first {med(twice[..., 0] - piece[..., 7]):.0f}, "
-              f"second {med(twice[..., 1] - twice[..., 0]):.0f}")  # fmt: skip
     print(f"   first iteration: wait stage {med(it[:, :, 0, 1] - it[:, :, 0, 0]):.0f}, "
           f"QK {med(it[:, :, 0, 2] - it[:, :, 0, 1]):.0f}; from the query to it "
           f"{med(it[:, :, 0, 0] - piece[..., 1]):.0f}")  # fmt: skip

@@ -14,6 +14,7 @@ Triton/Gluon kernels (tests/kernels/test_sparse_mla.py).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
@@ -42,6 +43,7 @@ def _need_nvcc():
         (("-DSEESAW_ORDER=0",), 120),
         (("-DSEESAW_ORDER=2",), 120),
         (("-DQK_FP8=1",), 130),
+        (("-DNEXT_PREFETCH=0",), 120),
     ],
 )
 def test_cuda_kernel_builds_for_sm90a(defines, max_spill):
@@ -104,6 +106,28 @@ def test_cuda_kernel_env_choice_falls_back(monkeypatch):
     monkeypatch.setenv("VLLM_SPARSE_MLA_KERNEL", "cudnn")
     with pytest.raises(ValueError, match="kernel must be"):
         _use_cuda(None, q, rows8, fp8, False)
+
+
+def test_cuda_build_error_is_reported_once(monkeypatch, caplog):
+    """A kernel that fails to build or load: build_error says why (the default dispatch then
+    takes the Gluon kernel), logs it once, and keeps the answer for the process."""
+    calls = []
+
+    def broken(device_index, defines):
+        calls.append(defines)
+        raise RuntimeError("nvcc failed on sparse_mla_fp8_sm90.cu: boom")
+
+    monkeypatch.setattr(sparse_mla_cuda, "_function", broken)
+    monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {"NEXT_PREFETCH": 0})
+    sparse_mla_cuda._build_error.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm"):
+            why = sparse_mla_cuda.build_error(torch.device("cuda", 0))
+            assert sparse_mla_cuda.build_error(torch.device("cuda", 0)) == why
+        assert why.startswith("failed to build or load") and "boom" in why
+        assert len(calls) == 1 and caplog.text.count("unavailable") == 1
+    finally:
+        sparse_mla_cuda._build_error.cache_clear()
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -319,3 +343,51 @@ def test_cuda_kernel_default_grid():
     assert grid(64, 32, 132) == 128 and grid(44, 32, 132) == 132 and grid(16, 32, 132) == 128
     assert grid(1, 32, 132) == sparse_mla_cuda.MAX_PIECES
     assert grid(3, 1, 132) == 3 and grid(3, 8, 132) == 6  # short top-k lists: fewer pieces
+
+
+@pytest.mark.gpu
+def test_cuda_default_dispatch_and_build_failure(monkeypatch, tmp_path, caplog):
+    """With no kernel chosen, FP8 decode at 64 heads takes the CUDA kernel and at 16 heads the
+    Gluon one. With a failing nvcc the default falls back to the Gluon kernel (same output as
+    kernel="ws", the error logged) while kernel="cuda" is an error that names it."""
+    from vllm.kernels.sparse_mla_decode import sparse_mla_decode
+
+    _gpu()
+    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 64)
+    g = torch.Generator().manual_seed(5)
+    cache = _cache(layout, 8, "cuda", g)
+    slots = _slots(3, 256, 8 * layout.block_size, "cuda", g)
+    q = torch.randn(3, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    heads = []
+    real = sparse_mla_cuda.sparse_mla_fp8_cuda
+
+    def counted(q, *args, **kwargs):
+        heads.append(q.shape[1])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(sparse_mla_cuda, "sparse_mla_fp8_cuda", counted)
+    monkeypatch.delenv("VLLM_SPARSE_MLA_KERNEL", raising=False)
+    out, _ = sparse_mla_decode(q, cache, slots, layout, 0.1)
+    ref_o, _ = sparse_mla_ref(q.float(), cache, slots, layout, 0.1)
+    assert heads == [64] and _rel(out, ref_o) < 1e-2
+    sparse_mla_decode(q[:, :16].contiguous(), cache, slots, layout, 0.1)
+    assert heads == [64]
+
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'nvcc: broken' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("VLLM_NVCC", str(fake))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))  # nothing built here yet
+    sparse_mla_cuda._function.cache_clear()
+    sparse_mla_cuda._build_error.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm"):
+            o, lse = sparse_mla_decode(q, cache, slots, layout, 0.1)
+        assert heads == [64] and "unavailable" in caplog.text
+        ws_o, ws_l = sparse_mla_decode(q, cache, slots, layout, 0.1, kernel="ws")
+        assert torch.equal(o, ws_o) and torch.equal(lse, ws_l)
+        with pytest.raises(ValueError, match="failed to build"):
+            sparse_mla_decode(q, cache, slots, layout, 0.1, kernel="cuda")
+    finally:
+        sparse_mla_cuda._function.cache_clear()
+        sparse_mla_cuda._build_error.cache_clear()

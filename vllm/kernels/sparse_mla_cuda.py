@@ -2,7 +2,8 @@
 ``vllm/kernels/cuda/sparse_mla_fp8_sm90.cu`` (its header comment is the design).
 
 Same function as :func:`vllm.kernels.sparse_mla_fwd.sparse_mla_fwd` on fp8_ds_mla rows at GLM-5.3's
-dims (kv_lora 512, rope 64, <= 64 heads), selected with ``kernel="cuda"`` or
+dims (kv_lora 512, rope 64, <= 64 heads): the default for FP8 decode calls of more than 32 heads on
+sm_90, and selected for every FP8 decode call with ``kernel="cuda"`` or
 ``VLLM_SPARSE_MLA_KERNEL=cuda``. Numerics differ from the Triton/Gluon kernels in two places,
 both with 11-bit (f16) instead of 8-bit (bf16) operand rounding:
 - QK runs in f16: e4m3 -> f16 is exact; the tile scale is normalised by the row's largest scale
@@ -33,6 +34,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from vllm.utils import logger
 
 SRC = Path(__file__).with_name("cuda") / "sparse_mla_fp8_sm90.cu"
 KERNEL_NAME = "sparse_mla_fp8_sm90"
@@ -189,6 +192,23 @@ def is_available(device: torch.device) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=16)
+def _build_error(device_index: int, defines: tuple[tuple[str, int], ...]) -> str | None:
+    try:
+        _function(device_index, defines)
+    except RuntimeError as e:  # nvcc failed, or the driver refused the cubin
+        logger.warning("the CUDA sparse-MLA kernel is unavailable: %s", str(e)[:2000])
+        return f"failed to build or load ({str(e)[:200]})"
+    return None
+
+
+def build_error(device: torch.device) -> str | None:
+    """Builds and loads the kernel for ``device`` (once: cached on disk and in the process);
+    None if that worked, else why not. The default dispatch uses the Gluon kernel then."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _build_error(index, tuple(sorted(DEFINES.items())))
+
+
 NUM_CTAS: int | None = None  # the grid size (tests, sweeps); None: default_ctas
 MIN_BLOCKS_PER_CTA = 4  # fewer 64-row blocks per CTA only add split pieces to merge
 MAX_PIECES = 8  # pieces of one token the kernel's merge takes (its shared-memory weights)
@@ -280,10 +300,7 @@ def sparse_mla_fp8_cuda(
         ws_o.zero_()
         last_trace = ws_o
     ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
-    defines = dict(DEFINES)
-    if defines.get("OUT_STATIC"):  # one cubin per output dtype
-        defines["OUT_FP32"] = int(out_dtype == torch.float32)
-    fn = _function(dev, tuple(sorted(defines.items())))
+    fn = _function(dev, tuple(sorted(DEFINES.items())))
     stream = torch.cuda.current_stream(dev).cuda_stream
     counters = _counters(q.device, stream, t)
     c = ctypes
@@ -301,4 +318,10 @@ def sparse_mla_fp8_cuda(
     return out, lse
 
 
-__all__ = ["sparse_mla_fp8_cuda", "compile_cubin", "ptxas_resources", "is_available"]
+__all__ = [
+    "sparse_mla_fp8_cuda",
+    "compile_cubin",
+    "ptxas_resources",
+    "is_available",
+    "build_error",
+]

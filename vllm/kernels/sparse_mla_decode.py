@@ -1,7 +1,8 @@
 """Sparse MLA decode over the paged MLA cache (fp8_ds_mla or bf16 ``auto``).
 
-On Hopper the warp-specialised Gluon kernel (:mod:`vllm.kernels.sparse_mla_ws`) runs; elsewhere
-(and with ``kernel="triton"``) it is :func:`vllm.kernels.sparse_mla_fwd._sparse_mla_fwd_kernel`
+On Hopper, fp8_ds_mla calls with more than 32 heads run the CUDA C++ kernel
+(:mod:`vllm.kernels.sparse_mla_cuda`) and the others the warp-specialised Gluon kernel
+(:mod:`vllm.kernels.sparse_mla_ws`); elsewhere (and with ``kernel="triton"``) it is :func:`vllm.kernels.sparse_mla_fwd._sparse_mla_fwd_kernel`
 reading cache rows by global slot; FP8 rows are dequantised in registers (e4m3 · per-128-value fp32 scale, bf16 rope)
 and fed to bf16 tensor-core dots. Small batches split each token's top-k list across programs and
 combine the slices with :func:`vllm.kernels.merge_attn.merge_attn_states`.

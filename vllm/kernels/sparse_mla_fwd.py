@@ -200,8 +200,8 @@ def sparse_mla_fwd(
     ``kernel``: "triton" (this module's kernel), "ws" (the warp-specialised Gluon kernel of
     :mod:`vllm.kernels.sparse_mla_ws`, Hopper and GLM-5.3 dims only), "cuda" (the CUDA C++ FP8
     decode kernel of :mod:`vllm.kernels.sparse_mla_cuda`, fp8_ds_mla rows on Hopper) or None =
-    the environment's ``VLLM_SPARSE_MLA_KERNEL``, else "ws" where it applies and "triton"
-    elsewhere."""
+    the environment's ``VLLM_SPARSE_MLA_KERNEL``, else "cuda" for FP8 calls of more than 32 heads
+    on sm_90 (``_use_cuda``), "ws" where it applies and "triton" elsewhere."""
     t, h, d = q.shape
     if d != fmt.kv_lora + fmt.rope or indices.dim() != 2 or indices.shape[0] != t:
         raise ValueError(f"q {tuple(q.shape)} / indices {tuple(indices.shape)} / {fmt} mismatch")
@@ -267,7 +267,12 @@ def sparse_mla_fwd(
 WS_DEFAULT = True  # faster on the H200 in all but one measured row (BENCHMARKS.md, fifth session)
 
 
-CUDA_DEFAULT = False  # the CUDA C++ FP8 decode kernel is opt-in until measured faster
+# The CUDA C++ FP8 decode kernel takes FP8 decode calls with more than CUDA_DEFAULT_MIN_HEADS - 1
+# heads on sm_90 by default: at 64 heads it matched or beat the Gluon kernel at every measured
+# batch (BENCHMARKS.md, fourteenth and fifteenth sessions). It always computes 64 heads, so at 32
+# or fewer (TP >= 2) the Gluon kernel's smaller head blocks stay the default.
+CUDA_DEFAULT = True
+CUDA_DEFAULT_MIN_HEADS = 33
 
 
 def _kernel_choice(kernel: str | None) -> str | None:
@@ -281,10 +286,15 @@ def _use_cuda(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
     """Whether the CUDA C++ kernel (:mod:`vllm.kernels.sparse_mla_cuda`, fp8_ds_mla rows on
     sm_90) takes this call. ``kernel="cuda"`` where it cannot is a ValueError saying why;
     ``VLLM_SPARSE_MLA_KERNEL=cuda`` selects it where it applies (FP8 decode) and leaves the
-    other calls (bf16 prefill, other GPUs) to the default kernels."""
+    other calls (bf16 prefill, other GPUs) to the default kernels. With no choice made it takes
+    FP8 calls of more than 32 heads (``CUDA_DEFAULT``). Where nvcc is missing or the build
+    fails, the non-strict choices fall back to the Gluon kernel (the build error is logged
+    once)."""
     strict = kernel == "cuda"
     kernel = _kernel_choice(kernel)
     if kernel not in (None, "cuda") or (kernel is None and not CUDA_DEFAULT):
+        return False
+    if kernel is None and q.shape[1] < CUDA_DEFAULT_MIN_HEADS:
         return False
     why = None
     if not q.is_cuda or interpreting():
@@ -296,9 +306,9 @@ def _use_cuda(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
     elif kv_rows.data_ptr() % 16 or kv_rows.stride(0) != fmt.row_bytes:
         why = "needs contiguous 16-byte aligned rows (it bulk-copies whole rows)"
     else:
-        from vllm.kernels.sparse_mla_cuda import is_available
+        from vllm.kernels.sparse_mla_cuda import build_error, is_available
 
-        why = is_available(q.device)
+        why = is_available(q.device) or build_error(q.device)
     if why is not None:
         if strict:
             raise ValueError(f"the CUDA sparse-MLA kernel {why}")

@@ -43,7 +43,6 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float* misc = reinterpret_cast<float*>(smem + OFF_MISC);
   if (lane == 0) misc[4 * half + w] = amax;
-  if (PRODUCER_QFIRST) mbar_arrive(qld_bar(static_cast<uint32_t>(__cvta_generic_to_shared(smem))));
   stamp(trace, TRACE_ITERS - 1, 3, wt);
   bar_sync(3, 256);
   stamp(trace, TRACE_ITERS - 1, 4, wt);

@@ -83,43 +83,12 @@
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
 #endif
-// DIAG_STORE_SMEM 1 (diagnostic, wrong results): bf16 output rows stored to shared memory.
-#ifndef DIAG_STORE_SMEM
-#define DIAG_STORE_SMEM 0
-#endif
-// DIAG_STORE_TWICE 1 (diagnostic): the bf16 output stores run twice (one copy of the code), with a
-// stamp after each pass: whether their time is the code's first fetch.
-#ifndef DIAG_STORE_TWICE
-#define DIAG_STORE_TWICE 0
-#endif
-// OUT_STATIC 1: the output dtype is a build knob (OUT_FP32, set by the launcher: one cubin per
-// dtype), so the epilogue holds one store path.
-#ifndef OUT_STATIC
-#define OUT_STATIC 0
-#endif
-#ifndef OUT_FP32
-#define OUT_FP32 0
-#endif
-// STORE_LOOP 1 (with OUT_STATIC): the output stores inside a one-pass rolled loop (DIAG_STORE_TWICE
-// measured that shape at ~2K cycles a pass against ~10K for the straight code).
-#ifndef STORE_LOOP
-#define STORE_LOOP 0
-#endif
-// NEXT_PREFETCH 1: once the producer has issued its CTA's last stage, it prefetches into L2 the
-// query and the first 3 blocks' rows of CTA blockIdx.x + #SMs, the CTA likely to start next
-// when the grid runs in waves (cp.async.bulk.prefetch.L2): that CTA's prologue then reads L2.
+// NEXT_PREFETCH 1 (default): once the producer has issued its CTA's last stage, it prefetches into
+// L2 the query and the first 3 blocks' rows of CTA blockIdx.x + #SMs, the CTA likely to start next
+// when the grid runs in waves (cp.async.bulk.prefetch.L2), so that CTA's prologue reads L2
+// (measured: its query load 12.4K -> 11.0K cycles; BENCHMARKS.md, fifteenth session).
 #ifndef NEXT_PREFETCH
-#define NEXT_PREFETCH 0
-#endif
-// PRODUCER_QFIRST 1: the producer issues the CTA's first stage, then waits until the consumers'
-// query loads have landed (mbarrier qld) before it issues the next stages.
-#ifndef PRODUCER_QFIRST
-#define PRODUCER_QFIRST 0
-#endif
-// EPI_FAST 1: the epilogue's 1/l by rcp.approx (one instruction; the IEEE division is a branchy
-// ~20-instruction sequence per head) and one store loop per output dtype.
-#ifndef EPI_FAST
-#define EPI_FAST 0
+#define NEXT_PREFETCH 1
 #endif
 constexpr int TRACE_ITERS = 20;  // slots per warpgroup: 18 block iterations + the piece's stamps
 // QK_FP8 1: QK on the FP8 tensor cores with both operands in shared memory and no dequantisation:
@@ -203,7 +172,7 @@ __device__ __forceinline__ void v_rows(const uint8_t* stg, int s0, int dv0, uint
 #endif
 }
 // where the 16-byte piece p (0..40) of row r goes
-__device__ __forceinline__ int st_piece(int r, int p) {
+[[maybe_unused]] __device__ __forceinline__ int st_piece(int r, int p) {
   return p < 32 ? st_nope(r, 16 * p) : (p == 32 ? st_scale(r) : st_rope(r, 16 * (p - 33)));
 }
 
@@ -219,8 +188,7 @@ __device__ __forceinline__ int st_piece(int r, int p) {
 struct Bars {
   uint32_t full, empty, pfull, pempty;  // base addresses; +8 per index
 };
-// PRODUCER_QFIRST's barrier: the consumers' query has landed (8 bytes in OFF_CTL's spare half)
-__device__ __forceinline__ uint32_t qld_bar(uint32_t sbase) { return sbase + OFF_CTL + 8; }
+
 
 // ---- producer ----------------------------------------------------------------------------
 // Both producers walk this CTA's range of (token, block) work items, w in [w0, w1): token
@@ -316,7 +284,6 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
   for (int w = w0; w < w1; ++w) {
     const int i = w - w0, st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
-    if (PRODUCER_QFIRST && i == 1) mbar_wait(qld_bar(sbase), 0);
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
 #if QK_FP8
@@ -446,12 +413,7 @@ __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float
       } else {
         uint4 u = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
                              pack_bf16(v[6], v[7]));
-#if DIAG_STORE_SMEM  // (diagnostic: the output goes to the free query region, not to memory)
-        extern __shared__ uint8_t smem_raw[];
-        *reinterpret_cast<uint4*>(smem_raw + 1024 + ((head * 1024 + 2 * dv0) & 65535)) = u;
-#else
         *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(out) + o) = u;
-#endif
       }
     }
   }
@@ -466,7 +428,7 @@ __device__ __forceinline__ void stamp(long long* trace, int slot, int k, int wt)
   }
 }
 
-// store_out with the output dtype fixed at compile time (EPI_FAST)
+// store_out with the output dtype fixed at compile time (one branch for the piece, not per head)
 template <bool FP32>
 __device__ __forceinline__ void store_out_t(const float (&acc)[4][32], const float (&inv)[16],
                                             void* out, long long base, long long stride_oh,
@@ -623,7 +585,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       mbar_init(b.pfull + 8 * s, 128);
       mbar_init(b.pempty + 8 * s, 256);
     }
-    if (PRODUCER_QFIRST) mbar_init(qld_bar(sbase), 256);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Rows of a -1 id keep what the stage held (masked, never NaN): zero the stages once.
@@ -710,7 +671,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) {
         const float x = l_s[8 * jj + 2 * c + bb];
-        inv[2 * jj + bb] = x > 0.f ? (EPI_FAST ? rcp_approx(x) : 1.f / x) : 0.f;
+        // (rcp.approx: one instruction; the IEEE division is a branchy ~20-instruction sequence
+        // per head, 2K cycles of the epilogue)
+        inv[2 * jj + bb] = x > 0.f ? rcp_approx(x) : 0.f;
       }
 #if PV_F16
     {  // O accumulated in units of 2^E (E_NONE: nothing had a scale, O is zero)
@@ -723,26 +686,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     const Piece pc = piece_at(wi, nb, num_tokens);
     stamp(trace, TRACE_ITERS - 1, 7, wt);
     if (!pc.split) {
-#if DIAG_STORE_TWICE  // (diagnostic: the same store code twice, timed each time)
-#pragma unroll 1
-      for (int rep = 0; rep < 2; ++rep) {
-        store_out_t<false>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
-        stamp(trace, TRACE_ITERS - 2, rep, wt);
-      }
-#elif OUT_STATIC && STORE_LOOP  // (a one-pass loop: see STORE_LOOP)
-#pragma unroll 1
-      for (int rep = 0; rep < launder(1); ++rep)
-        store_out_t<OUT_FP32 != 0>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
-#elif OUT_STATIC
-      store_out_t<OUT_FP32 != 0>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
-#elif EPI_FAST
       if (out_fp32)
         store_out_t<true>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
       else
         store_out_t<false>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
-#else
-      store_out(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c, out_fp32 != 0);
-#endif
     } else {
       const int c_a = cta_of(pc.tw, pc.W, pc.G), c_b = cta_of(pc.tw + nb - 1, pc.W, pc.G);
       store_partial(acc, inv, ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V,

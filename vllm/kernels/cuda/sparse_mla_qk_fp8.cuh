@@ -41,7 +41,6 @@ __device__ __forceinline__ void load_query64_fp8(const __nv_bfloat16* __restrict
   }
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  if (PRODUCER_QFIRST) mbar_arrive(qld_bar(static_cast<uint32_t>(__cvta_generic_to_shared(smem))));
   stamp(trace, TRACE_ITERS - 1, 3, wt);
   bar_sync(3, 256);
   stamp(trace, TRACE_ITERS - 1, 4, wt);
