@@ -15,16 +15,15 @@ constexpr int E_HI = 13, E_LO = 4, TILE_LO = 11, E_MIN = -100, E_NONE = -1000;
 // (rarely) only in the scoring warpgroup's slow path; alpha and the block's flags go with P^T.
 // pempty[b]: both warpgroups have retired PV of the block that last used P^T[b] (and sigma[b]).
 
-// The whole query (64 heads) into the shared Q^T: 9 atoms of [64 heads x 128 B]; each
-// warpgroup loads its 32 heads; one power of two for the query (both warpgroups' amax).
-__device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ qrow,
-                                              long long stride_qh, int num_heads, int half,
-                                              uint8_t* smem, int wt, int lane, int w,
-                                              long long* trace) {
+// Thread (head h = 32 half + wt / 4, quarter qq = wt % 4) loads its quarter of head h's query:
+// v[0..15] the nope values [128 qq, 128 qq + 128), v[16..17] rope dims [16 qq, 16 qq + 16)
+// (zeros past num_heads); returns the largest |value| of its nope part.
+__device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restrict__ qrow,
+                                                    long long stride_qh, int num_heads, int half,
+                                                    int wt, uint4 (&v)[18]) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   const bool hv = h < num_heads;
   const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
-  uint4 v[18];
 #pragma unroll
   for (int k = 0; k < 16; ++k) v[k] = hv ? __ldg(qh + qq * 16 + k) : make_uint4(0, 0, 0, 0);
 #pragma unroll
@@ -39,6 +38,18 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
       amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
     }
   }
+  return amax;
+}
+
+// The whole query (64 heads) into the shared Q^T: 9 atoms of [64 heads x 128 B]; each
+// warpgroup loads its 32 heads; one power of two for the query (both warpgroups' amax).
+__device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ qrow,
+                                              long long stride_qh, int num_heads, int half,
+                                              uint8_t* smem, int wt, int lane, int w,
+                                              long long* trace) {
+  const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
+  uint4 v[18];
+  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float* misc = reinterpret_cast<float*>(smem + OFF_MISC);
@@ -83,6 +94,17 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
   return exp2i(-eq);
 }
 
+// Rows r0, r1's 4 tile scales (sa, sb): the largest (mx), its exponent (e) and tile c's.
+__device__ __forceinline__ void row_scales(const float4& sa, const float4& sb, int c, float& mx0,
+                                           float& mx1, int& e0, int& e1, float& ca, float& cb) {
+  mx0 = fmaxf(fmaxf(sa.x, sa.y), fmaxf(sa.z, sa.w));
+  mx1 = fmaxf(fmaxf(sb.x, sb.y), fmaxf(sb.z, sb.w));
+  e0 = ilog2(mx0);
+  e1 = ilog2(mx1);
+  ca = c == 0 ? sa.x : (c == 1 ? sa.y : (c == 2 ? sa.z : sa.w));
+  cb = c == 0 ? sb.x : (c == 1 ? sb.y : (c == 2 ? sb.z : sb.w));
+}
+
 // S^T for all 64 heads (n64): as qk_block, with 8192-byte atoms.
 // Also returns the rows' largest tile scales (mx0, mx1) and this thread's tile c scales (ca, cb).
 __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, const uint8_t* row1,
@@ -90,12 +112,7 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
                                            float& mx1, float& ca, float& cb) {
   const float4 sa = *reinterpret_cast<const float4*>(row0 + 512);
   const float4 sb = *reinterpret_cast<const float4*>(row1 + 512);
-  mx0 = fmaxf(fmaxf(sa.x, sa.y), fmaxf(sa.z, sa.w));
-  mx1 = fmaxf(fmaxf(sb.x, sb.y), fmaxf(sb.z, sb.w));
-  e0 = ilog2(mx0);
-  e1 = ilog2(mx1);
-  ca = c == 0 ? sa.x : (c == 1 ? sa.y : (c == 2 ? sa.z : sa.w));
-  cb = c == 0 ? sb.x : (c == 1 ? sb.y : (c == 2 ? sb.z : sb.w));
+  row_scales(sa, sb, c, mx0, mx1, e0, e1, ca, cb);
   const uint32_t h0 = pack_f16(ca * exp2i(-e0), ca * exp2i(-e0));
   const uint32_t h1 = pack_f16(cb * exp2i(-e1), cb * exp2i(-e1));
 #pragma unroll

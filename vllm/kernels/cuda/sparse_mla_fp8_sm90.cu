@@ -36,10 +36,19 @@
 //     CTA-wide stabiliser 2^E), with an exact bf16 PV for blocks whose scales f16 cannot hold.
 //   The row sums l come from the softmax; the epilogue reduces them across warps and
 //   warpgroups, normalises O and writes it and the LSE.
+// - Per token (a CTA's piece): the query prologue, then the blocks, then the epilogue (row sums
+//   reduced across warps and warpgroups, 1/l by rcp.approx, O and the LSE stored). Once the
+//   producer has issued its last stage it prefetches into L2 the query and first rows of the CTA
+//   likely to start next on a freed SM (NEXT_PREFETCH).
+// QK_FP8 1 (a build knob, tested, measured 1-2 % slower): QK on the FP8 tensor cores from shared
+// memory, see sparse_mla_qk_fp8.cuh. DIAG_TRACE 1: per-step clock64 stamps
+// (benchmarks/kernels/trace_sparse_mla_cuda.py); BENCHMARKS.md's fifteenth session has what they
+// showed (per CTA: ~15-18K cycles of query prologue, ~10K of output stores, 9.6K per two blocks).
 // The first design (both warpgroups score every block, 32 heads each, exact bf16 PV; 1.003 ms
 // at T=1024 against this one's 0.886) is in the git history and BENCHMARKS.md.
 // Files: this one (layout, producers, the exact PV, the kernel), the PTX wrappers in
-// sparse_mla_sm90_ptx.cuh, the consumer in sparse_mla_fp8_seesaw.cuh.
+// sparse_mla_sm90_ptx.cuh, the consumer in sparse_mla_fp8_seesaw.cuh, the QK_FP8 variant's
+// query prologue and QK in sparse_mla_qk_fp8.cuh.
 // Measurements, the profile and what limits it: BENCHMARKS.md, twelfth and thirteenth sessions.
 //
 // Shapes: q [T, H<=64, 576] bf16; kv [rows, 656] uint8; idx [T, K] int32 (-1 = none);

@@ -22,23 +22,8 @@ __device__ __forceinline__ void load_query64_fp8(const __nv_bfloat16* __restrict
                                                  uint8_t* smem, int wt, float scale_log2,
                                                  long long* trace) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
-  const bool hv = h < num_heads;
-  const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
   uint4 v[18];
-#pragma unroll
-  for (int k = 0; k < 16; ++k) v[k] = hv ? __ldg(qh + qq * 16 + k) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int k = 0; k < 2; ++k) v[16 + k] = hv ? __ldg(qh + 64 + 2 * qq + k) : make_uint4(0, 0, 0, 0);
-  float amax = 0.f;
-#pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    const uint32_t ws[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&ws[e]));
-      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
-  }
+  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v);
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   stamp(trace, TRACE_ITERS - 1, 3, wt);
@@ -140,12 +125,6 @@ __device__ __forceinline__ void qk_block64_fp8(float (&s)[32], const uint8_t* st
       wgmma_commit();
     }
   }
-  const float4 sa = *reinterpret_cast<const float4*>(sc0);
-  const float4 sb = *reinterpret_cast<const float4*>(sc1);
-  mx0 = fmaxf(fmaxf(sa.x, sa.y), fmaxf(sa.z, sa.w));
-  mx1 = fmaxf(fmaxf(sb.x, sb.y), fmaxf(sb.z, sb.w));
-  e0 = ilog2(mx0);
-  e1 = ilog2(mx1);
-  ca = c == 0 ? sa.x : (c == 1 ? sa.y : (c == 2 ? sa.z : sa.w));
-  cb = c == 0 ? sb.x : (c == 1 ? sb.y : (c == 2 ? sb.z : sb.w));
+  row_scales(*reinterpret_cast<const float4*>(sc0), *reinterpret_cast<const float4*>(sc1), c,
+             mx0, mx1, e0, e1, ca, cb);
 }
