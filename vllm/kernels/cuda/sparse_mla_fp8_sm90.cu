@@ -104,13 +104,9 @@ constexpr int TRACE_ITERS = 20;  // slots per warpgroup: 18 block iterations + t
 // K is the raw e4m3 rows (the producer places each 16-byte piece in the wgmma's 128-B-swizzled
 // layout), the query is split per head into two e4m3 terms hi + lo (exact for bf16 values within
 // 2^10 of the head's largest), and the tile scales are applied in fp32 to each 128-feature
-// tile's sum (sparse_mla_qk_fp8.cuh). QK_FP8_NACC: tile accumulators (2: the next tile's
-// wgmmas run while this one's sum is scaled).
+// tile's sum (sparse_mla_qk_fp8.cuh).
 #ifndef QK_FP8
 #define QK_FP8 0
-#endif
-#ifndef QK_FP8_NACC
-#define QK_FP8_NACC 1
 #endif
 static_assert(!QK_FP8 || PRODUCER_CPASYNC, "QK_FP8 places 16-byte pieces: the cp.async producer");
 
@@ -197,7 +193,6 @@ __device__ __forceinline__ void v_rows(const uint8_t* stg, int s0, int dv0, uint
 struct Bars {
   uint32_t full, empty, pfull, pempty;  // base addresses; +8 per index
 };
-
 
 // ---- producer ----------------------------------------------------------------------------
 // Both producers walk this CTA's range of (token, block) work items, w in [w0, w1): token

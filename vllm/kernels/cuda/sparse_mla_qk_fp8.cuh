@@ -96,32 +96,26 @@ __device__ __forceinline__ void qk_block64_fp8(float (&s)[32], const uint8_t* st
   const uint32_t da = desc_lo(stage);
   const float* sc0 = reinterpret_cast<const float*>(stg + ST_SC + 16 * r0);
   const float* sc1 = reinterpret_cast<const float*>(stg + ST_SC + 16 * r1);
-  float acc[QK_FP8_NACC][32];
+  float acc[32];
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < 4; ++k)  // the rope: S = K_rope . Q_rope^T (bf16, k16 steps of 32 bytes)
     wgmma_bf16_ss(s, desc(da + (ST_ROPE >> 4) + 2 * k), desc(dq + (QT_ROPE >> 4) + 2 * k), k > 0);
-  qk8_tile(acc[0], da, dq, 0);
+  qk8_tile(acc, da, dq, 0);
   wgmma_commit();
+  // one tile accumulator (a second one for the next tile needs registers the budget lacks:
+  // ptxas then serialises every wgmma and spills ~1 KB)
 #pragma unroll
   for (int t = 0; t < 4; ++t) {
     const float f0 = sc0[t], f1 = sc1[t];  // (loaded under the wgmmas)
-    if (QK_FP8_NACC == 2 && t < 3) {  // the next tile into the other accumulator first
-      wgmma_fence();
-      qk8_tile(acc[(t + 1) % QK_FP8_NACC], da, dq, t + 1);
-      wgmma_commit();
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
-    float(&a)[32] = acc[t % QK_FP8_NACC];
-    fence_acc(a);
+    wgmma_wait<0>();
+    fence_acc(acc);
     if (t == 0) fence_acc(s);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = fmaf(a[i], (i & 2) ? f1 : f0, s[i]);
-    if (QK_FP8_NACC == 1 && t < 3) {
+    for (int i = 0; i < 32; ++i) s[i] = fmaf(acc[i], (i & 2) ? f1 : f0, s[i]);
+    if (t < 3) {
       wgmma_fence();
-      qk8_tile(acc[0], da, dq, t + 1);
+      qk8_tile(acc, da, dq, t + 1);
       wgmma_commit();
     }
   }
