@@ -112,6 +112,13 @@ def main():
         help="';'-separated launcher settings of the CUDA kernel to time, each 'NAME=V,...' "
         "(attributes of vllm.kernels.sparse_mla_cuda, e.g. NUM_CTAS=128)",
     )
+    p.add_argument(
+        "--cuda-src",
+        default="",
+        help="';'-separated directories holding another version of the CUDA kernel's sources "
+        "(sparse_mla_fp8_sm90.cu and its .cuh files, e.g. exported from an earlier commit) to "
+        "time as baselines in the same process",
+    )
     args = p.parse_args()
     ctx = args.ctx
     shapes = SHAPES[:2] if args.quick else SHAPES
@@ -159,6 +166,21 @@ def main():
                 )
             for k, v in saved.items():
                 setattr(sparse_mla_cuda, k, v)
+    if args.cuda_src:  # other versions of the kernel's sources, same process and inputs
+        from pathlib import Path
+
+        from vllm.kernels import sparse_mla_cuda
+
+        saved_src = sparse_mla_cuda.SRC
+        for d in args.cuda_src.split(";"):
+            sparse_mla_cuda.SRC = Path(d) / saved_src.name
+            sparse_mla_cuda.clear_caches()
+            for t in shapes:
+                rows.append(
+                    bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[src={d}]", ctx=ctx)
+                )
+        sparse_mla_cuda.SRC = saved_src
+        sparse_mla_cuda.clear_caches()
     print_rows(rows)
     dump_json(rows, args.json)
 

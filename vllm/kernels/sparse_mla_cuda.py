@@ -209,6 +209,12 @@ def build_error(device: torch.device) -> str | None:
     return _build_error(index, tuple(sorted(DEFINES.items())))
 
 
+def clear_caches() -> None:
+    """Forget the loaded modules and build results (after changing SRC or the sources)."""
+    _function.cache_clear()
+    _build_error.cache_clear()
+
+
 NUM_CTAS: int | None = None  # the grid size (tests, sweeps); None: default_ctas
 MIN_BLOCKS_PER_CTA = 4  # fewer 64-row blocks per CTA only add split pieces to merge
 MAX_PIECES = 8  # pieces of one token the kernel's merge takes (its shared-memory weights)
@@ -220,8 +226,8 @@ _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _counters(device: torch.device, stream: int, t: int) -> torch.Tensor:
-    """Zeroed int32 [>= t] token counters for a launch on ``stream``. The kernel leaves them
-    zero (the merging piece re-zeroes its token's), so one buffer serves every launch of a
+    """Zeroed int32 [>= t] counters for a launch on ``stream`` (two per token). The kernel leaves
+    them zero (the merging piece re-zeroes its token's), so one buffer serves every launch of a
     stream, which runs them in order; CACHE_COUNTERS = False: a fresh torch.zeros per call."""
     if not CACHE_COUNTERS:
         return torch.zeros(t, dtype=torch.int32, device=device)
@@ -302,7 +308,7 @@ def sparse_mla_fp8_cuda(
     ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
     fn = _function(dev, tuple(sorted(DEFINES.items())))
     stream = torch.cuda.current_stream(dev).cuda_stream
-    counters = _counters(q.device, stream, t)
+    counters = _counters(q.device, stream, 2 * t)  # [2t]: tickets, partials written
     c = ctypes
     args = [
         c.c_void_p(q.data_ptr()), c.c_void_p(kv_rows.data_ptr()), c.c_void_p(indices.data_ptr()),

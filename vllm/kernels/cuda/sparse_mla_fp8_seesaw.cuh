@@ -15,19 +15,8 @@ constexpr int E_HI = 13, E_LO = 4, TILE_LO = 11, E_MIN = -100, E_NONE = -1000;
 // (rarely) only in the scoring warpgroup's slow path; alpha and the block's flags go with P^T.
 // pempty[b]: both warpgroups have retired PV of the block that last used P^T[b] (and sigma[b]).
 
-// Thread (head h = 32 half + wt / 4, quarter qq = wt % 4) loads its quarter of head h's query:
-// v[0..15] the nope values [128 qq, 128 qq + 128), v[16..17] rope dims [16 qq, 16 qq + 16)
-// (zeros past num_heads); returns the largest |value| of its nope part.
-__device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restrict__ qrow,
-                                                    long long stride_qh, int num_heads, int half,
-                                                    int wt, uint4 (&v)[18]) {
-  const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
-  const bool hv = h < num_heads;
-  const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
-#pragma unroll
-  for (int k = 0; k < 16; ++k) v[k] = hv ? __ldg(qh + qq * 16 + k) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int k = 0; k < 2; ++k) v[16 + k] = hv ? __ldg(qh + 64 + 2 * qq + k) : make_uint4(0, 0, 0, 0);
+// The largest |value| of v[0..15] (bf16 pairs).
+__device__ __forceinline__ float quarter_amax(const uint4 (&v)[18]) {
   float amax = 0.f;
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
@@ -41,6 +30,51 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
   return amax;
 }
 
+// Thread (head h = 32 half + wt / 4, quarter qq = wt % 4) loads its quarter of head h's query:
+// v[0..15] the nope values [128 qq, 128 qq + 128), v[16..17] rope dims [16 qq, 16 qq + 16)
+// (zeros past num_heads); returns the largest |value| of its nope part.
+// Straight from global memory, each of a warp's 16-byte loads touches 32 cache lines (8 heads x
+// 4 quarters). QSTAGED 1 (default path only): the 256 consumer threads first copy the query in
+// order (a warp's load is 512 contiguous bytes) into a padded [64 x 1168-byte] staging area in
+// shared memory (Q^T's and the P^T buffers' space: both free when a piece starts), then each
+// thread reads its quarter from there, 4 wavefronts a load. Synchronises the consumers.
+__device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restrict__ qrow,
+                                                    long long stride_qh, int num_heads, int half,
+                                                    int wt, uint4 (&v)[18],
+                                                    uint8_t* staging = nullptr) {
+  const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
+  const bool hv = h < num_heads;
+  if (staging != nullptr) {
+    constexpr int RS = 1168;  // staging row stride: 1152 + 16 (rows 4 banks apart)
+    const int tc = 128 * half + wt;
+    uint4 x[18];
+#pragma unroll
+    for (int i = 0; i < 18; ++i) {  // 16-byte piece g of the [64 heads x 72] query
+      const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
+      x[i] = hd < num_heads ? __ldg(reinterpret_cast<const uint4*>(qrow + (long long)hd * stride_qh) + pc)
+                            : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 18; ++i) {
+      const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
+      *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = x[i];
+    }
+    bar_sync(3, 256);
+    const uint4* qs = reinterpret_cast<const uint4*>(staging + h * RS);
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = qs[qq * 16 + k];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) v[16 + k] = qs[64 + 2 * qq + k];
+    return quarter_amax(v);
+  }
+  const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
+#pragma unroll
+  for (int k = 0; k < 16; ++k) v[k] = hv ? __ldg(qh + qq * 16 + k) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) v[16 + k] = hv ? __ldg(qh + 64 + 2 * qq + k) : make_uint4(0, 0, 0, 0);
+  return quarter_amax(v);
+}
+
 // The whole query (64 heads) into the shared Q^T: 9 atoms of [64 heads x 128 B]; each
 // warpgroup loads its 32 heads; one power of two for the query (both warpgroups' amax).
 __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ qrow,
@@ -49,7 +83,13 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
                                               long long* trace) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   uint4 v[18];
-  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v);
+  uint8_t* staging = QSTAGED ? smem + OFF_QT : nullptr;
+  if (DIAG_QTWICE) {
+    const float a0 = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v, staging);
+    qrow += a0 > 3e38f ? 8 : 0;  // (never in practice) the second load waits for the first
+    if (QSTAGED) bar_sync(3, 256);  // every thread has read the first copy
+  }
+  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v, staging);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float* misc = reinterpret_cast<float*>(smem + OFF_MISC);

@@ -89,6 +89,16 @@
 // DIAG_TRACE 1 (diagnostic): thread 0 of each consumer warpgroup writes clock64 stamps of its
 // steps into ws_o (benchmarks/kernels/trace_sparse_mla_cuda.py reads them; one piece per CTA):
 // 16 per slot, a slot per iteration of consumer_seesaw and the last one for the piece.
+// QSTAGED 1: the query prologue copies the query in order through a staging area in shared
+// memory (coalesced global loads) before each thread takes its quarter (load_query_quarter).
+#ifndef QSTAGED
+#define QSTAGED 1
+#endif
+// DIAG_QTWICE 1 (diagnostic): the query prologue loads the query twice (the first copy is
+// discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
+#ifndef DIAG_QTWICE
+#define DIAG_QTWICE 0
+#endif
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
 #endif
@@ -136,6 +146,7 @@ constexpr int OFF_QF = OFF_CTL + 16;                     // QK_FP8: [64] f32 per
 constexpr int SMEM_BYTES = OFF_QF + 64 * 4;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
+static_assert(64 * 1168 <= OFF_ST - OFF_QT, "the query's staging area: Q^T and P^T");
 static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
 
 // A stage's bytes. QK_FP8 0: the rows as copied, ROW bytes apart. QK_FP8 1: the layout of the QK
@@ -393,34 +404,53 @@ __device__ __forceinline__ void rescale(float (&d)[32], const float (&alpha)[16]
   for (int i = 0; i < 32; ++i) d[i] *= alpha[2 * (i >> 2) + (i & 1)];
 }
 
-// Writes this thread's O^T values for its 16 heads: out[head, dv0 .. dv0+8).
-__device__ __forceinline__ void store_out(const float (&acc)[4][32], const float (&inv)[16],
-                                          void* out, long long base, long long stride_oh,
-                                          int num_heads, int dv0, int c, bool fp32) {
+// Writes this thread's O^T values for its 16 heads: out[head, dv0 .. dv0+8), head rows D_V
+// elements apart (the launcher's out is contiguous [T, H, 512]).
+// Each store takes one packed bf16 pair (or one fp32 value) straight from the register it was
+// computed in, at a constant offset from one base address. (One 16-byte store per head made
+// ptxas stage every store through the same 4 registers, and a fresh address register per head:
+// each head's packing then waited on the long scoreboard for the previous store to have read
+// them, serialising the 16 stores behind the memory pipe; ncu, sixteenth session.)
+// ALL: num_heads == 64, no per-head test (a test per head makes each head a branch of its own,
+// and ptxas then reuses a few registers from head to head: the same long-scoreboard waits).
+template <bool FP32, bool ALL>
+__device__ __forceinline__ void store_out_heads(const float (&acc)[4][32], const float (&inv)[16],
+                                                void* out, long long base, int num_heads, int dv0,
+                                                int c) {
+  const long long o = base + 2 * c * D_V + dv0;  // head 2c's first value
 #pragma unroll
-  for (int jj = 0; jj < 8; ++jj) {
+  for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
-      const int head = 8 * jj + 2 * c + b;
-      if (head >= num_heads) continue;
-      float v[8];
+      const int dh = 8 * jj + b;  // head 2c + dh
+      if (!ALL && 2 * c + dh >= num_heads) continue;
+      const float f = inv[2 * jj + b];
+      float x[8];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        v[2 * j] = acc[j][4 * jj + b] * inv[2 * jj + b];
-        v[2 * j + 1] = acc[j][4 * jj + 2 + b] * inv[2 * jj + b];
+        x[2 * j] = acc[j][4 * jj + b] * f;
+        x[2 * j + 1] = acc[j][4 * jj + 2 + b] * f;
       }
-      const long long o = base + head * stride_oh + dv0;
-      if (fp32) {
-        float4* p = reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + o);
-        p[0] = make_float4(v[0], v[1], v[2], v[3]);
-        p[1] = make_float4(v[4], v[5], v[6], v[7]);
+      if (FP32) {
+        float4* p = reinterpret_cast<float4*>(reinterpret_cast<float*>(out) + o + dh * D_V);
+        p[0] = make_float4(x[0], x[1], x[2], x[3]);
+        p[1] = make_float4(x[4], x[5], x[6], x[7]);
       } else {
-        uint4 u = make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]),
-                             pack_bf16(v[6], v[7]));
-        *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(out) + o) = u;
+        *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(out) + o + dh * D_V) =
+            make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]),
+                       pack_bf16(x[6], x[7]));
       }
     }
-  }
+}
+
+template <bool FP32>
+__device__ __forceinline__ void store_out(const float (&acc)[4][32], const float (&inv)[16],
+                                          void* out, long long base, int num_heads, int dv0,
+                                          int c) {
+  if (num_heads == 64)
+    store_out_heads<FP32, true>(acc, inv, out, base, num_heads, dv0, c);
+  else
+    store_out_heads<FP32, false>(acc, inv, out, base, num_heads, dv0, c);
 }
 
 // DIAG_TRACE: a clock64 stamp k of trace slot `slot`
@@ -432,25 +462,18 @@ __device__ __forceinline__ void stamp(long long* trace, int slot, int k, int wt)
   }
 }
 
-// store_out with the output dtype fixed at compile time (one branch for the piece, not per head)
-template <bool FP32>
-__device__ __forceinline__ void store_out_t(const float (&acc)[4][32], const float (&inv)[16],
-                                            void* out, long long base, long long stride_oh,
-                                            int num_heads, int dv0, int c) {
-  store_out(acc, inv, out, base, stride_oh, num_heads, dv0, c, FP32);
-}
-
 #include "sparse_mla_fp8_seesaw.cuh"
 
 // ---- work split -------------------------------------------------------------------------------
 // The W = T * nb (token, 64-row block) items are cut into G = gridDim.x contiguous ranges, the
 // first W % G of ceil(W / G) items, the others of floor(W / G). A token cut by a range boundary
-// is a split token: each of its pieces writes its normalised partial (fp32 O and the natural-log
-// LSE) to a workspace slot and counts itself on the token's counter; the piece that brings the
-// count to the number of pieces merges all the partials (no CTA ever waits for another, so any
-// number of CTAs may be resident at once). Each cut costs a
-// second query prologue, a pipeline restart and the merge: ~10 us measured, so the default grid
-// cuts tokens only to fill the SMs at small T.
+// is a split token: each of its pieces takes a ticket on the token's first counter; all but the
+// last to arrive write their normalised partial (fp32 O and the natural-log LSE) to a workspace
+// slot and count it on the second counter; the last waits for that count and merges the others'
+// partials with its own, which never leaves its registers. Only the last piece waits, and only
+// for pieces that already hold tickets (so are running and wait on nothing): any number of CTAs
+// may be resident at once. Each cut costs a second query prologue, a pipeline restart and the
+// merge, so the default grid cuts tokens only to fill the SMs at small T.
 // (32-bit: the launcher keeps W < 2^31; a 64-bit division is a long software routine)
 __device__ __forceinline__ int range_lo(int c, int W, int G) {
   const int q = W / G, r = W - q * G;
@@ -509,17 +532,18 @@ __device__ __forceinline__ void store_partial(float (&acc)[4][32], const float (
   }
 }
 
-// The last piece of a split token to finish merges the partials of all its pieces (slots of
-// CTAs c_a..c_b, its own included; at most MAX_PIECES, which the launcher's grid size ensures)
-// into acc (normalised O) and writes the token's LSE. Every load of a phase is independent of
-// the others, so each costs about one L2 latency: (a) the pieces' LSEs into wts
-// [MAX_PIECES][64] (shared), (b) per head, the LSE and each piece's weight, (c) acc = the
-// weighted sum of the pieces' partials.
+// The last piece of a split token to arrive merges the partials of all its pieces (slots of
+// CTAs c_a..c_b; at most MAX_PIECES, which the launcher's grid size ensures) into acc and writes
+// the token's LSE. Its own piece (index own) never left its registers: acc holds it unnormalised
+// (inv its 1/l). Every load of a phase is independent of the others, so each costs about one L2
+// latency: (a) the pieces' LSEs into wts [MAX_PIECES][64] (shared), (b) per head, the LSE and
+// each piece's weight, (c) acc = the weighted sum of the pieces' normalised partials.
 constexpr int MAX_PIECES = 8;
 static_assert(MAX_PIECES * 64 * 4 <= OFF_ALPHA - OFF_RED, "the merge's weights live in OFF_RED");
-__device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float* __restrict__ ws_o,
+__device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&inv)[16],
+                                             const float* __restrict__ ws_o,
                                              const float* __restrict__ ws_l, float* wts, int c_a,
-                                             int c_b, int tw, int W, int G, float* lse,
+                                             int c_b, int own, int tw, int W, int G, float* lse,
                                              int num_heads, int tc, int c) {
   const int np = c_b - c_a + 1;
   for (int i = tc; i < np * 64; i += 256)
@@ -535,11 +559,22 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float* _
     if (tc < num_heads) lse[tc] = sum > 0.f ? mx + __logf(sum) : -INFINITY;
   }
   bar_sync(3, 256);
+  {
+    const float* wk = wts + 64 * own + 2 * c;
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+    for (int jj = 0; jj < 8; ++jj) {
+      const float f0 = inv[2 * jj] * wk[8 * jj], f1 = inv[2 * jj + 1] * wk[8 * jj + 1];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
+      for (int j = 0; j < 4; ++j) {
+        acc[j][4 * jj] *= f0;
+        acc[j][4 * jj + 1] *= f1;
+        acc[j][4 * jj + 2] *= f0;
+        acc[j][4 * jj + 3] *= f1;
+      }
+    }
+  }
   for (int k = 0; k < np; ++k) {
+    if (k == own) continue;
     const float4* src = reinterpret_cast<const float4*>(
                             ws_o + (long long)piece_slot(c_a + k, tw, W, G) * 64 * D_V) + tc;
     const float* wk = wts + 64 * k + 2 * c;
@@ -560,9 +595,9 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float* _
 }  // namespace
 
 // Grid (G, 1), any G >= 1 (more than the SMs run in waves), 384 threads, one CTA per SM.
-// out [T, H, 512] (bf16 or fp32), lse [T, H] fp32; ws_o [2G, 64, 512] fp32 and ws_l [2G, 64]
-// the split tokens' partials; counters [T] int32, zero on entry (the merging piece re-zeroes its
-// token's, so they are zero again on exit).
+// out [T, H, 512] (bf16 or fp32; contiguous: stride_oh must be 512), lse [T, H] fp32; ws_o
+// [2G, 64, 512] fp32 and ws_l [2G, 64] the split tokens' partials; counters [2T] int32, zero on
+// entry (the merging piece re-zeroes its token's two, so they are zero again on exit).
 extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
     const int* __restrict__ idx, void* __restrict__ out, float* __restrict__ lse,
@@ -591,9 +626,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // Rows of a -1 id keep what the stage held (masked, never NaN): zero the stages once.
-  for (int o = tid * 16; o < NUM_STAGES * STAGE; o += 384 * 16)
-    *reinterpret_cast<uint4*>(smem + OFF_ST + o) = make_uint4(0, 0, 0, 0);
+  // PRODUCER_CPASYNC 0: rows of a -1 id keep what the stage held (masked, never NaN), so the
+  // stages are zeroed once. The cp.async producer zero-fills those rows itself (src-size 0).
+  if (!PRODUCER_CPASYNC)
+    for (int o = tid * 16; o < NUM_STAGES * STAGE; o += 384 * 16)
+      *reinterpret_cast<uint4*>(smem + OFF_ST + o) = make_uint4(0, 0, 0, 0);
   fence_proxy_async();
   __syncthreads();
 
@@ -691,30 +728,46 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     stamp(trace, TRACE_ITERS - 1, 7, wt);
     if (!pc.split) {
       if (out_fp32)
-        store_out_t<true>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
+        store_out<true>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
       else
-        store_out_t<false>(acc, inv, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c);
+        store_out<false>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
     } else {
+      // Split token: each piece takes a ticket (arrival order) on counters[2t]. All but the
+      // last store their normalised partial and count it on counters[2t + 1]; the last waits
+      // for that count (the pieces it waits on have their tickets, so they run and wait on
+      // nothing), then merges the others' partials with its own, still in registers. One
+      // thread per CTA orders the CTA's stores (the barrier before it) with a gpu-scope fence.
       const int c_a = cta_of(pc.tw, pc.W, pc.G), c_b = cta_of(pc.tw + nb - 1, pc.W, pc.G);
-      store_partial(acc, inv, ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V,
-                    128 * half + wt);
-      __threadfence();
+      int* cnt = counters + 2 * pc.t;
+      if (wt == 0 && half == 0) ctl_s[0] = atomicAdd(cnt, 1) == c_b - c_a;
       bar_sync(3, 256);
-      if (wt == 0 && half == 0) {
-        const int done = atomicAdd(counters + pc.t, 1);
-        const int last = done == c_b - c_a;
-        if (last) counters[pc.t] = 0;  // zero again for the next launch
-        ctl_s[0] = last;
-      }
-      bar_sync(3, 256);
-      if (ctl_s[0]) {
-        __threadfence();
-        merge_pieces(acc, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a, c_b, pc.tw,
-                     pc.W, pc.G, lse + pc.t * stride_lt, num_heads, 128 * half + wt, c);
+      if (!ctl_s[0]) {
+        store_partial(acc, inv,
+                      ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V,
+                      128 * half + wt);
+        bar_sync(3, 256);
+        if (wt == 0 && half == 0) {
+          fence_acq_rel_gpu();
+          atomicAdd(cnt + 1, 1);
+        }
+      } else {
+        if (wt == 0 && half == 0) {
+          while (ld_acquire_gpu(cnt + 1) < c_b - c_a) {
+          }
+          cnt[0] = 0;  // zero again for the next launch
+          cnt[1] = 0;
+        }
+        bar_sync(3, 256);
+        merge_pieces(acc, inv, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a, c_b,
+                     pc.cta - c_a, pc.tw, pc.W, pc.G, lse + pc.t * stride_lt, num_heads,
+                     128 * half + wt, c);
         float one[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) one[i] = 1.f;
-        store_out(acc, one, out, pc.t * stride_ot, stride_oh, num_heads, dv0, c, out_fp32 != 0);
+        if (out_fp32)
+          store_out<true>(acc, one, out, pc.t * stride_ot, num_heads, dv0, c);
+        else
+          store_out<false>(acc, one, out, pc.t * stride_ot, num_heads, dv0, c);
       }
     }
     stamp(trace, TRACE_ITERS - 1, 2, wt);
