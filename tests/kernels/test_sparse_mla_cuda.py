@@ -44,6 +44,7 @@ def _need_nvcc():
         (("-DSEESAW_ORDER=2",), 120),
         (("-DQK_FP8=1",), 130),
         (("-DNEXT_PREFETCH=0",), 120),
+        (("-DQSTAGED=0",), 120),
     ],
 )
 def test_cuda_kernel_builds_for_sm90a(defines, max_spill):
@@ -191,6 +192,20 @@ def test_cuda_decode_gpu_fp32_out_merged(ctas, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_decode_gpu_split_few_heads(out_dtype, monkeypatch):
+    """Tokens of 16 heads cut between CTAs (3 or 4 pieces each): the merging piece combines
+    the others' partials with its own, kept in registers, and stores only its heads."""
+    from vllm.kernels import sparse_mla_decode as mod
+
+    _gpu()
+    monkeypatch.setattr(sparse_mla_cuda, "NUM_CTAS", 11)
+    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 64)
+    _check_decode(mod, layout, 3, 16, 2048, 64, "cuda", torch.bfloat16, 1e-2, seed=21,
+                  kernel="cuda", out_dtype=out_dtype)  # fmt: skip
+
+
+@pytest.mark.gpu
 def test_cuda_decode_gpu_fp32_out_and_query():
     from vllm.kernels import sparse_mla_decode as mod
 
@@ -255,6 +270,7 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
         {"SEESAW_ORDER": 0},
         {"SEESAW_ORDER": 2},
         {"QK_FP8": 1},
+        {"QSTAGED": 0},
     ],
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):

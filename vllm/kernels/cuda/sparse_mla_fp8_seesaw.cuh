@@ -51,8 +51,8 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
 #pragma unroll
     for (int i = 0; i < 18; ++i) {  // 16-byte piece g of the [64 heads x 72] query
       const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
-      x[i] = hd < num_heads ? __ldg(reinterpret_cast<const uint4*>(qrow + (long long)hd * stride_qh) + pc)
-                            : make_uint4(0, 0, 0, 0);
+      const uint4* src = reinterpret_cast<const uint4*>(qrow + (long long)hd * stride_qh) + pc;
+      x[i] = hd < num_heads ? __ldg(src) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < 18; ++i) {

@@ -89,6 +89,16 @@
 // DIAG_TRACE 1 (diagnostic): thread 0 of each consumer warpgroup writes clock64 stamps of its
 // steps into ws_o (benchmarks/kernels/trace_sparse_mla_cuda.py reads them; one piece per CTA):
 // 16 per slot, a slot per iteration of consumer_seesaw and the last one for the piece.
+// DIAG_MEM_ONLY 1 (diagnostic, no results): the consumers only release each stage once it is
+// full, so the time is what the producer's gathers of the rows alone take.
+#ifndef DIAG_MEM_ONLY
+#define DIAG_MEM_ONLY 0
+#endif
+// DIAG_NO_OUT 1 (diagnostic, wrong results): a whole token's output is not stored, so the time
+// shows what the output stores cost.
+#ifndef DIAG_NO_OUT
+#define DIAG_NO_OUT 0
+#endif
 // QSTAGED 1: the query prologue copies the query in order through a staging area in shared
 // memory (coalesced global loads) before each thread takes its quarter (load_query_quarter).
 #ifndef QSTAGED
@@ -269,6 +279,7 @@ struct QueryRef {
   const __nv_bfloat16* q;
   long long stride_qt, stride_qh;
   int num_heads, num_tokens;
+
 };
 __device__ __forceinline__ void prefetch_next_cta(const uint8_t* __restrict__ kv, const Work& wk,
                                                   const QueryRef& qr, int pt) {
@@ -644,6 +655,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  if (DIAG_MEM_ONLY) {
+    for (int i = 0; i < w1 - w0; ++i) {
+      mbar_wait(b.full + 8 * (i % NUM_STAGES), (i / NUM_STAGES) & 1);
+      mbar_arrive(b.empty + 8 * (i % NUM_STAGES));
+    }
+    return;
+  }
   const int half = wg - 1;
   const int wt = tid - 128 * wg;  // thread within its warpgroup
   const int w = wt >> 5, g = (wt & 31) >> 2, c = wt & 3;
@@ -727,7 +745,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     const Piece pc = piece_at(wi, nb, num_tokens);
     stamp(trace, TRACE_ITERS - 1, 7, wt);
     if (!pc.split) {
-      if (out_fp32)
+      if (DIAG_NO_OUT) {
+      } else if (out_fp32)
         store_out<true>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
       else
         store_out<false>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
