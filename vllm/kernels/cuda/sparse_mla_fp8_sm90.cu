@@ -8,7 +8,7 @@
 // The grid's G CTAs share the T x ceil(topk / 64) blocks of 64 rows equally, in contiguous
 // ranges of (token, block) items (see "work split" below). A CTA with several tokens moves from
 // one to the next while its producer keeps filling stages. A token cut between CTAs is merged in
-// the kernel by whichever of its pieces finishes last. The launcher's default (default_ctas):
+// the kernel by whichever of its pieces arrives last. The launcher's default (default_ctas):
 // G = T from T >= #SMs / 2 (one token per CTA), else each token in #SMs / T equal pieces.
 // The default build (the knobs below select the others):
 // - Producer warpgroup (warpgroup 0, 40 registers; PRODUCER_CPASYNC 1): its 4 warps copy each
@@ -36,14 +36,16 @@
 //     CTA-wide stabiliser 2^E), with an exact bf16 PV for blocks whose scales f16 cannot hold.
 //   The row sums l come from the softmax; the epilogue reduces them across warps and
 //   warpgroups, normalises O and writes it and the LSE.
-// - Per token (a CTA's piece): the query prologue, then the blocks, then the epilogue (row sums
-//   reduced across warps and warpgroups, 1/l by rcp.approx, O and the LSE stored). Once the
-//   producer has issued its last stage it prefetches into L2 the query and first rows of the CTA
-//   likely to start next on a freed SM (NEXT_PREFETCH).
+// - Per token (a CTA's piece): the query prologue (the query copied in order through a shared
+//   staging area, QSTAGED), then the blocks, then the epilogue (row sums reduced across warps and
+//   warpgroups, 1/l by rcp.approx, O and the LSE stored). Once the producer has issued its last
+//   stage it prefetches into L2 the query and first rows of the CTA likely to start next on a
+//   freed SM (NEXT_PREFETCH).
 // QK_FP8 1 (a build knob, tested, measured 1-2 % slower): QK on the FP8 tensor cores from shared
 // memory, see sparse_mla_qk_fp8.cuh. DIAG_TRACE 1: per-step clock64 stamps
-// (benchmarks/kernels/trace_sparse_mla_cuda.py); BENCHMARKS.md's fifteenth session has what they
-// showed (per CTA: ~15-18K cycles of query prologue, ~10K of output stores, 9.6K per two blocks).
+// (benchmarks/kernels/trace_sparse_mla_cuda.py); BENCHMARKS.md's fifteenth and sixteenth
+// sessions have what they showed (per CTA at T=1024: ~8K cycles of query load, ~11K of output
+// stores that the replayed benchmark does not wait for, 9.5K per two blocks).
 // The first design (both warpgroups score every block, 32 heads each, exact bf16 PV; 1.003 ms
 // at T=1024 against this one's 0.886) is in the git history and BENCHMARKS.md.
 // Files: this one (layout, producers, the exact PV, the kernel), the PTX wrappers in
