@@ -49,7 +49,7 @@ def main():
         for i in range(m.num_instances()):
             v = m.as_double(i)
             if v:
-                by_pc[ids.as_uint64(i)][name[len(prefix):]] = v
+                by_pc[ids.as_uint64(i)][name[len(prefix) :]] = v
     if not by_pc:
         names = [n for n in act.metric_names() if "pcsamp" in n]
         raise SystemExit(f"no per-PC stall samples in the report; pcsamp metrics: {names[:40]}")
