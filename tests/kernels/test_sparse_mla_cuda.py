@@ -328,6 +328,16 @@ def test_cuda_decode_gpu_magnitudes(q_scale):
     assert (lse[fin] - ref_l[fin]).abs().max().item() <= bound
 
 
+def _gpu_inputs(layout, num_blocks, t, k, seed):
+    """A random cache of ``num_blocks`` blocks, ``t`` tokens' top-``k`` slots and 64-head bf16
+    queries, on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    cache = _cache(layout, num_blocks, "cuda", g)
+    slots = _slots(t, k, num_blocks * layout.block_size, "cuda", g)
+    q = torch.randn(t, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    return cache, slots, q
+
+
 @pytest.mark.gpu
 def test_cuda_decode_gpu_matches_ws_kernel():
     """Same inputs through the CUDA and the Gluon kernels: both within bf16 rounding of each
@@ -336,10 +346,7 @@ def test_cuda_decode_gpu_matches_ws_kernel():
 
     _gpu()
     layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
-    g = torch.Generator().manual_seed(7)
-    cache = _cache(layout, 64, "cuda", g)
-    slots = _slots(33, 2048, 64 * layout.block_size, "cuda", g)
-    q = torch.randn(33, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    cache, slots, q = _gpu_inputs(layout, 64, 33, 2048, seed=7)
     a, la = sparse_mla_decode(q, cache, slots, layout, 1 / math.sqrt(256), kernel="cuda")
     b, lb = sparse_mla_decode(q, cache, slots, layout, 1 / math.sqrt(256), kernel="ws")
     _, ref_l = sparse_mla_ref(q.float(), cache, slots, layout, 1 / math.sqrt(256))
@@ -370,10 +377,7 @@ def test_cuda_default_dispatch_and_build_failure(monkeypatch, tmp_path, caplog):
 
     _gpu()
     layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 64)
-    g = torch.Generator().manual_seed(5)
-    cache = _cache(layout, 8, "cuda", g)
-    slots = _slots(3, 256, 8 * layout.block_size, "cuda", g)
-    q = torch.randn(3, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    cache, slots, q = _gpu_inputs(layout, 8, 3, 256, seed=5)
     heads = []
     real = sparse_mla_cuda.sparse_mla_fp8_cuda
 

@@ -281,7 +281,6 @@ struct QueryRef {
   const __nv_bfloat16* q;
   long long stride_qt, stride_qh;
   int num_heads, num_tokens;
-
 };
 __device__ __forceinline__ void prefetch_next_cta(const uint8_t* __restrict__ kv, const Work& wk,
                                                   const QueryRef& qr, int pt) {
@@ -419,13 +418,11 @@ __device__ __forceinline__ void rescale(float (&d)[32], const float (&alpha)[16]
 
 // Writes this thread's O^T values for its 16 heads: out[head, dv0 .. dv0+8), head rows D_V
 // elements apart (the launcher's out is contiguous [T, H, 512]).
-// Each store takes one packed bf16 pair (or one fp32 value) straight from the register it was
-// computed in, at a constant offset from one base address. (One 16-byte store per head made
-// ptxas stage every store through the same 4 registers, and a fresh address register per head:
-// each head's packing then waited on the long scoreboard for the previous store to have read
-// them, serialising the 16 stores behind the memory pipe; ncu, sixteenth session.)
-// ALL: num_heads == 64, no per-head test (a test per head makes each head a branch of its own,
-// and ptxas then reuses a few registers from head to head: the same long-scoreboard waits).
+// The stores are at constant offsets from one base address. ALL: num_heads == 64, no per-head
+// test. (With a test per head, each head is a branch of its own and ptxas staged every 16-byte
+// store through the same 4 registers and a fresh address register: each head's packing then
+// waited on the long scoreboard for the previous store to have read them; ncu, sixteenth
+// session. 32-bit stores, which need no staging, were slower from T=256 up.)
 template <bool FP32, bool ALL>
 __device__ __forceinline__ void store_out_heads(const float (&acc)[4][32], const float (&inv)[16],
                                                 void* out, long long base, int num_heads, int dv0,
