@@ -11,13 +11,13 @@
 // the kernel by whichever of its pieces arrives last. The launcher's default (default_ctas):
 // G = T from T >= #SMs / 2 (one token per CTA), else each token in #SMs / T equal pieces.
 // The default build (the knobs below select the others):
-// - Producer warpgroup (warpgroup 0, 40 registers; PRODUCER_CPASYNC 1): its 4 warps copy each
+// - Producer warpgroup (warpgroup 0, 24 registers; PRODUCER_CPASYNC 1): its 4 warps copy each
 //   64-row block's selected rows in 16-byte cp.async pieces into a ring of NUM_STAGES raw stages
 //   (a -1 id is zero-filled and masked). PRODUCER_CPASYNC 0: one warp, one cp.async.bulk per row
 //   (5 % slower at 1024 queries: the per-row bulk copies become the limit once the consumers are
 //   fast enough).
-// - Two consumer warpgroups (232 registers each) that score alternate blocks (consumer_seesaw
-//   in sparse_mla_fp8_seesaw.cuh). For its block j, warpgroup j % 2:
+// - Two consumer warpgroups (240 registers each: PROD_REGS, CONS_REGS) that score alternate
+//   blocks (consumer_seesaw in sparse_mla_fp8_seesaw.cuh). For its block j, warpgroup j % 2:
 //   - S^T = K . Q^T for all 64 heads: M = the block's 64 rows, N = 64 heads. K is the wgmma A
 //     operand *in registers*: each thread loads its rows' raw bytes from the stage and converts
 //     e4m3 -> f16 (exact) times the tile scale normalised by the row's largest scale (2^-e_row,
@@ -110,6 +110,27 @@
 // discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
 #ifndef DIAG_QTWICE
 #define DIAG_QTWICE 0
+#endif
+// Registers per thread of the producer and consumer warpgroups (setmaxnreg). The CTA's pool is
+// what the launch allocated, 168 x 384 (__launch_bounds__(384, 1)): a consumer count the pool
+// cannot cover makes setmaxnreg.inc wait forever. 24 / 240 (default): no spills in the consumers'
+// block loop (40 / 232 spilled 60 bytes there) and room for QK_GROUP 4; measured 1-2 % faster
+// from T=128 up (BENCHMARKS.md, seventeenth session).
+#ifndef PROD_REGS
+#define PROD_REGS 24
+#endif
+#ifndef CONS_REGS
+#define CONS_REGS 240
+#endif
+static_assert(128 * PROD_REGS + 256 * CONS_REGS <= 168 * 384 && PROD_REGS % 8 == 0 &&
+                  CONS_REGS % 8 == 0 && PROD_REGS >= 24 && CONS_REGS <= 256,
+              "setmaxnreg counts: multiples of 8 within the launch's 168 x 384 registers");
+#define STR_(x) #x
+#define STR(x) STR_(x)
+// QK_GROUP: k-steps per wgmma commit group in the QK: 4 (default, one 16-byte load's worth: up
+// to 8 wgmmas in flight), or 2.
+#ifndef QK_GROUP
+#define QK_GROUP 4
 #endif
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
@@ -645,7 +666,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   __syncthreads();
 
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 " STR(PROD_REGS) ";\n");
     if (PRODUCER_CPASYNC)
       producer_cpasync(kv, wk, w0, w1, smem, sbase, b, warp, lane,
                        QueryRef{q, stride_qt, stride_qh, num_heads, num_tokens});
@@ -653,7 +674,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       producer(kv, wk, w0, w1, smem, sbase, b, lane);
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 " STR(CONS_REGS) ";\n");
   if (DIAG_MEM_ONLY) {
     for (int i = 0; i < w1 - w0; ++i) {
       mbar_wait(b.full + 8 * (i % NUM_STAGES), (i / NUM_STAGES) & 1);
