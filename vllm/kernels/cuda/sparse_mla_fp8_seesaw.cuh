@@ -162,13 +162,16 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
     const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
     const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
     const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
-    if (QK_GROUP == 4) {  // the 4 k-steps of 16 bytes in one commit group
-      uint32_t a[4][4];
+    // QK_GROUP k-steps per commit group (wait_group 1: two groups in flight)
+    constexpr int NG = 4 / QK_GROUP;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
+    for (int hk = 0; hk < NG; ++hk) {
+      uint32_t a[QK_GROUP][4];
+#pragma unroll
+      for (int k = 0; k < QK_GROUP; ++k) {
         uint32_t f0, f1, f2, f3;
-        e4m3x4_to_f16x4(x0[k], f0, f2);
-        e4m3x4_to_f16x4(x1[k], f1, f3);
+        e4m3x4_to_f16x4(x0[QK_GROUP * hk + k], f0, f2);
+        e4m3x4_to_f16x4(x1[QK_GROUP * hk + k], f1, f3);
         a[k][0] = hmul2(f0, h0);
         a[k][1] = hmul2(f1, h1);
         a[k][2] = hmul2(f2, h0);
@@ -176,37 +179,13 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
       }
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int kk = 4 * mm + k;
+      for (int k = 0; k < QK_GROUP; ++k) {
+        const int kk = 4 * mm + QK_GROUP * hk + k;
         wgmma_f16(s, a[k][0], a[k][1], a[k][2], a[k][3],
                   desc(dq + (uint32_t)(((kk >> 2) * 8192 + (kk & 3) * 32) >> 4)), kk > 0);
       }
       wgmma_commit();
-      if (mm > 0) wgmma_wait<1>();
-      continue;
-    }
-#pragma unroll
-    for (int hk = 0; hk < 2; ++hk) {
-      uint32_t a[2][4];
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        uint32_t f0, f1, f2, f3;
-        e4m3x4_to_f16x4(x0[2 * hk + k], f0, f2);
-        e4m3x4_to_f16x4(x1[2 * hk + k], f1, f3);
-        a[k][0] = hmul2(f0, h0);
-        a[k][1] = hmul2(f1, h1);
-        a[k][2] = hmul2(f2, h0);
-        a[k][3] = hmul2(f3, h1);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int kk = 4 * mm + 2 * hk + k;
-        wgmma_f16(s, a[k][0], a[k][1], a[k][2], a[k][3],
-                  desc(dq + (uint32_t)(((kk >> 2) * 8192 + (kk & 3) * 32) >> 4)), kk > 0);
-      }
-      wgmma_commit();
-      if (mm + hk > 0) wgmma_wait<1>();
+      if (mm * NG + hk > 0) wgmma_wait<1>();
     }
   }
   const uint4 v00 = *reinterpret_cast<const uint4*>(row0 + 528 + 32 * c);

@@ -132,6 +132,7 @@ static_assert(128 * PROD_REGS + 256 * CONS_REGS <= 168 * 384 && PROD_REGS % 8 ==
 #ifndef QK_GROUP
 #define QK_GROUP 4
 #endif
+static_assert(QK_GROUP == 2 || QK_GROUP == 4, "QK_GROUP: 2 or 4 k-steps");
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
 #endif
