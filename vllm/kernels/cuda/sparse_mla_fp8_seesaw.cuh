@@ -153,8 +153,12 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
   const float4 sa = *reinterpret_cast<const float4*>(row0 + 512);
   const float4 sb = *reinterpret_cast<const float4*>(row1 + 512);
   row_scales(sa, sb, c, mx0, mx1, e0, e1, ca, cb);
+  // the K factors (tile scale over the row's largest power of two); x 2^8 for the integer
+  // conversion's values (DEQ_INT_QK)
   const uint32_t h0 = pack_f16(ca * exp2i(-e0), ca * exp2i(-e0));
   const uint32_t h1 = pack_f16(cb * exp2i(-e1), cb * exp2i(-e1));
+  const uint32_t h0i = pack_f16(ca * exp2i(8 - e0), ca * exp2i(8 - e0));
+  const uint32_t h1i = pack_f16(cb * exp2i(8 - e1), cb * exp2i(8 - e1));
 #pragma unroll
   for (int mm = 0; mm < 8; ++mm) {
     const int off = 128 * c + 16 * ((mm + 2 * c) & 7);
@@ -170,12 +174,24 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
 #pragma unroll
       for (int k = 0; k < QK_GROUP; ++k) {
         uint32_t f0, f1, f2, f3;
-        e4m3x4_to_f16x4(x0[QK_GROUP * hk + k], f0, f2);
-        e4m3x4_to_f16x4(x1[QK_GROUP * hk + k], f1, f3);
-        a[k][0] = hmul2(f0, h0);
-        a[k][1] = hmul2(f1, h1);
-        a[k][2] = hmul2(f2, h0);
-        a[k][3] = hmul2(f3, h1);
+        const uint32_t y0 = x0[QK_GROUP * hk + k], y1 = x1[QK_GROUP * hk + k];
+        if (DEQ_INT_QK == 1 || (DEQ_INT_QK == 2 && 2 * k >= QK_GROUP)) {
+          f0 = e4m3x2_to_f16x2_int<0x9180>(y0, y0);  // bytes 0, 1
+          f2 = e4m3x2_to_f16x2_int<0xB3A2>(y0, y0);  // bytes 2, 3
+          f1 = e4m3x2_to_f16x2_int<0x9180>(y1, y1);
+          f3 = e4m3x2_to_f16x2_int<0xB3A2>(y1, y1);
+          a[k][0] = hmul2(f0, h0i);
+          a[k][1] = hmul2(f1, h1i);
+          a[k][2] = hmul2(f2, h0i);
+          a[k][3] = hmul2(f3, h1i);
+        } else {
+          e4m3x4_to_f16x4(y0, f0, f2);
+          e4m3x4_to_f16x4(y1, f1, f3);
+          a[k][0] = hmul2(f0, h0);
+          a[k][1] = hmul2(f1, h1);
+          a[k][2] = hmul2(f2, h0);
+          a[k][3] = hmul2(f3, h1);
+        }
       }
       wgmma_fence();
 #pragma unroll
@@ -230,13 +246,23 @@ __device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t*
     const int s0 = 16 * kk + 2 * c;
     uint2 r0, r1, r2, r3;
     v_rows(stg, s0, dv0, r0, r1, r2, r3);
-    const uint32_t g01 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0);
-    const uint32_t g89 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0 + 16);
+    uint32_t g01 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0);
+    uint32_t g89 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0 + 16);
     uint32_t a[4][4];
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
       uint32_t f[8];
-      v_pairs_f16(wi ? r0.y : r0.x, wi ? r1.y : r1.x, wi ? r2.y : r2.x, wi ? r3.y : r3.x, f);
+      const uint32_t x0 = wi ? r0.y : r0.x, x1 = wi ? r1.y : r1.x, x2 = wi ? r2.y : r2.x,
+                     x3 = wi ? r3.y : r3.x;
+      if (DEQ_INT_PV == 1) {
+        v_pairs_int(x0, x1, x2, x3, f);  // (sigma carries the 2^8)
+      } else if (DEQ_INT_PV == 2 && wi == 1) {
+        v_pairs_int(x0, x1, x2, x3, f);
+        g01 = hmul2(g01, 0x5C005C00u);  // x 256
+        g89 = hmul2(g89, 0x5C005C00u);
+      } else {
+        v_pairs_f16(x0, x1, x2, x3, f);
+      }
       a[2 * wi][0] = hmul2(f[0], g01);
       a[2 * wi][1] = hmul2(f[1], g01);
       a[2 * wi][2] = hmul2(f[2], g89);
@@ -403,8 +429,9 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       stamp(trace, ts, 12, wt);
       if (PV_F16) {
         __half* sig = reinterpret_cast<__half*>(smem + OFF_SIG + pb * 512) + 64 * c;
-        sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(6 - e0, 127)) : 0.f);
-        sig[r1] = __float2half_rn(p1 ? cb * exp2i(min(6 - e1, 127)) : 0.f);
+        constexpr int SE = DEQ_INT_PV == 1 ? 14 : 6;  // (x 2^8 for the integer conversion)
+        sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(SE - e0, 127)) : 0.f);
+        sig[r1] = __float2half_rn(p1 ? cb * exp2i(min(SE - e1, 127)) : 0.f);
       }
 #if QK_FP8
 #pragma unroll

@@ -133,6 +133,21 @@ static_assert(128 * PROD_REGS + 256 * CONS_REGS <= 168 * 384 && PROD_REGS % 8 ==
 #define QK_GROUP 4
 #endif
 static_assert(QK_GROUP == 2 || QK_GROUP == 4, "QK_GROUP: 2 or 4 k-steps");
+// DEQ_INT_QK, DEQ_INT_PV: where the QK's K and the f16 PV's V^T are converted from e4m3 to f16.
+// 0: cvt.rn.f16x2.e4m3x2 (the conversion pipe, 16 results per clock per SM: a block's QK and PV
+// conversions alone take as many SM cycles as its wgmmas); 1: e4m3x2_to_f16x2_int (prmt, and,
+// shift on the integer pipe; the 2^-8 it leaves goes into the scale factor each value is
+// multiplied by next); 2: half of each group's pairs each way. The operands are the same, except
+// that the QK's tile factor x 2^8 stays a normal f16 for tile scales 2^14 to 2^22 below the row's
+// largest (more exact there).
+#ifndef DEQ_INT_QK
+#define DEQ_INT_QK 0
+#endif
+#ifndef DEQ_INT_PV
+#define DEQ_INT_PV 0
+#endif
+static_assert(DEQ_INT_QK >= 0 && DEQ_INT_QK <= 2 && DEQ_INT_PV >= 0 && DEQ_INT_PV <= 2,
+              "DEQ_INT_QK, DEQ_INT_PV: 0, 1 or 2");
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
 #endif
@@ -377,6 +392,18 @@ __device__ __forceinline__ void v_pairs_f16(uint32_t x0, uint32_t x1, uint32_t x
   e4m3x4_to_f16x4(u23, f[2], f[3]);
   e4m3x4_to_f16x4(v01, f[4], f[5]);
   e4m3x4_to_f16x4(v23, f[6], f[7]);
+}
+// v_pairs_f16 on the integer pipe: the same pairs times 2^-8 (e4m3x2_to_f16x2_int).
+__device__ __forceinline__ void v_pairs_int(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3,
+                                            uint32_t (&f)[8]) {
+  f[0] = e4m3x2_to_f16x2_int<0xC480>(x0, x1);  // byte 0 of x0, then of x1
+  f[1] = e4m3x2_to_f16x2_int<0xD591>(x0, x1);  // byte 1
+  f[2] = e4m3x2_to_f16x2_int<0xC480>(x2, x3);
+  f[3] = e4m3x2_to_f16x2_int<0xD591>(x2, x3);
+  f[4] = e4m3x2_to_f16x2_int<0xE6A2>(x0, x1);  // byte 2
+  f[5] = e4m3x2_to_f16x2_int<0xF7B3>(x0, x1);  // byte 3
+  f[6] = e4m3x2_to_f16x2_int<0xE6A2>(x2, x3);
+  f[7] = e4m3x2_to_f16x2_int<0xF7B3>(x2, x3);
 }
 
 // ---- PV on one half of the value columns ------------------------------------------------------

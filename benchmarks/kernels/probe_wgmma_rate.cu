@@ -1,0 +1,240 @@
+// Probe: the wgmma issue rates of the CUDA FP8 sparse-MLA decode kernel's shapes and patterns
+// (benchmarks/kernels/probe_wgmma_rate.py builds one cubin per MODE and NWG and times it).
+// One CTA per SM, 384 threads with the decode kernel's register split (setmaxnreg 24 / 240):
+// warpgroup 0 idles (the decode kernel's producer), warpgroups 1..NWG issue `groups` commit groups of 4 wgmmas each, and thread 0 of each writes its clock64 cycles.
+// MODE 0: RS m64n64k16 f16 into 4 accumulators, wait_group 1 after each group (the PV's pattern,
+//         A registers fixed); 1: wait_group 0 after each group; 2: no wait inside the loop;
+//         3: one accumulator (the QK's pattern); 4: A and B from shared memory (SS), 4 accumulators;
+//         5 / 6: RS m64n128k16 / m64n256k16, one accumulator;
+//         7: as 0, A dequantised per group from e4m3 bytes in shared memory as the PV does
+//            (4 8-byte loads, byte permutes, e4m3x2 -> f16x2, x sigma);
+//         8: as 3, A dequantised as the QK does (2 16-byte loads per 4 k-steps, x tile scale).
+// DEQ (modes 7, 8): 0 cvt.rn.f16x2.e4m3x2 (the conversion pipe), 1 e4m3x2_to_f16x2_int (prmt, and,
+// shift: the integer pipe), 2 half of each group's pairs each way. NOMMA 1: the dequantisation
+// alone (its results XORed into a register instead of feeding wgmmas).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#ifndef MODE
+#define MODE 0
+#endif
+#ifndef NWG
+#define NWG 2
+#endif
+#ifndef DEQ
+#define DEQ 0
+#endif
+#ifndef NOMMA
+#define NOMMA 0
+#endif
+
+namespace {
+#include "../../vllm/kernels/cuda/sparse_mla_sm90_ptx.cuh"
+// clang-format off
+__device__ __forceinline__ void wgmma_f16_n128(float (&d)[64], uint32_t a0, uint32_t a1,
+                                              uint32_t a2, uint32_t a3, uint64_t desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
+__device__ __forceinline__ void wgmma_f16_n256(float (&d)[128], uint32_t a0, uint32_t a1,
+                                              uint32_t a2, uint32_t a3, uint64_t desc) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+}
+// clang-format on
+
+constexpr int ROW = 656;
+constexpr int OFF_RAW = 9 * 8192;  // after the B atoms: 64 rows of raw e4m3 bytes
+
+__device__ __forceinline__ uint32_t mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, int groups) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int tid = threadIdx.x;
+  // B atoms: f16 in [0.5, 1) and [-1, -0.5); raw rows: e4m3 bytes with no NaN
+  for (int i = tid; i < 9 * 8192 / 4; i += 384) {
+    const uint32_t h = mix(i * 2654435761u + 1);
+    const uint32_t lo = 0x3800u | (h & 0x83FFu), hi = 0x3800u | ((h >> 16) & 0x83FFu);
+    reinterpret_cast<uint32_t*>(smem)[i] = lo | (hi << 16);
+  }
+  for (int i = tid; i < 64 * ROW / 4; i += 384)
+    reinterpret_cast<uint32_t*>(smem + OFF_RAW)[i] = mix(i + 77) & 0x77777777u;
+  fence_proxy_async();
+  __syncthreads();
+  const int wg = tid / 128, wt = tid % 128;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  if (wg > NWG) return;
+  const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t db = desc_lo(sbase);
+  const int w = wt >> 5, lane = wt & 31, g = lane >> 2, c = lane & 3;
+  uint32_t a[4] = {0x3C003C00u ^ (uint32_t)(wt & 1), 0x3A003A00u, 0x38003800u, 0x3C003800u};
+  const uint32_t sig = 0x3C003C00u;
+  uint32_t sink = 0;
+  long long t0 = clock64();
+#if MODE <= 2 || MODE == 4 || MODE == 7
+  float acc[4][32];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
+  const int dv0 = 8 * (8 * w + g) + 256 * (wg - 1);
+#pragma unroll 1
+  for (int it = 0; it < groups; ++it) {
+    const int kk = it & 3;
+    uint32_t av[4][4];
+#if MODE == 7
+    const uint8_t* p0 = smem + OFF_RAW + (16 * kk + 2 * c) * ROW;
+    const uint2 r0 = *reinterpret_cast<const uint2*>(p0 + dv0 % 512);
+    const uint2 r1 = *reinterpret_cast<const uint2*>(p0 + ROW + dv0 % 512);
+    const uint2 r2 = *reinterpret_cast<const uint2*>(p0 + 8 * ROW + dv0 % 512);
+    const uint2 r3 = *reinterpret_cast<const uint2*>(p0 + 9 * ROW + dv0 % 512);
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+      const uint32_t x0 = wi ? r0.y : r0.x, x1 = wi ? r1.y : r1.x, x2 = wi ? r2.y : r2.x,
+                     x3 = wi ? r3.y : r3.x;
+      const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
+      const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
+      uint32_t f[8];
+      if (DEQ == 1 || (DEQ == 2 && wi == 1)) {
+        f[0] = e4m3x2_to_f16x2_int<0xC480>(x0, x1);
+        f[1] = e4m3x2_to_f16x2_int<0xD591>(x0, x1);
+        f[2] = e4m3x2_to_f16x2_int<0xC480>(x2, x3);
+        f[3] = e4m3x2_to_f16x2_int<0xD591>(x2, x3);
+        f[4] = e4m3x2_to_f16x2_int<0xE6A2>(x0, x1);
+        f[5] = e4m3x2_to_f16x2_int<0xF7B3>(x0, x1);
+        f[6] = e4m3x2_to_f16x2_int<0xE6A2>(x2, x3);
+        f[7] = e4m3x2_to_f16x2_int<0xF7B3>(x2, x3);
+      } else {
+        e4m3x4_to_f16x4(u01, f[0], f[1]);
+        e4m3x4_to_f16x4(u23, f[2], f[3]);
+        e4m3x4_to_f16x4(v01, f[4], f[5]);
+        e4m3x4_to_f16x4(v23, f[6], f[7]);
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) av[2 * wi + q][e] = hmul2(f[4 * q + e], sig);
+    }
+#else
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) av[j][e] = a[e];
+#endif
+#if NOMMA
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sink ^= av[j][0] ^ av[j][1] ^ av[j][2] ^ av[j][3];
+    continue;
+#endif
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#if MODE == 4
+      wgmma_bf16_ss(acc[j], desc(db + 2 * j + 512 * (wg - 1)), desc(db + 2 * kk + 1024), 1);
+#else
+      wgmma_f16(acc[j], av[j][0], av[j][1], av[j][2], av[j][3], desc(db + 2 * kk + 512 * j), 1);
+#endif
+    }
+    wgmma_commit();
+#if MODE == 0 || MODE == 4 || MODE == 7
+    wgmma_wait<1>();
+#elif MODE == 1
+    wgmma_wait<0>();
+#endif
+  }
+  wgmma_wait<0>();
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    fence_acc(acc[j]);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sum += acc[j][i];
+  }
+#else
+  constexpr int NR = MODE == 5 ? 64 : (MODE == 6 ? 128 : 32);
+  float acc[NR];
+#pragma unroll
+  for (int i = 0; i < NR; ++i) acc[i] = 0.f;
+  const uint8_t* row0 = smem + OFF_RAW + (16 * w + g) * ROW;
+  const uint8_t* row1 = row0 + 8 * ROW;
+#pragma unroll 1
+  for (int it = 0; it < groups; ++it) {
+    uint32_t av[4][4];
+#if MODE == 8
+    const int off = 128 * c + 16 * ((it + 2 * c) & 7);
+    const uint4 u0 = *reinterpret_cast<const uint4*>(row0 + off);
+    const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
+    const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
+    const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t f0, f1, f2, f3;
+      if (DEQ == 1 || (DEQ == 2 && k >= 2)) {
+        f0 = e4m3x2_to_f16x2_int<0x9180>(x0[k], x0[k]);
+        f2 = e4m3x2_to_f16x2_int<0xB3A2>(x0[k], x0[k]);
+        f1 = e4m3x2_to_f16x2_int<0x9180>(x1[k], x1[k]);
+        f3 = e4m3x2_to_f16x2_int<0xB3A2>(x1[k], x1[k]);
+      } else {
+        e4m3x4_to_f16x4(x0[k], f0, f2);
+        e4m3x4_to_f16x4(x1[k], f1, f3);
+      }
+      av[k][0] = hmul2(f0, sig);
+      av[k][1] = hmul2(f1, sig ^ 0x00010001u);
+      av[k][2] = hmul2(f2, sig);
+      av[k][3] = hmul2(f3, sig ^ 0x00010001u);
+    }
+#else
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) av[j][e] = a[e];
+#endif
+#if NOMMA
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sink ^= av[k][0] ^ av[k][1] ^ av[k][2] ^ av[k][3];
+    continue;
+#endif
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t d = desc(db + 2 * k + 512 * ((it >> 2) & 7));
+#if MODE == 5
+      wgmma_f16_n128(acc, av[k][0], av[k][1], av[k][2], av[k][3], desc(db + 2 * k));
+#elif MODE == 6
+      wgmma_f16_n256(acc, av[k][0], av[k][1], av[k][2], av[k][3], desc(db + 2 * k));
+#else
+      wgmma_f16(acc, av[k][0], av[k][1], av[k][2], av[k][3], d, 1);
+#endif
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+  }
+  wgmma_wait<0>();
+  fence_acc(acc);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < NR; ++i) sum += acc[i];
+#endif
+  const long long t1 = clock64();
+  if (wt == 0) cycles[2 * blockIdx.x + wg - 1] = t1 - t0;
+  if (sum == 123.456f || sink == 0x12345678u) cycles[0] = -1;  // keeps the results live
+}

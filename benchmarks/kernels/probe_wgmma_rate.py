@@ -1,0 +1,159 @@
+"""How fast the H200's tensor cores run the wgmma shapes and issue patterns of the CUDA FP8
+sparse-MLA decode kernel (vllm/kernels/cuda/sparse_mla_fp8_sm90.cu), measured on their own (GPU).
+
+The decode kernel issues only m64n64k16 wgmmas with the A operand in registers (K^T or V^T
+dequantised by the warpgroup), N = 64 heads. This probe times, one CTA per SM, one or two
+warpgroups issuing such wgmmas back to back with the kernel's commit/wait patterns, with and
+without the dequantisation that feeds them, beside wider shapes (N = 128, 256) and the operands
+from shared memory, so the kernel's main loop can be put against what its instruction shapes can
+reach. Each row prints FLOP per SM cycle (clock64 of the issuing warps), the share of the
+tensor cores' 4096 dense f16 FLOP per SM cycle, TFLOP/s from CUDA events, and the same run's
+measured bf16 matmul peak, and the SM cycles per commit group of 4 wgmmas per warpgroup. Rows
+without wgmmas (the dequantisation alone) count the FLOPs their operands would have fed.
+
+    python3 benchmarks/kernels/probe_wgmma_rate.py [--json OUT.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import tempfile
+
+import torch
+
+from vllm.kernels.sparse_mla_cuda import nvcc_path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(HERE, "probe_wgmma_rate.cu")
+GROUPS = 1024  # commit groups of 4 wgmmas per warpgroup per launch
+
+# (name, defines): MODE selects the issue pattern (probe_wgmma_rate.cu), NWG the warpgroups issuing
+CASES = [
+    ("RS n64, 4 accumulators, wait<1> (PV pattern, no dequant)", {"MODE": 0}),
+    ("RS n64, 4 accumulators, wait<0> after each group", {"MODE": 1}),
+    ("RS n64, 4 accumulators, no wait in the loop", {"MODE": 2}),
+    ("RS n64, one accumulator, wait<1> (QK pattern, no dequant)", {"MODE": 3}),
+    ("SS n64, 4 accumulators, wait<1>", {"MODE": 4}),
+    ("RS n128, one accumulator, wait<1>", {"MODE": 5}),
+    ("RS n256, one accumulator, wait<1>", {"MODE": 6}),
+    ("RS n64 + PV dequant (e4m3 -> f16 x sigma), wait<1>", {"MODE": 7}),
+    ("RS n64 + QK dequant (e4m3 -> f16 x scale), one acc, wait<1>", {"MODE": 8}),
+    ("RS n64 + PV dequant on the integer pipe", {"MODE": 7, "DEQ": 1}),
+    ("RS n64 + PV dequant, half of it on the integer pipe", {"MODE": 7, "DEQ": 2}),
+    ("RS n64 + QK dequant on the integer pipe", {"MODE": 8, "DEQ": 1}),
+    ("RS n64 + QK dequant, half of it on the integer pipe", {"MODE": 8, "DEQ": 2}),
+    ("PV dequant alone (cvt), no wgmma", {"MODE": 7, "NOMMA": 1}),
+    ("PV dequant alone (integer), no wgmma", {"MODE": 7, "DEQ": 1, "NOMMA": 1}),
+    ("PV dequant alone (half each), no wgmma", {"MODE": 7, "DEQ": 2, "NOMMA": 1}),
+    ("QK dequant alone (cvt), no wgmma", {"MODE": 8, "NOMMA": 1}),
+    ("QK dequant alone (integer), no wgmma", {"MODE": 8, "DEQ": 1, "NOMMA": 1}),
+    ("RS n64, 4 accumulators, wait<1>, one warpgroup", {"MODE": 0, "NWG": 1}),
+    ("RS n64 + PV dequant, one warpgroup", {"MODE": 7, "NWG": 1}),
+    ("RS n64 + QK dequant, one warpgroup", {"MODE": 8, "NWG": 1}),
+]
+N_OF_MODE = {5: 128, 6: 256}
+
+
+class Driver:
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def check(self, rc, what):
+        if rc != 0:
+            raise RuntimeError(f"{what} failed: {rc}")
+
+    def load(self, cubin: bytes, name: str):
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), "get")
+        self.check(self.lib.cuFuncSetAttribute(fn, 8, 200 * 1024), "cuFuncSetAttribute")
+        return fn
+
+    def launch(self, fn, grid, threads, smem, args):
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        stream = torch.cuda.current_stream().cuda_stream
+        self.check(
+            self.lib.cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
+                                    params, None),
+            "cuLaunchKernel",
+        )  # fmt: skip
+
+
+def build(defines: dict[str, int], tmp: str) -> bytes:
+    out = os.path.join(tmp, "_".join(f"{k}{v}" for k, v in defines.items()) + ".cubin")
+    flags = [f"-D{k}={v}" for k, v in defines.items()]
+    cmd = [nvcc_path(), "-cubin", "-arch=sm_90a", "-O3", "-std=c++17", *flags, "-o", out, SRC]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr[-3000:])
+    return open(out, "rb").read()
+
+
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record()
+    for _ in range(20):
+        a @ b
+    ev[1].record()
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192**3 / (ev[0].elapsed_time(ev[1]) * 1e-3) / 1e12
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    drv = Driver()
+    peak = matmul_peak()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, d in CASES:
+            d = {"NWG": 2, **d}
+            fn = drv.load(build(d, tmp), "probe")
+            cyc = torch.zeros(sms, 2, dtype=torch.int64, device="cuda")
+            a_ptr = ctypes.c_void_p(cyc.data_ptr())
+            a_groups = ctypes.c_int(GROUPS)
+            for _ in range(2):
+                drv.launch(fn, sms, 384, 200 * 1024, [a_ptr, a_groups])
+            torch.cuda.synchronize()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            reps = 5
+            ev[0].record()
+            for _ in range(reps):
+                drv.launch(fn, sms, 384, 200 * 1024, [a_ptr, a_groups])
+            ev[1].record()
+            torch.cuda.synchronize()
+            ms = ev[0].elapsed_time(ev[1]) / reps
+            n = N_OF_MODE.get(d["MODE"], 64)
+            flop_sm = d["NWG"] * GROUPS * 4 * 2 * 64 * n * 16  # per SM per launch
+            cycles = float(cyc[:, : d["NWG"]].float().mean())
+            fpc = flop_sm / cycles
+            tflops = flop_sm * sms / (ms * 1e-3) / 1e12
+            clk = cycles / (ms * 1e-3) / 1e9
+            rows.append({"case": name, **d, "flop_per_sm_cycle": fpc, "of_4096": fpc / 4096,
+                         "tflops": tflops, "bf16_matmul_peak": peak, "of_peak": tflops / peak,
+                         "ghz": clk, "ms": ms, "cycles_per_group": cycles / GROUPS})  # fmt: skip
+    print(f"bf16 matmul peak (8192^3, same run): {peak:.0f} TFLOP/s; {sms} SMs")
+    print(
+        f"{'case':62s} {'FLOP/clk/SM':>11s} {'of 4096':>8s} {'TFLOP/s':>8s} {'of peak':>8s} {'GHz':>5s}"
+    )
+    for r in rows:
+        print(f"{r['case']:62s} {r['flop_per_sm_cycle']:11.0f} {r['of_4096']:8.1%} "
+              f"{r['tflops']:8.0f} {r['of_peak']:8.1%} {r['ghz']:5.2f} {r['cycles_per_group']:7.0f}")  # fmt: skip
+    if args.json:
+        with open(args.json, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
