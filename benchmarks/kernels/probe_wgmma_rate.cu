@@ -28,6 +28,14 @@
 #ifndef NOMMA
 #define NOMMA 0
 #endif
+// PG, PW (modes 7, 8): a commit group every PG wgmmas, then wait_group PW (default 4, 1: the
+// decode kernel's groups). The registers in flight are the same for 4 / 1, 2 / 3 and 1 / 7.
+#ifndef PG
+#define PG 4
+#endif
+#ifndef PW
+#define PW 1
+#endif
 
 namespace {
 #include "../../vllm/kernels/cuda/sparse_mla_sm90_ptx.cuh"
@@ -49,6 +57,18 @@ __device__ __forceinline__ void wgmma_f16_n256(float (&d)[128], uint32_t a0, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
 }
 // clang-format on
+
+// Two e4m3 bytes -> f16x2 times 2^-8, exact, on the integer pipe (DEQ 1): prmt with selector SEL
+// places byte A and its sign replicated in the low half, byte B likewise in the high half (each
+// half the byte as a sign-extended int16); keeping bits 8 and 6..0 of each half and shifting left
+// by 7 gives sign << 15 | (exponent, mantissa) << 7, the f16 of the e4m3 value times 2^-8
+// (subnormals included). Three integer instructions per pair against one cvt.
+template <uint32_t SEL>
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2_int(uint32_t a, uint32_t b) {
+  uint32_t x;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(a), "r"(b), "n"(SEL));
+  return (x & 0x017F017Fu) << 7;
+}
 
 constexpr int ROW = 656;
 constexpr int OFF_RAW = 9 * 8192;  // after the B atoms: 64 rows of raw e4m3 bytes
@@ -153,9 +173,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
 #else
       wgmma_f16(acc[j], av[j][0], av[j][1], av[j][2], av[j][3], desc(db + 2 * kk + 512 * j), 1);
 #endif
+#if MODE == 7
+      if ((j + 1) % PG == 0) {
+        wgmma_commit();
+        wgmma_wait<PW>();
+      }
+#endif
     }
+#if MODE != 7
     wgmma_commit();
-#if MODE == 0 || MODE == 4 || MODE == 7
+#endif
+#if MODE == 0 || MODE == 4
     wgmma_wait<1>();
 #elif MODE == 1
     wgmma_wait<0>();
@@ -224,9 +252,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
 #else
       wgmma_f16(acc, av[k][0], av[k][1], av[k][2], av[k][3], d, 1);
 #endif
+#if MODE == 8
+      if ((k + 1) % PG == 0) {
+        wgmma_commit();
+        wgmma_wait<PW>();
+      }
+#endif
     }
+#if MODE != 8
     wgmma_commit();
     wgmma_wait<1>();
+#endif
   }
   wgmma_wait<0>();
   fence_acc(acc);

@@ -46,9 +46,8 @@ def _need_nvcc():
         (("-DNEXT_PREFETCH=0",), 48),
         (("-DQSTAGED=0",), 48),
         (("-DQK_GROUP=2",), 48),
-        (("-DDEQ_INT_QK=0", "-DDEQ_INT_PV=0"), 48),
-        (("-DDEQ_INT_QK=1", "-DDEQ_INT_PV=1"), 48),
-        (("-DDEQ_INT_QK=2", "-DDEQ_INT_PV=2"), 48),
+        (("-DQBULK=1",), 48),
+        (("-DPV_GROUP=2", "-DPV_WAIT=2", "-DQK_GROUP=2", "-DQK_WAIT=2"), 48),
         (("-DPROD_REGS=40", "-DCONS_REGS=232", "-DQK_GROUP=2"), 120),  # the earlier budget
     ],
 )
@@ -221,21 +220,19 @@ def test_cuda_decode_gpu_fp32_out_and_query():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv_f16,deq_int", [(1, 0), (1, 1), (1, 2), (0, 0)])
-def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, deq_int, monkeypatch):
+@pytest.mark.parametrize("pv_f16", [1, 0])
+def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
     """One valid row per token, so P = 1 and the output is that row's dequantised values: every
     finite e4m3 code (subnormals and ±448 included) times tile scales from 2^-24 to 2^7.
     PV_F16=0: the fp32 product rounded to bf16, exactly (the PV operand is rounded like the
     reference). PV_F16=1 (default): rows whose tile scales lie within 2^11 of each other take the
     f16 PV, within 2^-10 of the exact product (the tile scale rounded to f16, then the product);
     the others (most rows here: their scales span up to 2^31) the exact bf16 PV. A second cache
-    with each row's scales within 2^3 sends every row through the f16 PV. deq_int: the e4m3 -> f16
-    conversion of K and V^T on the conversion pipe (0), the integer pipe (1), or half each (2)."""
+    with each row's scales within 2^3 sends every row through the f16 PV."""
     from vllm.kernels import sparse_mla_decode as mod
 
     _gpu()
-    defines = {"PV_F16": pv_f16, "DEQ_INT_QK": deq_int, "DEQ_INT_PV": deq_int}
-    monkeypatch.setattr(sparse_mla_cuda, "DEFINES", defines)
+    monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {"PV_F16": pv_f16})
     layout, cache, slots, q, n = exact_dequant_inputs()
     out, lse = mod.sparse_mla_decode(q, cache, slots, layout, 0.04, kernel="cuda")
     want = read_mla_cache_ref(cache, slots[:, 17], layout)[:, None, :512].expand(n, 64, 512)
@@ -278,6 +275,8 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, deq_int, monkeypatch):
         {"SEESAW_ORDER": 2},
         {"QK_FP8": 1},
         {"QSTAGED": 0},
+        {"QBULK": 1},
+        {"PV_GROUP": 2, "PV_WAIT": 2, "QK_GROUP": 2, "QK_WAIT": 2},
     ],
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):
@@ -295,39 +294,6 @@ def test_cuda_decode_gpu_build_variants(defines, monkeypatch):
     monkeypatch.setattr(sparse_mla_cuda, "NUM_CTAS", 4)
     _check_decode(mod, layout, 9, 64, 2048, 64, "cuda", torch.bfloat16, 1e-2, seed=5,
                   kernel="cuda")  # fmt: skip
-
-
-@pytest.mark.gpu
-def test_cuda_decode_gpu_int_dequant_bit_identical(monkeypatch):
-    """The e4m3 -> f16 conversion on the integer pipe (DEQ_INT_QK, DEQ_INT_PV: prmt, and, shift;
-    the 2^-8 it leaves folded into the scale factor) computes the same wgmma operands as
-    cvt.rn.f16x2.e4m3x2 wherever the QK's tile factor is a normal f16 (a row's tile scales within
-    2^14 of each other), so each build's output and LSE are bit-identical to the cvt build's: GLM
-    shapes over random fp8_ds_mla rows, few heads, tokens cut between CTAs
-    (test_cuda_decode_gpu_fp8_dequant_exact takes every e4m3 code through both)."""
-    from vllm.kernels import sparse_mla_decode as mod
-
-    _gpu()
-    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
-    g = torch.Generator().manual_seed(21)
-    cache = _cache(layout, 64, "cuda", g)
-    cases = []
-    for t, h, ctas in ((9, 64, None), (5, 16, None), (6, 64, 4)):
-        q = torch.randn(t, h, layout.mla_dim, generator=g).to(torch.bfloat16).cuda()
-        slots = _slots(t, 2048, 64 * layout.block_size, "cuda", g, empty_rows=(0,))
-        cases.append((q, slots, ctas))
-    runs = {}
-    for qk, pv in ((0, 0), (1, 1), (2, 2), (1, 0), (0, 1)):
-        monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {"DEQ_INT_QK": qk, "DEQ_INT_PV": pv})
-        runs[qk, pv] = []
-        for q, slots, ctas in cases:
-            monkeypatch.setattr(sparse_mla_cuda, "NUM_CTAS", ctas)
-            runs[qk, pv].append(
-                mod.sparse_mla_decode(q, cache, slots, layout, 0.0625, kernel="cuda")
-            )
-    for key, res in runs.items():
-        for (o, lse), (o0, lse0) in zip(res, runs[0, 0], strict=True):
-            assert torch.equal(o, o0) and torch.equal(lse, lse0), key
 
 
 @pytest.mark.gpu

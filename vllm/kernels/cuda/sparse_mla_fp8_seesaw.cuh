@@ -41,23 +41,34 @@ __device__ __forceinline__ float quarter_amax(const uint4 (&v)[18]) {
 __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restrict__ qrow,
                                                     long long stride_qh, int num_heads, int half,
                                                     int wt, uint4 (&v)[18],
-                                                    uint8_t* staging = nullptr) {
+                                                    uint8_t* staging = nullptr,
+                                                    uint32_t qbar = 0) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   const bool hv = h < num_heads;
   if (staging != nullptr) {
-    constexpr int RS = 1168;  // staging row stride: 1152 + 16 (rows 4 banks apart)
+    constexpr int RS = QSTAGE_RS;
     const int tc = 128 * half + wt;
-    uint4 x[18];
+    if (qbar != 0) {  // QBULK: the producer's bulk copies fill heads < num_heads
 #pragma unroll
-    for (int i = 0; i < 18; ++i) {  // 16-byte piece g of the [64 heads x 72] query
-      const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
-      const uint4* src = reinterpret_cast<const uint4*>(qrow + (long long)hd * stride_qh) + pc;
-      x[i] = hd < num_heads ? __ldg(src) : make_uint4(0, 0, 0, 0);
-    }
+      for (int i = 0; i < 18; ++i) {
+        const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
+        if (hd >= num_heads)
+          *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = make_uint4(0, 0, 0, 0);
+      }
+      mbar_wait(qbar, 0);
+    } else {
+      uint4 x[18];
 #pragma unroll
-    for (int i = 0; i < 18; ++i) {
-      const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
-      *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = x[i];
+      for (int i = 0; i < 18; ++i) {  // 16-byte piece g of the [64 heads x 72] query
+        const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
+        const uint4* src = reinterpret_cast<const uint4*>(qrow + (long long)hd * stride_qh) + pc;
+        x[i] = hd < num_heads ? __ldg(src) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int i = 0; i < 18; ++i) {
+        const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
+        *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = x[i];
+      }
     }
     bar_sync(3, 256);
     const uint4* qs = reinterpret_cast<const uint4*>(staging + h * RS);
@@ -80,7 +91,7 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
 __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ qrow,
                                               long long stride_qh, int num_heads, int half,
                                               uint8_t* smem, int wt, int lane, int w,
-                                              long long* trace) {
+                                              long long* trace, uint32_t qbar) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   uint4 v[18];
   uint8_t* staging = QSTAGED ? smem + OFF_QT : nullptr;
@@ -89,7 +100,7 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
     qrow += a0 > 3e38f ? 8 : 0;  // (never in practice) the second load waits for the first
     if (QSTAGED) bar_sync(3, 256);  // every thread has read the first copy
   }
-  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v, staging);
+  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v, staging, qbar);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float* misc = reinterpret_cast<float*>(smem + OFF_MISC);
@@ -153,12 +164,8 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
   const float4 sa = *reinterpret_cast<const float4*>(row0 + 512);
   const float4 sb = *reinterpret_cast<const float4*>(row1 + 512);
   row_scales(sa, sb, c, mx0, mx1, e0, e1, ca, cb);
-  // the K factors (tile scale over the row's largest power of two); x 2^8 for the integer
-  // conversion's values (DEQ_INT_QK)
   const uint32_t h0 = pack_f16(ca * exp2i(-e0), ca * exp2i(-e0));
   const uint32_t h1 = pack_f16(cb * exp2i(-e1), cb * exp2i(-e1));
-  const uint32_t h0i = pack_f16(ca * exp2i(8 - e0), ca * exp2i(8 - e0));
-  const uint32_t h1i = pack_f16(cb * exp2i(8 - e1), cb * exp2i(8 - e1));
 #pragma unroll
   for (int mm = 0; mm < 8; ++mm) {
     const int off = 128 * c + 16 * ((mm + 2 * c) & 7);
@@ -166,7 +173,7 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
     const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
     const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
     const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
-    // QK_GROUP k-steps per commit group (wait_group 1: two groups in flight)
+    // QK_GROUP k-steps per commit group, QK_WAIT groups left pending
     constexpr int NG = 4 / QK_GROUP;
 #pragma unroll
     for (int hk = 0; hk < NG; ++hk) {
@@ -174,24 +181,12 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
 #pragma unroll
       for (int k = 0; k < QK_GROUP; ++k) {
         uint32_t f0, f1, f2, f3;
-        const uint32_t y0 = x0[QK_GROUP * hk + k], y1 = x1[QK_GROUP * hk + k];
-        if (DEQ_INT_QK == 1 || (DEQ_INT_QK == 2 && 2 * k >= QK_GROUP)) {
-          f0 = e4m3x2_to_f16x2_int<0x9180>(y0, y0);  // bytes 0, 1
-          f2 = e4m3x2_to_f16x2_int<0xB3A2>(y0, y0);  // bytes 2, 3
-          f1 = e4m3x2_to_f16x2_int<0x9180>(y1, y1);
-          f3 = e4m3x2_to_f16x2_int<0xB3A2>(y1, y1);
-          a[k][0] = hmul2(f0, h0i);
-          a[k][1] = hmul2(f1, h1i);
-          a[k][2] = hmul2(f2, h0i);
-          a[k][3] = hmul2(f3, h1i);
-        } else {
-          e4m3x4_to_f16x4(y0, f0, f2);
-          e4m3x4_to_f16x4(y1, f1, f3);
-          a[k][0] = hmul2(f0, h0);
-          a[k][1] = hmul2(f1, h1);
-          a[k][2] = hmul2(f2, h0);
-          a[k][3] = hmul2(f3, h1);
-        }
+        e4m3x4_to_f16x4(x0[QK_GROUP * hk + k], f0, f2);
+        e4m3x4_to_f16x4(x1[QK_GROUP * hk + k], f1, f3);
+        a[k][0] = hmul2(f0, h0);
+        a[k][1] = hmul2(f1, h1);
+        a[k][2] = hmul2(f2, h0);
+        a[k][3] = hmul2(f3, h1);
       }
       wgmma_fence();
 #pragma unroll
@@ -201,7 +196,7 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
                   desc(dq + (uint32_t)(((kk >> 2) * 8192 + (kk & 3) * 32) >> 4)), kk > 0);
       }
       wgmma_commit();
-      if (mm * NG + hk > 0) wgmma_wait<1>();
+      if (mm * NG + hk > 0) wgmma_wait<QK_WAIT>();
     }
   }
   const uint4 v00 = *reinterpret_cast<const uint4*>(row0 + 528 + 32 * c);
@@ -246,23 +241,13 @@ __device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t*
     const int s0 = 16 * kk + 2 * c;
     uint2 r0, r1, r2, r3;
     v_rows(stg, s0, dv0, r0, r1, r2, r3);
-    uint32_t g01 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0);
-    uint32_t g89 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0 + 16);
+    const uint32_t g01 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0);
+    const uint32_t g89 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0 + 16);
     uint32_t a[4][4];
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
       uint32_t f[8];
-      const uint32_t x0 = wi ? r0.y : r0.x, x1 = wi ? r1.y : r1.x, x2 = wi ? r2.y : r2.x,
-                     x3 = wi ? r3.y : r3.x;
-      if (DEQ_INT_PV == 1) {
-        v_pairs_int(x0, x1, x2, x3, f);  // (sigma carries the 2^8)
-      } else if (DEQ_INT_PV == 2 && wi == 1) {
-        v_pairs_int(x0, x1, x2, x3, f);
-        g01 = hmul2(g01, 0x5C005C00u);  // x 256
-        g89 = hmul2(g89, 0x5C005C00u);
-      } else {
-        v_pairs_f16(x0, x1, x2, x3, f);
-      }
+      v_pairs_f16(wi ? r0.y : r0.x, wi ? r1.y : r1.x, wi ? r2.y : r2.x, wi ? r3.y : r3.x, f);
       a[2 * wi][0] = hmul2(f[0], g01);
       a[2 * wi][1] = hmul2(f[1], g01);
       a[2 * wi][2] = hmul2(f[2], g89);
@@ -275,9 +260,13 @@ __device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t*
     const uint64_t dsc = desc(dp + 2 * kk);
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 4; ++j) wgmma_f16(acc[j], a[j][0], a[j][1], a[j][2], a[j][3], dsc, 1);
-    wgmma_commit();
-    if (kk > 0) wgmma_wait<1>();
+    for (int j = 0; j < 4; ++j) {
+      wgmma_f16(acc[j], a[j][0], a[j][1], a[j][2], a[j][3], dsc, 1);
+      if ((j + 1) % PV_GROUP == 0) {  // PV_GROUP m-tiles per commit group, PV_WAIT pending
+        wgmma_commit();
+        if (kk > 0 || j + 1 > PV_GROUP) wgmma_wait<PV_WAIT>();
+      }
+    }
   }
 }
 
@@ -357,7 +346,8 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
   const float* qf_s = reinterpret_cast<const float*>(smem + OFF_QF);  // per-head score factors
 #else
   const float base_f =
-      scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w, trace);
+      scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w, trace,
+                                QBULK && base == 0 ? sbase + OFF_QBAR : 0u);
 #endif
   stamp(trace, TRACE_ITERS - 1, 1, wt);
   const uint32_t dq = desc_lo(sbase + OFF_QT);
@@ -429,9 +419,8 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       stamp(trace, ts, 12, wt);
       if (PV_F16) {
         __half* sig = reinterpret_cast<__half*>(smem + OFF_SIG + pb * 512) + 64 * c;
-        constexpr int SE = DEQ_INT_PV == 1 ? 14 : 6;  // (x 2^8 for the integer conversion)
-        sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(SE - e0, 127)) : 0.f);
-        sig[r1] = __float2half_rn(p1 ? cb * exp2i(min(SE - e1, 127)) : 0.f);
+        sig[r0] = __float2half_rn(p0 ? ca * exp2i(min(6 - e0, 127)) : 0.f);
+        sig[r1] = __float2half_rn(p1 ? cb * exp2i(min(6 - e1, 127)) : 0.f);
       }
 #if QK_FP8
 #pragma unroll

@@ -106,6 +106,12 @@
 #ifndef QSTAGED
 #define QSTAGED 1
 #endif
+// QBULK 1: the CTA's first query reaches the staging area by one bulk copy per head, issued by the
+// producer before its first stage (mbarrier OFF_QBAR), instead of the consumers' 16-byte loads;
+// later pieces of a CTA (several tokens per CTA) load theirs as QSTAGED does.
+#ifndef QBULK
+#define QBULK 0
+#endif
 // DIAG_QTWICE 1 (diagnostic): the query prologue loads the query twice (the first copy is
 // discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
 #ifndef DIAG_QTWICE
@@ -127,27 +133,28 @@ static_assert(128 * PROD_REGS + 256 * CONS_REGS <= 168 * 384 && PROD_REGS % 8 ==
               "setmaxnreg counts: multiples of 8 within the launch's 168 x 384 registers");
 #define STR_(x) #x
 #define STR(x) STR_(x)
-// QK_GROUP: k-steps per wgmma commit group in the QK: 4 (default, one 16-byte load's worth: up
-// to 8 wgmmas in flight), or 2.
+// QK_GROUP: k-steps per wgmma commit group in the QK: 4 (default, one 16-byte load's worth), 2
+// or 1; QK_WAIT: the groups left pending after each commit (wait_group; default 1). PV_GROUP,
+// PV_WAIT: the same for the f16 PV's wgmmas (4 m-tiles per k-step; default 4, 1). The A registers
+// in flight are the same for groups of 4 / wait 1, 2 / 3 and 1 / 7; the smaller groups keep more
+// wgmmas queued while the next operands are dequantised
+// (benchmarks/kernels/probe_wgmma_rate.py).
 #ifndef QK_GROUP
 #define QK_GROUP 4
 #endif
-static_assert(QK_GROUP == 2 || QK_GROUP == 4, "QK_GROUP: 2 or 4 k-steps");
-// DEQ_INT_QK, DEQ_INT_PV: where the QK's K and the f16 PV's V^T are converted from e4m3 to f16.
-// 0: cvt.rn.f16x2.e4m3x2 (the conversion pipe, 16 results per clock per SM: a block's QK and PV
-// conversions alone take as many SM cycles as its wgmmas); 1: e4m3x2_to_f16x2_int (prmt, and,
-// shift on the integer pipe; the 2^-8 it leaves goes into the scale factor each value is
-// multiplied by next); 2: half of each group's pairs each way. The operands are the same, except
-// that the QK's tile factor x 2^8 stays a normal f16 for tile scales 2^14 to 2^22 below the row's
-// largest (more exact there).
-#ifndef DEQ_INT_QK
-#define DEQ_INT_QK 0
+#ifndef QK_WAIT
+#define QK_WAIT 1
 #endif
-#ifndef DEQ_INT_PV
-#define DEQ_INT_PV 0
+#ifndef PV_GROUP
+#define PV_GROUP 4
 #endif
-static_assert(DEQ_INT_QK >= 0 && DEQ_INT_QK <= 2 && DEQ_INT_PV >= 0 && DEQ_INT_PV <= 2,
-              "DEQ_INT_QK, DEQ_INT_PV: 0, 1 or 2");
+#ifndef PV_WAIT
+#define PV_WAIT 1
+#endif
+static_assert((QK_GROUP == 1 || QK_GROUP == 2 || QK_GROUP == 4) &&
+                  (PV_GROUP == 1 || PV_GROUP == 2 || PV_GROUP == 4),
+              "QK_GROUP, PV_GROUP: 1, 2 or 4 wgmmas");
+static_assert(QK_WAIT >= 0 && QK_WAIT <= 7 && PV_WAIT >= 0 && PV_WAIT <= 7, "wait_group 0..7");
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
 #endif
@@ -168,6 +175,8 @@ constexpr int TRACE_ITERS = 20;  // slots per warpgroup: 18 block iterations + t
 #define QK_FP8 0
 #endif
 static_assert(!QK_FP8 || PRODUCER_CPASYNC, "QK_FP8 places 16-byte pieces: the cp.async producer");
+static_assert(!QBULK || (PRODUCER_CPASYNC && QSTAGED && !QK_FP8 && !DIAG_QTWICE),
+              "QBULK: the cp.async producer fills QSTAGED's staging area");
 
 namespace {
 
@@ -184,7 +193,8 @@ constexpr int OFF_IDS = OFF_ST + NUM_STAGES * STAGE;     // [stages][64] int32
 constexpr int OFF_RED = OFF_IDS + NUM_STAGES * BN * 4;   // [2 halves][4 warps][64] f32
 constexpr int OFF_ALPHA = OFF_RED + 2 * 4 * 64 * 4;      // [NUM_PBUF][64] f32
 constexpr int OFF_L = OFF_ALPHA + NUM_PBUF * 64 * 4;     // [64] f32
-constexpr int OFF_MISC = OFF_L + 64 * 4;                 // [16] f32
+constexpr int OFF_MISC = OFF_L + 64 * 4;                 // [8] f32; QBULK's mbarrier at + 32
+constexpr int OFF_QBAR = OFF_MISC + 32;
 constexpr int OFF_BAR = OFF_MISC + 64;                   // full, empty [3]; pfull, pempty [3]
 constexpr int OFF_M = OFF_BAR + 12 * 8;                  // [64] f32: the shared max m
 constexpr int OFF_FLAG = OFF_M + 64 * 4;                 // [NUM_PBUF] int32: block flags
@@ -195,7 +205,9 @@ constexpr int OFF_QF = OFF_CTL + 16;                     // QK_FP8: [64] f32 per
 constexpr int SMEM_BYTES = OFF_QF + 64 * 4;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
-static_assert(64 * 1168 <= OFF_ST - OFF_QT, "the query's staging area: Q^T and P^T");
+// the query staging area's row stride: 1152 + 16 bytes (rows 4 banks apart)
+constexpr int QSTAGE_RS = 1168;
+static_assert(64 * QSTAGE_RS <= OFF_ST - OFF_QT, "the query's staging area: Q^T and P^T");
 static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
 
 // A stage's bytes. QK_FP8 0: the rows as copied, ROW bytes apart. QK_FP8 1: the layout of the QK
@@ -344,6 +356,14 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
                                                  Bars b, int pw, int lane,
                                                  const QueryRef& q) {
   int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
+  if (QBULK && pw == 0 && w0 < w1) {  // the first piece's query, head h's 1152 bytes per copy
+    const uint32_t qbar = sbase + OFF_QBAR;
+    if (lane == 0) mbar_arrive_expect_tx(qbar, 1152u * q.num_heads);
+    __syncwarp();
+    const __nv_bfloat16* qt = q.q + (w0 / wk.nb) * q.stride_qt;
+    for (int h = lane; h < q.num_heads; h += 32)
+      bulk_g2s(sbase + OFF_QT + h * QSTAGE_RS, qt + h * q.stride_qh, 1152, qbar);
+  }
   int id = w0 < w1 ? block_id(wk, w0, 16 * pw + (lane & 15)) : -1;
   for (int w = w0; w < w1; ++w) {
     const int i = w - w0, st = i % NUM_STAGES;
@@ -392,18 +412,6 @@ __device__ __forceinline__ void v_pairs_f16(uint32_t x0, uint32_t x1, uint32_t x
   e4m3x4_to_f16x4(u23, f[2], f[3]);
   e4m3x4_to_f16x4(v01, f[4], f[5]);
   e4m3x4_to_f16x4(v23, f[6], f[7]);
-}
-// v_pairs_f16 on the integer pipe: the same pairs times 2^-8 (e4m3x2_to_f16x2_int).
-__device__ __forceinline__ void v_pairs_int(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3,
-                                            uint32_t (&f)[8]) {
-  f[0] = e4m3x2_to_f16x2_int<0xC480>(x0, x1);  // byte 0 of x0, then of x1
-  f[1] = e4m3x2_to_f16x2_int<0xD591>(x0, x1);  // byte 1
-  f[2] = e4m3x2_to_f16x2_int<0xC480>(x2, x3);
-  f[3] = e4m3x2_to_f16x2_int<0xD591>(x2, x3);
-  f[4] = e4m3x2_to_f16x2_int<0xE6A2>(x0, x1);  // byte 2
-  f[5] = e4m3x2_to_f16x2_int<0xF7B3>(x0, x1);  // byte 3
-  f[6] = e4m3x2_to_f16x2_int<0xE6A2>(x2, x3);
-  f[7] = e4m3x2_to_f16x2_int<0xF7B3>(x2, x3);
 }
 
 // ---- PV on one half of the value columns ------------------------------------------------------
@@ -683,6 +691,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       mbar_init(b.pfull + 8 * s, 128);
       mbar_init(b.pempty + 8 * s, 256);
     }
+    if (QBULK) mbar_init(sbase + OFF_QBAR, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // PRODUCER_CPASYNC 0: rows of a -1 id keep what the stage held (masked, never NaN), so the

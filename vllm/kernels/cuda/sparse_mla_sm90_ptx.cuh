@@ -154,19 +154,6 @@ __device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo2, uint3
       : "=r"(lo2), "=r"(hi2)
       : "r"(w));
 }
-// Two e4m3 bytes -> f16x2 times 2^-8, exact, on the integer pipe (DEQ_INT): prmt with selector SEL
-// places byte A and its sign replicated in the low half, byte B likewise in the high half (each
-// half the byte as a sign-extended int16); keeping bits 8 and 6..0 of each half and shifting left
-// by 7 gives sign << 15 | (exponent, mantissa) << 7: the f16 of the e4m3 value times 2^-8
-// (subnormals included; the NaN bytes 0x7f / 0xff, which our quantiser never writes, come out
-// finite). Three integer instructions per pair, where cvt.rn.f16x2.e4m3x2 goes through the
-// conversion pipe, 16 results per clock per SM (benchmarks/kernels/probe_wgmma_rate.py).
-template <uint32_t SEL>
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2_int(uint32_t a, uint32_t b) {
-  uint32_t x;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(x) : "r"(a), "r"(b), "n"(SEL));
-  return (x & 0x017F017Fu) << 7;
-}
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   uint32_t out;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
