@@ -1,7 +1,8 @@
 // Probe: the wgmma issue rates of the CUDA FP8 sparse-MLA decode kernel's shapes and patterns
 // (benchmarks/kernels/probe_wgmma_rate.py builds one cubin per MODE and NWG and times it).
 // One CTA per SM, 384 threads with the decode kernel's register split (setmaxnreg 24 / 240):
-// warpgroup 0 idles (the decode kernel's producer), warpgroups 1..NWG issue `groups` commit groups of 4 wgmmas each, and thread 0 of each writes its clock64 cycles.
+// warpgroup 0 idles (the decode kernel's producer), warpgroups 1..NWG issue `groups` steps of 4
+// wgmmas each, and thread 0 of each writes its clock64 cycles.
 // MODE 0: RS m64n64k16 f16 into 4 accumulators, wait_group 1 after each group (the PV's pattern,
 //         A registers fixed); 1: wait_group 0 after each group; 2: no wait inside the loop;
 //         3: one accumulator (the QK's pattern); 4: A and B from shared memory (SS), 4 accumulators;
@@ -9,7 +10,7 @@
 //         7: as 0, A dequantised per group from e4m3 bytes in shared memory as the PV does
 //            (4 8-byte loads, byte permutes, e4m3x2 -> f16x2, x sigma);
 //         8: as 3, A dequantised as the QK does (2 16-byte loads per 4 k-steps, x tile scale).
-// DEQ (modes 7, 8): 0 cvt.rn.f16x2.e4m3x2 (the conversion pipe), 1 e4m3x2_to_f16x2_int (prmt, and,
+// DEQ (modes 7, 8): 0 cvt.rn.f16x2.e4m3x2, 1 e4m3x2_to_f16x2_int (prmt, and,
 // shift: the integer pipe), 2 half of each group's pairs each way. NOMMA 1: the dequantisation
 // alone (its results XORed into a register instead of feeding wgmmas).
 #include <cuda_bf16.h>
@@ -30,6 +31,13 @@
 #endif
 // PG, PW (modes 7, 8): a commit group every PG wgmmas, then wait_group PW (default 4, 1: the
 // decode kernel's groups). The registers in flight are the same for 4 / 1, 2 / 3 and 1 / 7.
+// FEED (modes 7, 8): what the wgmmas read. 0: the dequantised registers (RS, as the decode kernel
+// does); 1: fixed registers (RS), the dequantised values XORed into a register; 2: A from shared
+// memory (SS), the dequantised values XORed into a register; 3: SS, the dequantised values stored
+// to shared memory (what a kernel staging them through shared memory would do).
+#ifndef FEED
+#define FEED 0
+#endif
 #ifndef PG
 #define PG 4
 #endif
@@ -72,6 +80,8 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2_int(uint32_t a, uint32_t b) 
 
 constexpr int ROW = 656;
 constexpr int OFF_RAW = 9 * 8192;  // after the B atoms: 64 rows of raw e4m3 bytes
+constexpr int OFF_SCR = OFF_RAW + 64 * 656;  // FEED 3: 2 warpgroups x 4 x 128 x 16 bytes
+static_assert(OFF_SCR + 2 * 4 * 128 * 16 + 1024 <= 200 * 1024, "the probe's shared memory");
 
 __device__ __forceinline__ uint32_t mix(uint32_t x) {
   x ^= x >> 16;
@@ -84,7 +94,9 @@ __device__ __forceinline__ uint32_t mix(uint32_t x) {
 
 extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, int groups) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // (offset from the __shared__ array itself, so the compiler keeps shared-memory instructions)
+  const uint32_t s0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  uint8_t* smem = smem_raw + ((1024u - (s0 & 1023u)) & 1023u);
   const int tid = threadIdx.x;
   // B atoms: f16 in [0.5, 1) and [-1, -0.5); raw rows: e4m3 bytes with no NaN
   for (int i = tid; i < 9 * 8192 / 4; i += 384) {
@@ -160,9 +172,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
 #pragma unroll
       for (int e = 0; e < 4; ++e) av[j][e] = a[e];
 #endif
-#if NOMMA
+#if NOMMA || FEED == 1 || FEED == 2
 #pragma unroll
     for (int j = 0; j < 4; ++j) sink ^= av[j][0] ^ av[j][1] ^ av[j][2] ^ av[j][3];
+#elif FEED == 3
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      *reinterpret_cast<uint4*>(smem + OFF_SCR + 16 * (wt + 128 * (j + 4 * (wg - 1)))) =
+          make_uint4(av[j][0], av[j][1], av[j][2], av[j][3]);
+    fence_proxy_async();
+#endif
+#if NOMMA
     continue;
 #endif
     wgmma_fence();
@@ -170,6 +190,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
     for (int j = 0; j < 4; ++j) {
 #if MODE == 4
       wgmma_bf16_ss(acc[j], desc(db + 2 * j + 512 * (wg - 1)), desc(db + 2 * kk + 1024), 1);
+#elif MODE == 7 && FEED >= 2
+      wgmma_bf16_ss(acc[j], desc(db + 2 * j + 512 * (wg - 1)), desc(db + 2 * kk + 1024), 1);
+#elif MODE == 7 && FEED == 1
+      wgmma_f16(acc[j], a[0], a[1], a[2], a[3], desc(db + 2 * kk + 512 * j), 1);
 #else
       wgmma_f16(acc[j], av[j][0], av[j][1], av[j][2], av[j][3], desc(db + 2 * kk + 512 * j), 1);
 #endif
@@ -236,9 +260,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
 #pragma unroll
       for (int e = 0; e < 4; ++e) av[j][e] = a[e];
 #endif
-#if NOMMA
+#if NOMMA || FEED == 1 || FEED == 2
 #pragma unroll
     for (int k = 0; k < 4; ++k) sink ^= av[k][0] ^ av[k][1] ^ av[k][2] ^ av[k][3];
+#elif FEED == 3
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      *reinterpret_cast<uint4*>(smem + OFF_SCR + 16 * (wt + 128 * (k + 4 * (wg - 1)))) =
+          make_uint4(av[k][0], av[k][1], av[k][2], av[k][3]);
+    fence_proxy_async();
+#endif
+#if NOMMA
     continue;
 #endif
     wgmma_fence();
@@ -249,6 +281,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
       wgmma_f16_n128(acc, av[k][0], av[k][1], av[k][2], av[k][3], desc(db + 2 * k));
 #elif MODE == 6
       wgmma_f16_n256(acc, av[k][0], av[k][1], av[k][2], av[k][3], desc(db + 2 * k));
+#elif MODE == 8 && FEED >= 2
+      wgmma_bf16_ss(acc, desc(db + 2 * k + 512 * (wg - 1)), d, 1);
+#elif MODE == 8 && FEED == 1
+      wgmma_f16(acc, a[0], a[1], a[2], a[3], d, 1);
 #else
       wgmma_f16(acc, av[k][0], av[k][1], av[k][2], av[k][3], d, 1);
 #endif

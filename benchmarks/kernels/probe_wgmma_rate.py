@@ -1,15 +1,19 @@
 """How fast the H200's tensor cores run the wgmma shapes and issue patterns of the CUDA FP8
 sparse-MLA decode kernel (vllm/kernels/cuda/sparse_mla_fp8_sm90.cu), measured on their own (GPU).
 
-The decode kernel issues only m64n64k16 wgmmas with the A operand in registers (K^T or V^T
-dequantised by the warpgroup), N = 64 heads. This probe times, one CTA per SM, one or two
-warpgroups issuing such wgmmas back to back with the kernel's commit/wait patterns, with and
-without the dequantisation that feeds them, beside wider shapes (N = 128, 256) and the operands
-from shared memory, so the kernel's main loop can be put against what its instruction shapes can
-reach. Each row prints FLOP per SM cycle (clock64 of the issuing warps), the share of the
-tensor cores' 4096 dense f16 FLOP per SM cycle, TFLOP/s from CUDA events, and the same run's
-measured bf16 matmul peak, and the SM cycles per commit group of 4 wgmmas per warpgroup. Rows
-without wgmmas (the dequantisation alone) count the FLOPs their operands would have fed.
+The decode kernel issues only m64n64k16 wgmmas with the A operand in registers (K or V^T
+dequantised from e4m3 by the warpgroup itself), N = 64 heads. This probe times, one CTA per SM,
+one or two warpgroups issuing such wgmmas back to back with the kernel's commit/wait pattern:
+fed by fixed registers; fed by the QK's or the PV's dequantisation (cvt.rn.f16x2.e4m3x2, or the
+same values built on the integer pipe, at several commit-group depths); with the dequantisation
+beside wgmmas that do not read it (fixed registers, or A from shared memory); with the
+dequantised values stored to shared memory for SS wgmmas; wider N; and the dequantisation alone.
+So the kernel's main loop can be put against what its instruction shapes and operand feeding
+reach. Each row prints FLOP per SM cycle (clock64 of the issuing warps; rows without wgmmas count
+the FLOPs their operands would have fed) and its share of the tensor cores' 4096 dense f16 FLOP
+per SM cycle, TFLOP/s from CUDA events beside a bf16 matmul timed the same way (20 back-to-back
+8192^3 products: a burst like these rows, so at a similar clock, above the benchmarks' sustained
+figure), the SM clock, and the cycles per commit group of 4 wgmmas of each warpgroup.
 
     python3 benchmarks/kernels/probe_wgmma_rate.py [--json OUT.jsonl]
 """
@@ -50,8 +54,22 @@ CASES = [
     ("RS n64 + PV dequant, groups of 1 wgmma, wait<7>", {"MODE": 7, "PG": 1, "PW": 7}),
     ("RS n64 + QK dequant, groups of 2 wgmmas, wait<3>", {"MODE": 8, "PG": 2, "PW": 3}),
     ("RS n64 + QK dequant, groups of 1 wgmma, wait<7>", {"MODE": 8, "PG": 1, "PW": 7}),
-    ("RS n64 + PV dequant, groups of 2, wait<3>, one warpgroup", {"MODE": 7, "PG": 2, "PW": 3, "NWG": 1}),
-    ("RS n64 + QK dequant, groups of 2, wait<3>, one warpgroup", {"MODE": 8, "PG": 2, "PW": 3, "NWG": 1}),
+    (
+        "RS n64 + PV dequant, groups of 2, wait<3>, one warpgroup",
+        {"MODE": 7, "PG": 2, "PW": 3, "NWG": 1},
+    ),
+    (
+        "RS n64 + QK dequant, groups of 2, wait<3>, one warpgroup",
+        {"MODE": 8, "PG": 2, "PW": 3, "NWG": 1},
+    ),
+    ("RS n64 fixed A + PV dequant beside it (XOR-sunk)", {"MODE": 7, "FEED": 1}),
+    ("SS n64 + PV dequant beside it (XOR-sunk)", {"MODE": 7, "FEED": 2}),
+    ("SS n64 + PV dequant stored to shared memory", {"MODE": 7, "FEED": 3}),
+    ("RS n64 fixed A + QK dequant beside it (XOR-sunk)", {"MODE": 8, "FEED": 1}),
+    ("SS n64 + QK dequant beside it (XOR-sunk)", {"MODE": 8, "FEED": 2}),
+    ("SS n64 + QK dequant stored to shared memory", {"MODE": 8, "FEED": 3}),
+    ("SS n64 + QK dequant stored, one warpgroup", {"MODE": 8, "FEED": 3, "NWG": 1}),
+    ("RS n64 fixed A + QK dequant beside it, one warpgroup", {"MODE": 8, "FEED": 1, "NWG": 1}),
     ("PV dequant alone (cvt), no wgmma", {"MODE": 7, "NOMMA": 1}),
     ("PV dequant alone (integer), no wgmma", {"MODE": 7, "DEQ": 1, "NOMMA": 1}),
     ("PV dequant alone (half each), no wgmma", {"MODE": 7, "DEQ": 2, "NOMMA": 1}),

@@ -41,34 +41,23 @@ __device__ __forceinline__ float quarter_amax(const uint4 (&v)[18]) {
 __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restrict__ qrow,
                                                     long long stride_qh, int num_heads, int half,
                                                     int wt, uint4 (&v)[18],
-                                                    uint8_t* staging = nullptr,
-                                                    uint32_t qbar = 0) {
+                                                    uint8_t* staging = nullptr) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   const bool hv = h < num_heads;
   if (staging != nullptr) {
-    constexpr int RS = QSTAGE_RS;
+    constexpr int RS = 1168;  // staging row stride: 1152 + 16 (rows 4 banks apart)
     const int tc = 128 * half + wt;
-    if (qbar != 0) {  // QBULK: the producer's bulk copies fill heads < num_heads
+    uint4 x[18];
 #pragma unroll
-      for (int i = 0; i < 18; ++i) {
-        const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
-        if (hd >= num_heads)
-          *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = make_uint4(0, 0, 0, 0);
-      }
-      mbar_wait(qbar, 0);
-    } else {
-      uint4 x[18];
+    for (int i = 0; i < 18; ++i) {  // 16-byte piece g of the [64 heads x 72] query
+      const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
+      const uint4* src = reinterpret_cast<const uint4*>(qrow + (long long)hd * stride_qh) + pc;
+      x[i] = hd < num_heads ? __ldg(src) : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
-      for (int i = 0; i < 18; ++i) {  // 16-byte piece g of the [64 heads x 72] query
-        const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
-        const uint4* src = reinterpret_cast<const uint4*>(qrow + (long long)hd * stride_qh) + pc;
-        x[i] = hd < num_heads ? __ldg(src) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int i = 0; i < 18; ++i) {
-        const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
-        *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = x[i];
-      }
+    for (int i = 0; i < 18; ++i) {
+      const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
+      *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = x[i];
     }
     bar_sync(3, 256);
     const uint4* qs = reinterpret_cast<const uint4*>(staging + h * RS);
@@ -91,7 +80,7 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
 __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ qrow,
                                               long long stride_qh, int num_heads, int half,
                                               uint8_t* smem, int wt, int lane, int w,
-                                              long long* trace, uint32_t qbar) {
+                                              long long* trace) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   uint4 v[18];
   uint8_t* staging = QSTAGED ? smem + OFF_QT : nullptr;
@@ -100,7 +89,7 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
     qrow += a0 > 3e38f ? 8 : 0;  // (never in practice) the second load waits for the first
     if (QSTAGED) bar_sync(3, 256);  // every thread has read the first copy
   }
-  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v, staging, qbar);
+  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v, staging);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float* misc = reinterpret_cast<float*>(smem + OFF_MISC);
@@ -173,7 +162,7 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
     const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
     const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
     const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
-    // QK_GROUP k-steps per commit group, QK_WAIT groups left pending
+    // QK_GROUP k-steps per commit group (wait_group 1: two groups in flight)
     constexpr int NG = 4 / QK_GROUP;
 #pragma unroll
     for (int hk = 0; hk < NG; ++hk) {
@@ -196,7 +185,7 @@ __device__ __forceinline__ void qk_block64(float (&s)[32], const uint8_t* row0, 
                   desc(dq + (uint32_t)(((kk >> 2) * 8192 + (kk & 3) * 32) >> 4)), kk > 0);
       }
       wgmma_commit();
-      if (mm * NG + hk > 0) wgmma_wait<QK_WAIT>();
+      if (mm * NG + hk > 0) wgmma_wait<1>();
     }
   }
   const uint4 v00 = *reinterpret_cast<const uint4*>(row0 + 528 + 32 * c);
@@ -260,13 +249,9 @@ __device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t*
     const uint64_t dsc = desc(dp + 2 * kk);
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      wgmma_f16(acc[j], a[j][0], a[j][1], a[j][2], a[j][3], dsc, 1);
-      if ((j + 1) % PV_GROUP == 0) {  // PV_GROUP m-tiles per commit group, PV_WAIT pending
-        wgmma_commit();
-        if (kk > 0 || j + 1 > PV_GROUP) wgmma_wait<PV_WAIT>();
-      }
-    }
+    for (int j = 0; j < 4; ++j) wgmma_f16(acc[j], a[j][0], a[j][1], a[j][2], a[j][3], dsc, 1);
+    wgmma_commit();
+    if (kk > 0) wgmma_wait<1>();
   }
 }
 
@@ -346,8 +331,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
   const float* qf_s = reinterpret_cast<const float*>(smem + OFF_QF);  // per-head score factors
 #else
   const float base_f =
-      scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w, trace,
-                                QBULK && base == 0 ? sbase + OFF_QBAR : 0u);
+      scale_log2 * load_query64(qrow, stride_qh, num_heads, half, smem, wt, lane, w, trace);
 #endif
   stamp(trace, TRACE_ITERS - 1, 1, wt);
   const uint32_t dq = desc_lo(sbase + OFF_QT);
@@ -373,6 +357,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     const int ts = j >> 1;  // this warpgroup's iteration: its trace slot
     stamp(trace, ts, 0, wt);
     float s[32];
+    float f0 = 1.f, f1 = 1.f;  // the rows' score factors (SM_FUSED applies them in the softmax)
     int e0 = 0, e1 = 0;
     bool p0 = false, p1 = false, t0 = true, t1 = true;
     // the other warpgroup's block j - 1: its P^T and stabilisers; l takes alpha; its PV
@@ -434,13 +419,15 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
         }
       }
 #else
-      const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
+      f0 = base_f * exp2i(e0);
+      f1 = base_f * exp2i(e1);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
-        for (int bb = 0; bb < 2; ++bb) {
-          s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
-          s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
+        for (int bb = 0; bb < 2; ++bb) {  // (SM_FUSED: the row factors go into the softmax's FFMA)
+          s[4 * jj + bb] = v0 ? (SM_FUSED ? s[4 * jj + bb] : s[4 * jj + bb] * f0) : -INFINITY;
+          s[4 * jj + 2 + bb] =
+              v1 ? (SM_FUSED ? s[4 * jj + 2 + bb] : s[4 * jj + 2 + bb] * f1) : -INFINITY;
         }
 #endif
     }
@@ -451,6 +438,24 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     // Fast check, no per-head state kept: does any row maximum pass m + 2^RESCALE_LOG2, or
     // any row leave the f16 PV's range?
     bool over = PV_F16 && !(pv_f16_ok(p0, t0, e0, E) && pv_f16_ok(p1, t1, e1, E));
+#if SM_FUSED
+    // s becomes t = s * f_row - m' (m' = m, 0 while m is -inf: one FFMA), already the exponent
+    // of the common path; a row passes the check when t > 2^RESCALE_LOG2 (any valid row while
+    // m is -inf; -inf rows never)
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) {
+        const float mk = bb ? x.y : x.x;
+        const float mo = mk == -INFINITY ? 0.f : mk;
+        const float thr = mk == -INFINITY ? -INFINITY : RESCALE_LOG2;
+        s[4 * jj + bb] = fmaf(s[4 * jj + bb], f0, -mo);
+        s[4 * jj + 2 + bb] = fmaf(s[4 * jj + 2 + bb], f1, -mo);
+        over |= fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]) > thr;
+      }
+    }
+#else
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
@@ -458,6 +463,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       for (int bb = 0; bb < 2; ++bb)
         over |= fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]) > (bb ? x.y : x.x) + RESCALE_LOG2;
     }
+#endif
     stamp(trace, ts, 7, wt);
     const bool moved = bar_red_or(1 + half, 128, over);
     stamp(trace, ts, 8, wt);
@@ -485,14 +491,22 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
 #pragma unroll
       for (int hh = 0; hh < 16; ++hh) {
         const int hd = 8 * (hh >> 1) + 2 * c + (hh & 1);
-        const float mb = fmaxf(fmaxf(red[hd], red[64 + hd]), fmaxf(red[128 + hd], red[192 + hd]));
+        const float mbr = fmaxf(fmaxf(red[hd], red[64 + hd]), fmaxf(red[128 + hd], red[192 + hd]));
         const float mo = m_s[hd];
+        const float mop = mo == -INFINITY ? 0.f : mo;
+        const float mb = SM_FUSED ? mbr + mop : mbr;  // (SM_FUSED: red holds t = s f - m')
         const bool up = mb > mo + RESCALE_LOG2;
         const float al = up && mo != -INFINITY ? ex2(mo - mb) : 1.f;
         l[hh] *= al;
+        const float mn = up ? mb : mo;
         if (w == 0 && g == 0) {
-          mnew_s[hd] = up ? mb : mo;
+          mnew_s[hd] = mn;
           alpha_s[pb * 64 + hd] = al;
+        }
+        if (SM_FUSED) {  // head hd's t, from the old m' to the new
+          const float d = mop - (mn == -INFINITY ? 0.f : mn);
+          s[4 * (hh >> 1) + (hh & 1)] += d;
+          s[4 * (hh >> 1) + 2 + (hh & 1)] += d;
         }
       }
       if (PV_F16) {
@@ -517,11 +531,12 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     }
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
-      const float2 x = *reinterpret_cast<const float2*>(m_use + 8 * jj + 2 * c);
+      const float2 x = SM_FUSED ? make_float2(0.f, 0.f)
+                                : *reinterpret_cast<const float2*>(m_use + 8 * jj + 2 * c);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float mk = (k & 1) ? x.y : x.x;
-        s[4 * jj + k] = ex2(s[4 * jj + k] - (mk == -INFINITY ? 0.f : mk));
+        s[4 * jj + k] = SM_FUSED ? ex2(s[4 * jj + k]) : ex2(s[4 * jj + k] - (mk == -INFINITY ? 0.f : mk));
       }
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) l[2 * jj + bb] += s[4 * jj + bb] + s[4 * jj + 2 + bb];

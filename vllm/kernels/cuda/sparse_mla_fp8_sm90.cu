@@ -106,12 +106,6 @@
 #ifndef QSTAGED
 #define QSTAGED 1
 #endif
-// QBULK 1: the CTA's first query reaches the staging area by one bulk copy per head, issued by the
-// producer before its first stage (mbarrier OFF_QBAR), instead of the consumers' 16-byte loads;
-// later pieces of a CTA (several tokens per CTA) load theirs as QSTAGED does.
-#ifndef QBULK
-#define QBULK 0
-#endif
 // DIAG_QTWICE 1 (diagnostic): the query prologue loads the query twice (the first copy is
 // discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
 #ifndef DIAG_QTWICE
@@ -133,28 +127,19 @@ static_assert(128 * PROD_REGS + 256 * CONS_REGS <= 168 * 384 && PROD_REGS % 8 ==
               "setmaxnreg counts: multiples of 8 within the launch's 168 x 384 registers");
 #define STR_(x) #x
 #define STR(x) STR_(x)
-// QK_GROUP: k-steps per wgmma commit group in the QK: 4 (default, one 16-byte load's worth), 2
-// or 1; QK_WAIT: the groups left pending after each commit (wait_group; default 1). PV_GROUP,
-// PV_WAIT: the same for the f16 PV's wgmmas (4 m-tiles per k-step; default 4, 1). The A registers
-// in flight are the same for groups of 4 / wait 1, 2 / 3 and 1 / 7; the smaller groups keep more
-// wgmmas queued while the next operands are dequantised
-// (benchmarks/kernels/probe_wgmma_rate.py).
+// QK_GROUP: k-steps per wgmma commit group in the QK: 4 (default, one 16-byte load's worth: up
+// to 8 wgmmas in flight), or 2.
 #ifndef QK_GROUP
 #define QK_GROUP 4
 #endif
-#ifndef QK_WAIT
-#define QK_WAIT 1
+static_assert(QK_GROUP == 2 || QK_GROUP == 4, "QK_GROUP: 2 or 4 k-steps");
+// SM_FUSED 1: the softmax turns each score into its exponent with one FFMA, t = s * f_row - m
+// (the row's score factor and the shared stabiliser), checks t against 2^RESCALE_LOG2 and
+// exponentiates t as it is (the rare path shifts t to the new m); 0: the scores are scaled when
+// the QK ends, compared with m + 2^RESCALE_LOG2, then m is subtracted before each exponential.
+#ifndef SM_FUSED
+#define SM_FUSED 0
 #endif
-#ifndef PV_GROUP
-#define PV_GROUP 4
-#endif
-#ifndef PV_WAIT
-#define PV_WAIT 1
-#endif
-static_assert((QK_GROUP == 1 || QK_GROUP == 2 || QK_GROUP == 4) &&
-                  (PV_GROUP == 1 || PV_GROUP == 2 || PV_GROUP == 4),
-              "QK_GROUP, PV_GROUP: 1, 2 or 4 wgmmas");
-static_assert(QK_WAIT >= 0 && QK_WAIT <= 7 && PV_WAIT >= 0 && PV_WAIT <= 7, "wait_group 0..7");
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
 #endif
@@ -175,8 +160,6 @@ constexpr int TRACE_ITERS = 20;  // slots per warpgroup: 18 block iterations + t
 #define QK_FP8 0
 #endif
 static_assert(!QK_FP8 || PRODUCER_CPASYNC, "QK_FP8 places 16-byte pieces: the cp.async producer");
-static_assert(!QBULK || (PRODUCER_CPASYNC && QSTAGED && !QK_FP8 && !DIAG_QTWICE),
-              "QBULK: the cp.async producer fills QSTAGED's staging area");
 
 namespace {
 
@@ -193,8 +176,7 @@ constexpr int OFF_IDS = OFF_ST + NUM_STAGES * STAGE;     // [stages][64] int32
 constexpr int OFF_RED = OFF_IDS + NUM_STAGES * BN * 4;   // [2 halves][4 warps][64] f32
 constexpr int OFF_ALPHA = OFF_RED + 2 * 4 * 64 * 4;      // [NUM_PBUF][64] f32
 constexpr int OFF_L = OFF_ALPHA + NUM_PBUF * 64 * 4;     // [64] f32
-constexpr int OFF_MISC = OFF_L + 64 * 4;                 // [8] f32; QBULK's mbarrier at + 32
-constexpr int OFF_QBAR = OFF_MISC + 32;
+constexpr int OFF_MISC = OFF_L + 64 * 4;                 // [16] f32
 constexpr int OFF_BAR = OFF_MISC + 64;                   // full, empty [3]; pfull, pempty [3]
 constexpr int OFF_M = OFF_BAR + 12 * 8;                  // [64] f32: the shared max m
 constexpr int OFF_FLAG = OFF_M + 64 * 4;                 // [NUM_PBUF] int32: block flags
@@ -205,9 +187,7 @@ constexpr int OFF_QF = OFF_CTL + 16;                     // QK_FP8: [64] f32 per
 constexpr int SMEM_BYTES = OFF_QF + 64 * 4;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
-// the query staging area's row stride: 1152 + 16 bytes (rows 4 banks apart)
-constexpr int QSTAGE_RS = 1168;
-static_assert(64 * QSTAGE_RS <= OFF_ST - OFF_QT, "the query's staging area: Q^T and P^T");
+static_assert(64 * 1168 <= OFF_ST - OFF_QT, "the query's staging area: Q^T and P^T");
 static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
 
 // A stage's bytes. QK_FP8 0: the rows as copied, ROW bytes apart. QK_FP8 1: the layout of the QK
@@ -356,14 +336,6 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
                                                  Bars b, int pw, int lane,
                                                  const QueryRef& q) {
   int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
-  if (QBULK && pw == 0 && w0 < w1) {  // the first piece's query, head h's 1152 bytes per copy
-    const uint32_t qbar = sbase + OFF_QBAR;
-    if (lane == 0) mbar_arrive_expect_tx(qbar, 1152u * q.num_heads);
-    __syncwarp();
-    const __nv_bfloat16* qt = q.q + (w0 / wk.nb) * q.stride_qt;
-    for (int h = lane; h < q.num_heads; h += 32)
-      bulk_g2s(sbase + OFF_QT + h * QSTAGE_RS, qt + h * q.stride_qh, 1152, qbar);
-  }
   int id = w0 < w1 ? block_id(wk, w0, 16 * pw + (lane & 15)) : -1;
   for (int w = w0; w < w1; ++w) {
     const int i = w - w0, st = i % NUM_STAGES;
@@ -691,7 +663,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       mbar_init(b.pfull + 8 * s, 128);
       mbar_init(b.pempty + 8 * s, 256);
     }
-    if (QBULK) mbar_init(sbase + OFF_QBAR, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // PRODUCER_CPASYNC 0: rows of a -1 id keep what the stage held (masked, never NaN), so the
