@@ -357,7 +357,6 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     const int ts = j >> 1;  // this warpgroup's iteration: its trace slot
     stamp(trace, ts, 0, wt);
     float s[32];
-    float f0 = 1.f, f1 = 1.f;  // the rows' score factors (SM_FUSED applies them in the softmax)
     int e0 = 0, e1 = 0;
     bool p0 = false, p1 = false, t0 = true, t1 = true;
     // the other warpgroup's block j - 1: its P^T and stabilisers; l takes alpha; its PV
@@ -419,15 +418,13 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
         }
       }
 #else
-      f0 = base_f * exp2i(e0);
-      f1 = base_f * exp2i(e1);
+      const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
-        for (int bb = 0; bb < 2; ++bb) {  // (SM_FUSED: the row factors go into the softmax's FFMA)
-          s[4 * jj + bb] = v0 ? (SM_FUSED ? s[4 * jj + bb] : s[4 * jj + bb] * f0) : -INFINITY;
-          s[4 * jj + 2 + bb] =
-              v1 ? (SM_FUSED ? s[4 * jj + 2 + bb] : s[4 * jj + 2 + bb] * f1) : -INFINITY;
+        for (int bb = 0; bb < 2; ++bb) {
+          s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
+          s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
         }
 #endif
     }
@@ -438,24 +435,6 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     // Fast check, no per-head state kept: does any row maximum pass m + 2^RESCALE_LOG2, or
     // any row leave the f16 PV's range?
     bool over = PV_F16 && !(pv_f16_ok(p0, t0, e0, E) && pv_f16_ok(p1, t1, e1, E));
-#if SM_FUSED
-    // s becomes t = s * f_row - m' (m' = m, 0 while m is -inf: one FFMA), already the exponent
-    // of the common path; a row passes the check when t > 2^RESCALE_LOG2 (any valid row while
-    // m is -inf; -inf rows never)
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
-#pragma unroll
-      for (int bb = 0; bb < 2; ++bb) {
-        const float mk = bb ? x.y : x.x;
-        const float mo = mk == -INFINITY ? 0.f : mk;
-        const float thr = mk == -INFINITY ? -INFINITY : RESCALE_LOG2;
-        s[4 * jj + bb] = fmaf(s[4 * jj + bb], f0, -mo);
-        s[4 * jj + 2 + bb] = fmaf(s[4 * jj + 2 + bb], f1, -mo);
-        over |= fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]) > thr;
-      }
-    }
-#else
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
@@ -463,7 +442,6 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       for (int bb = 0; bb < 2; ++bb)
         over |= fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]) > (bb ? x.y : x.x) + RESCALE_LOG2;
     }
-#endif
     stamp(trace, ts, 7, wt);
     const bool moved = bar_red_or(1 + half, 128, over);
     stamp(trace, ts, 8, wt);
@@ -491,22 +469,14 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
 #pragma unroll
       for (int hh = 0; hh < 16; ++hh) {
         const int hd = 8 * (hh >> 1) + 2 * c + (hh & 1);
-        const float mbr = fmaxf(fmaxf(red[hd], red[64 + hd]), fmaxf(red[128 + hd], red[192 + hd]));
+        const float mb = fmaxf(fmaxf(red[hd], red[64 + hd]), fmaxf(red[128 + hd], red[192 + hd]));
         const float mo = m_s[hd];
-        const float mop = mo == -INFINITY ? 0.f : mo;
-        const float mb = SM_FUSED ? mbr + mop : mbr;  // (SM_FUSED: red holds t = s f - m')
         const bool up = mb > mo + RESCALE_LOG2;
         const float al = up && mo != -INFINITY ? ex2(mo - mb) : 1.f;
         l[hh] *= al;
-        const float mn = up ? mb : mo;
         if (w == 0 && g == 0) {
-          mnew_s[hd] = mn;
+          mnew_s[hd] = up ? mb : mo;
           alpha_s[pb * 64 + hd] = al;
-        }
-        if (SM_FUSED) {  // head hd's t, from the old m' to the new
-          const float d = mop - (mn == -INFINITY ? 0.f : mn);
-          s[4 * (hh >> 1) + (hh & 1)] += d;
-          s[4 * (hh >> 1) + 2 + (hh & 1)] += d;
         }
       }
       if (PV_F16) {
@@ -531,12 +501,11 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     }
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
-      const float2 x = SM_FUSED ? make_float2(0.f, 0.f)
-                                : *reinterpret_cast<const float2*>(m_use + 8 * jj + 2 * c);
+      const float2 x = *reinterpret_cast<const float2*>(m_use + 8 * jj + 2 * c);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float mk = (k & 1) ? x.y : x.x;
-        s[4 * jj + k] = SM_FUSED ? ex2(s[4 * jj + k]) : ex2(s[4 * jj + k] - (mk == -INFINITY ? 0.f : mk));
+        s[4 * jj + k] = ex2(s[4 * jj + k] - (mk == -INFINITY ? 0.f : mk));
       }
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) l[2 * jj + bb] += s[4 * jj + bb] + s[4 * jj + 2 + bb];

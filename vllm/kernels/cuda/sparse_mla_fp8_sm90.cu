@@ -133,13 +133,6 @@ static_assert(128 * PROD_REGS + 256 * CONS_REGS <= 168 * 384 && PROD_REGS % 8 ==
 #define QK_GROUP 4
 #endif
 static_assert(QK_GROUP == 2 || QK_GROUP == 4, "QK_GROUP: 2 or 4 k-steps");
-// SM_FUSED 1: the softmax turns each score into its exponent with one FFMA, t = s * f_row - m
-// (the row's score factor and the shared stabiliser), checks t against 2^RESCALE_LOG2 and
-// exponentiates t as it is (the rare path shifts t to the new m); 0: the scores are scaled when
-// the QK ends, compared with m + 2^RESCALE_LOG2, then m is subtracted before each exponential.
-#ifndef SM_FUSED
-#define SM_FUSED 0
-#endif
 #ifndef DIAG_TRACE
 #define DIAG_TRACE 0
 #endif
