@@ -42,6 +42,11 @@
 #ifndef PG
 #define PG 4
 #endif
+// DRAIN (modes 7, 8): wait_group 0 after every DRAIN steps, as the decode kernel retires each
+// block's PV (4 steps) and QK (9 steps) before moving on; 0: never inside the loop.
+#ifndef DRAIN
+#define DRAIN 0
+#endif
 #ifndef PW
 #define PW 1
 #endif
@@ -272,6 +277,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
 #if MODE != 7
     wgmma_commit();
 #endif
+#if MODE == 7 && DRAIN > 0
+    if (it % DRAIN == DRAIN - 1) wgmma_wait<0>();
+#endif
 #if MODE == 0 || MODE == 4
     wgmma_wait<1>();
 #elif MODE == 1
@@ -363,6 +371,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
 #if MODE != 8
     wgmma_commit();
     wgmma_wait<1>();
+#endif
+#if MODE == 8 && DRAIN > 0
+    if (it % DRAIN == DRAIN - 1) wgmma_wait<0>();
 #endif
   }
   wgmma_wait<0>();

@@ -15,7 +15,7 @@ per SM cycle, TFLOP/s from CUDA events beside a bf16 matmul timed the same way (
 8192^3 products: a burst like these rows, so at a similar clock, above the benchmarks' sustained
 figure), the SM clock, and the cycles per commit group of 4 wgmmas of each warpgroup.
 
-    python3 benchmarks/kernels/probe_wgmma_rate.py [--json OUT.jsonl]
+    python3 benchmarks/kernels/probe_wgmma_rate.py [--json OUT.jsonl] [--match 'drained,PV dequant']
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ CASES = [
     ("RS n256, one accumulator, wait<1>", {"MODE": 6}),
     ("RS n64 + PV dequant (e4m3 -> f16 x sigma), wait<1>", {"MODE": 7}),
     ("RS n64 + QK dequant (e4m3 -> f16 x scale), one acc, wait<1>", {"MODE": 8}),
+    ("RS n64 + PV dequant, drained every 4 steps (a PV call)", {"MODE": 7, "DRAIN": 4}),
+    ("RS n64 + QK dequant, drained every 9 steps (a QK call)", {"MODE": 8, "DRAIN": 9}),
+    (
+        "RS n64 + PV dequant, drained every 4 steps, one warpgroup",
+        {"MODE": 7, "DRAIN": 4, "NWG": 1},
+    ),
     ("RS n64 + PV dequant on the integer pipe", {"MODE": 7, "DEQ": 1}),
     ("RS n64 + PV dequant, half of it on the integer pipe", {"MODE": 7, "DEQ": 2}),
     ("RS n64 + QK dequant on the integer pipe", {"MODE": 8, "DEQ": 1}),
@@ -134,13 +140,17 @@ def matmul_peak() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--match", default="", help="run only the rows whose name has one of these")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     drv = Driver()
     peak = matmul_peak()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        keys = [k for k in args.match.split(",") if k]
         for name, d in CASES:
+            if keys and not any(k in name for k in keys):
+                continue
             d = {"NWG": 2, **d}
             fn = drv.load(build(d, tmp), "probe")
             cyc = torch.zeros(sms, 2, dtype=torch.int64, device="cuda")
