@@ -160,6 +160,28 @@ __device__ __forceinline__ uint32_t mix(uint32_t x) {
   x *= 0x846ca68bu;
   return x ^ (x >> 16);
 }
+// A step's 4 operand sets from the fixed registers (modes other than 7, 8).
+__device__ __forceinline__ void fixed_operands(uint32_t (&av)[4][4], const uint32_t (&a)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) av[j][e] = a[e];
+}
+// What becomes of a step's dequantised operands when the wgmmas do not read them (NOMMA, FEED 1
+// and 2: XORed into sink; FEED 3: stored to shared memory for the async proxy).
+__device__ __forceinline__ void feed_aside(const uint32_t (&av)[4][4], uint32_t& sink,
+                                           uint8_t* smem, int wt, int wg) {
+  if (NOMMA || FEED == 1 || FEED == 2) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) sink ^= av[j][0] ^ av[j][1] ^ av[j][2] ^ av[j][3];
+  } else if (FEED == 3) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      *reinterpret_cast<uint4*>(smem + OFF_SCR + 16 * (wt + 128 * (j + 4 * (wg - 1)))) =
+          make_uint4(av[j][0], av[j][1], av[j][2], av[j][3]);
+    fence_proxy_async();
+  }
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, int groups) {
@@ -237,24 +259,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
         for (int e = 0; e < 4; ++e) av[2 * wi + q][e] = hmul2(f[4 * q + e], sig);
     }
 #else
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) av[j][e] = a[e];
+    fixed_operands(av, a);
 #endif
-#if NOMMA || FEED == 1 || FEED == 2
-#pragma unroll
-    for (int j = 0; j < 4; ++j) sink ^= av[j][0] ^ av[j][1] ^ av[j][2] ^ av[j][3];
-#elif FEED == 3
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      *reinterpret_cast<uint4*>(smem + OFF_SCR + 16 * (wt + 128 * (j + 4 * (wg - 1)))) =
-          make_uint4(av[j][0], av[j][1], av[j][2], av[j][3]);
-    fence_proxy_async();
-#endif
-#if NOMMA
-    continue;
-#endif
+    feed_aside(av, sink, smem, wt, wg);
+    if (NOMMA) continue;
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -328,24 +336,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
       av[k][3] = hmul2(f3, sig ^ 0x00010001u);
     }
 #else
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) av[j][e] = a[e];
+    fixed_operands(av, a);
 #endif
-#if NOMMA || FEED == 1 || FEED == 2
-#pragma unroll
-    for (int k = 0; k < 4; ++k) sink ^= av[k][0] ^ av[k][1] ^ av[k][2] ^ av[k][3];
-#elif FEED == 3
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      *reinterpret_cast<uint4*>(smem + OFF_SCR + 16 * (wt + 128 * (k + 4 * (wg - 1)))) =
-          make_uint4(av[k][0], av[k][1], av[k][2], av[k][3]);
-    fence_proxy_async();
-#endif
-#if NOMMA
-    continue;
-#endif
+    feed_aside(av, sink, smem, wt, wg);
+    if (NOMMA) continue;
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
