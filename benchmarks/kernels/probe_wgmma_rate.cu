@@ -7,7 +7,7 @@
 //         A registers fixed); 1: wait_group 0 after each group; 2: no wait inside the loop;
 //         3: one accumulator (the QK's pattern); 4: A and B from shared memory (SS),
 //         4 accumulators;
-//         5 / 6: RS m64n128k16 / m64n256k16, one accumulator;
+//         6: RS m64n256k16, one accumulator;
 //         7: as 0, A dequantised per group from e4m3 bytes in shared memory as the PV does
 //            (4 8-byte loads, byte permutes, e4m3x2 -> f16x2, x sigma);
 //         8: as 3, A dequantised as the QK does (2 16-byte loads per 4 k-steps, x tile scale).
@@ -21,6 +21,7 @@
 #ifndef MODE
 #define MODE 0
 #endif
+static_assert(MODE >= 0 && MODE <= 8 && MODE != 5, "MODE: 0-4, 6-8");
 #ifndef NWG
 #define NWG 2
 #endif
@@ -53,37 +54,7 @@
 
 namespace {
 #include "../../vllm/kernels/cuda/sparse_mla_sm90_ptx.cuh"
-// m64n128k16 / m64n256k16 (64 / 128 accumulators), A in registers
-__device__ __forceinline__ void wgmma_f16_n128(float (&d)[64], uint32_t a0, uint32_t a1,
-                                              uint32_t a2, uint32_t a3, uint64_t desc) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
-      "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
-      "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-      "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
-      "%60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;\n"
-      :
-        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),
-        "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-        "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]),
-        "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-        "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-        "+f"(d[62]), "+f"(d[63])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
-}
+// m64n256k16 (128 accumulators), A in registers
 __device__ __forceinline__ void wgmma_f16_n256(float (&d)[128], uint32_t a0, uint32_t a1,
                                               uint32_t a2, uint32_t a3, uint64_t desc) {
   asm volatile(
@@ -303,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
     for (int i = 0; i < 32; ++i) sum += acc[j][i];
   }
 #else
-  constexpr int NR = MODE == 5 ? 64 : (MODE == 6 ? 128 : 32);
+  constexpr int NR = MODE == 6 ? 128 : 32;
   float acc[NR];
 #pragma unroll
   for (int i = 0; i < NR; ++i) acc[i] = 0.f;
@@ -344,9 +315,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint64_t d = desc(db + 2 * k + 512 * ((it >> 2) & 7));
-#if MODE == 5
-      wgmma_f16_n128(acc, av[k][0], av[k][1], av[k][2], av[k][3], desc(db + 2 * k));
-#elif MODE == 6
+#if MODE == 6
       wgmma_f16_n256(acc, av[k][0], av[k][1], av[k][2], av[k][3], desc(db + 2 * k));
 #elif MODE == 8 && FEED >= 2
       wgmma_bf16_ss(acc, desc(db + 2 * k + 512 * (wg - 1)), d, 1);

@@ -42,7 +42,6 @@ CASES = [
     ("RS n64, 4 accumulators, no wait in the loop", {"MODE": 2}),
     ("RS n64, one accumulator, wait<1> (QK pattern, no dequant)", {"MODE": 3}),
     ("SS n64, 4 accumulators, wait<1>", {"MODE": 4}),
-    ("RS n128, one accumulator, wait<1>", {"MODE": 5}),
     ("RS n256, one accumulator, wait<1>", {"MODE": 6}),
     ("RS n64 + PV dequant (e4m3 -> f16 x sigma), wait<1>", {"MODE": 7}),
     ("RS n64 + QK dequant (e4m3 -> f16 x scale), one acc, wait<1>", {"MODE": 8}),
@@ -85,7 +84,7 @@ CASES = [
     ("RS n64 + PV dequant, one warpgroup", {"MODE": 7, "NWG": 1}),
     ("RS n64 + QK dequant, one warpgroup", {"MODE": 8, "NWG": 1}),
 ]
-N_OF_MODE = {5: 128, 6: 256}
+N_OF_MODE = {6: 256}
 
 
 class Driver:
