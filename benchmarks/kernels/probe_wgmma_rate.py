@@ -112,14 +112,15 @@ class Driver:
         )  # fmt: skip
 
 
-def build(defines: dict[str, int], tmp: str) -> bytes:
+def build(defines: dict[str, int], tmp: str) -> tuple[bytes, str]:
+    """The cubin of one row's build for sm_90a and ptxas's report (-v) on it."""
     out = os.path.join(tmp, "_".join(f"{k}{v}" for k, v in defines.items()) + ".cubin")
     flags = [f"-D{k}={v}" for k, v in defines.items()]
-    cmd = [nvcc_path(), "-cubin", "-arch=sm_90a", "-O3", "-std=c++17", *flags, "-o", out, SRC]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [nvcc_path(), "-cubin", "-arch=sm_90a", "-O3", "-std=c++17", "-Xptxas", "-v", *flags]
+    res = subprocess.run([*cmd, "-o", out, SRC], capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(res.stderr[-3000:])
-    return open(out, "rb").read()
+    return open(out, "rb").read(), res.stderr
 
 
 def matmul_peak() -> float:
@@ -151,7 +152,7 @@ def main() -> None:
             if keys and not any(k in name for k in keys):
                 continue
             d = {"NWG": 2, **d}
-            fn = drv.load(build(d, tmp), "probe")
+            fn = drv.load(build(d, tmp)[0], "probe")
             cyc = torch.zeros(sms, 2, dtype=torch.int64, device="cuda")
             a_ptr = ctypes.c_void_p(cyc.data_ptr())
             a_groups = ctypes.c_int(GROUPS)
