@@ -29,10 +29,11 @@ import tempfile
 
 import torch
 
-from vllm.kernels.sparse_mla_cuda import nvcc_path
+from vllm.kernels.sparse_mla_cuda import _driver, nvcc_path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "probe_wgmma_rate.cu")
+SMEM = 200 * 1024  # dynamic shared memory of each probe CTA
 GROUPS = 1024  # commit groups of 4 wgmmas per warpgroup per launch
 
 # (name, defines): MODE selects the issue pattern (probe_wgmma_rate.cu), NWG the warpgroups issuing
@@ -87,31 +88,6 @@ CASES = [
 N_OF_MODE = {6: 256}
 
 
-class Driver:
-    def __init__(self):
-        self.lib = ctypes.CDLL("libcuda.so.1")
-
-    def check(self, rc, what):
-        if rc != 0:
-            raise RuntimeError(f"{what} failed: {rc}")
-
-    def load(self, cubin: bytes, name: str):
-        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-        self.check(self.lib.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
-        self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()), "get")
-        self.check(self.lib.cuFuncSetAttribute(fn, 8, 200 * 1024), "cuFuncSetAttribute")
-        return fn
-
-    def launch(self, fn, grid, threads, smem, args):
-        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        stream = torch.cuda.current_stream().cuda_stream
-        self.check(
-            self.lib.cuLaunchKernel(fn, grid, 1, 1, threads, 1, 1, smem, ctypes.c_void_p(stream),
-                                    params, None),
-            "cuLaunchKernel",
-        )  # fmt: skip
-
-
 def build(defines: dict[str, int], tmp: str) -> tuple[bytes, str]:
     """The cubin of one row's build for sm_90a and ptxas's report (-v) on it."""
     out = os.path.join(tmp, "_".join(f"{k}{v}" for k, v in defines.items()) + ".cubin")
@@ -143,7 +119,7 @@ def main() -> None:
     ap.add_argument("--match", default="", help="run only the rows whose name has one of these")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    drv = Driver()
+    drv = _driver()
     peak = matmul_peak()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -152,18 +128,19 @@ def main() -> None:
             if keys and not any(k in name for k in keys):
                 continue
             d = {"NWG": 2, **d}
-            fn = drv.load(build(d, tmp)[0], "probe")
+            fn = drv.load(build(d, tmp)[0], "probe", SMEM)
             cyc = torch.zeros(sms, 2, dtype=torch.int64, device="cuda")
             a_ptr = ctypes.c_void_p(cyc.data_ptr())
             a_groups = ctypes.c_int(GROUPS)
+            stream = torch.cuda.current_stream().cuda_stream
             for _ in range(2):
-                drv.launch(fn, sms, 384, 200 * 1024, [a_ptr, a_groups])
+                drv.launch(fn, (sms, 1), stream, [a_ptr, a_groups], 384, SMEM)
             torch.cuda.synchronize()
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             reps = 5
             ev[0].record()
             for _ in range(reps):
-                drv.launch(fn, sms, 384, 200 * 1024, [a_ptr, a_groups])
+                drv.launch(fn, (sms, 1), stream, [a_ptr, a_groups], 384, SMEM)
             ev[1].record()
             torch.cuda.synchronize()
             ms = ev[0].elapsed_time(ev[1]) / reps

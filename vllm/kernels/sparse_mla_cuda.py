@@ -130,7 +130,11 @@ class _Driver:
             self.lib.cuGetErrorName(rc, ctypes.byref(name))
             raise RuntimeError(f"{what} failed: {name.value.decode() if name.value else rc}")
 
-    def load(self, cubin: bytes) -> ctypes.c_void_p:
+    def load(
+        self, cubin: bytes, name: str = KERNEL_NAME, smem: int | None = None
+    ) -> ctypes.c_void_p:
+        """Kernel ``name`` of ``cubin``, allowed ``smem`` bytes of dynamic shared memory (default:
+        this kernel's SMEM_ALLOC)."""
         ctx = ctypes.c_void_p()
         self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
         if not ctx.value:
@@ -138,18 +142,21 @@ class _Driver:
         mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
         self.check(self.lib.cuModuleLoadData(ctypes.byref(mod), cubin), "cuModuleLoadData")
         self.check(
-            self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, KERNEL_NAME.encode()),
+            self.lib.cuModuleGetFunction(ctypes.byref(fn), mod, name.encode()),
             "cuModuleGetFunction",
         )
         # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-        self.check(self.lib.cuFuncSetAttribute(fn, 8, SMEM_ALLOC), "cuFuncSetAttribute")
+        smem = SMEM_ALLOC if smem is None else smem
+        self.check(self.lib.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute")
         return fn
 
-    def launch(self, fn, grid: tuple[int, int], stream: int, args: list):
+    def launch(self, fn, grid: tuple[int, int], stream: int, args: list, threads: int = THREADS,
+               smem: int | None = None):  # fmt: skip
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         self.check(
             self.lib.cuLaunchKernel(
-                fn, grid[0], grid[1], 1, THREADS, 1, 1, SMEM_ALLOC, ctypes.c_void_p(stream),
+                fn, grid[0], grid[1], 1, threads, 1, 1, SMEM_ALLOC if smem is None else smem,
+                ctypes.c_void_p(stream),
                 params, None,
             ),
             "cuLaunchKernel",
