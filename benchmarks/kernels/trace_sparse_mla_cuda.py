@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from benchmarks.kernels.bench_sparse_mla_decode import make_inputs
+from benchmarks.kernels.bench_sparse_mla_decode import CTX, make_inputs
 from vllm.kernels import sparse_mla_cuda
 from vllm.kernels.sparse_mla_decode import sparse_mla_decode
 
@@ -37,10 +37,10 @@ def med(x: torch.Tensor) -> float:
     return float(x.float().median()) if x.numel() else float("nan")
 
 
-def trace(t: int, spec: str, num_ctas: int | None = None) -> None:
+def trace(t: int, spec: str, num_ctas: int | None = None, ctx: int = CTX) -> None:
     sparse_mla_cuda.DEFINES = {**sparse_mla_cuda.parse_defines(spec), "DIAG_TRACE": 1}
     sparse_mla_cuda.NUM_CTAS = num_ctas
-    layout, cache, slots, q = make_inputs(t, "fp8_ds_mla")
+    layout, cache, slots, q = make_inputs(t, "fp8_ds_mla", ctx=ctx)
     scale = 1 / math.sqrt(256)
     run = lambda: sparse_mla_decode(q, cache, slots, layout, scale, kernel="cuda")  # noqa: E731
     for _ in range(3):
@@ -58,7 +58,7 @@ def trace(t: int, spec: str, num_ctas: int | None = None) -> None:
     it = tr[:, :, :18]  # [cta, wg, iteration, stamp]
     piece = tr[:, :, 19]
     total = piece[:, :, 2] - piece[:, :, 0]
-    print(f"== [{spec}] T={t}: {ctas} CTAs (stamps of each CTA's last token), kernel {ms * 1e3:.1f} us (events, one call); "
+    print(f"== [{spec}] T={t}, {ctx // 1024}K-token requests: {ctas} CTAs (stamps of each CTA's last token), kernel {ms * 1e3:.1f} us (events, one call); "
           f"per CTA median {med(total):.0f} cycles")  # fmt: skip
     ss = it[:, :, 2:14]  # steady state: iterations 2..13 of each warpgroup (own blocks 4..27)
     period = it[:, :, 3:15, 0] - it[:, :, 2:14, 0]
@@ -86,9 +86,13 @@ def main():
     p.add_argument("variants", nargs="*", default=[""], help="build knobs 'NAME=V,...' per variant")
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--ctas", type=int, default=None, help="grid size (default: the launcher's)")
+    p.add_argument(
+        "--ctx", type=int, default=CTX,
+        help="tokens per request (16 requests; 2048: the whole cache fits in L2)",
+    )  # fmt: skip
     args = p.parse_args()
     for spec in args.variants:
-        trace(args.tokens, spec, args.ctas)
+        trace(args.tokens, spec, args.ctas, args.ctx)
     sparse_mla_cuda.DEFINES, sparse_mla_cuda.NUM_CTAS = {}, None
 
 
