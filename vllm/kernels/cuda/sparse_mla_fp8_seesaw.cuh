@@ -453,7 +453,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
 #if SM_ONEPASS
     const bool onepass = both && reinterpret_cast<const int*>(smem + OFF_CTL)[1];
     if (onepass) {
-      float tmax = -INFINITY;
+      float tm[4];  // four independent max chains (one chain of 32 is 32 dependent FMNMX)
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
@@ -461,10 +461,10 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
         for (int k = 0; k < 4; ++k) {
           float& v = s[4 * jj + k];
           v = fmaf(v, (k & 2) ? f1 : f0, -((k & 1) ? x.y : x.x));
-          tmax = fmaxf(tmax, v);
+          tm[k] = jj ? fmaxf(tm[k], v) : v;
         }
       }
-      over |= tmax > RESCALE_LOG2;
+      over |= fmaxf(fmaxf(tm[0], tm[1]), fmaxf(tm[2], tm[3])) > RESCALE_LOG2;
     } else {
       if (both) {  // a candidate, but some head's m is still -inf
 #pragma unroll
