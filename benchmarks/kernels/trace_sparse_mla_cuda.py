@@ -60,10 +60,16 @@ def trace(t: int, spec: str, num_ctas: int | None = None, ctx: int = CTX) -> Non
     total = piece[:, :, 2] - piece[:, :, 0]
     print(f"== [{spec}] T={t}, {ctx // 1024}K-token requests: {ctas} CTAs (stamps of each CTA's last token), kernel {ms * 1e3:.1f} us (events, one call); "
           f"per CTA median {med(total):.0f} cycles")  # fmt: skip
-    ss = it[:, :, 2:14]  # steady state: iterations 2..13 of each warpgroup (own blocks 4..27)
-    period = it[:, :, 3:15, 0] - it[:, :, 2:14, 0]
+    # steady state: each warpgroup's own-block iterations (stamp 1 written) from the third to the
+    # last but one (a 32-block token: 16 iterations, 2..14; a 16-block piece at T=64: 2..6)
+    own = it[..., 1] > 0
+    k = torch.arange(it.shape[2])
+    steady = own & (k >= 2) & (k < own.sum(dim=2, keepdim=True) - 1)
+    ss = it[steady]  # [n, 16]
+    nxt = it[:, :, 1:, 0][steady[:, :, :-1]]  # the next iteration's start
+    period = nxt - it[:, :, :-1, 0][steady[:, :, :-1]]
     cells = [f"{n} {med(ss[..., b] - ss[..., a]):.0f}" for n, a, b in STEPS]
-    cells.append(f"loop {med(it[:, :, 3:15, 0] - it[:, :, 2:14, 6]):.0f}")
+    cells.append(f"loop {med(nxt - it[:, :, :-1, 6][steady[:, :, :-1]]):.0f}")
     print(f"   per iteration (own block + the other's PV), period {med(period):.0f}:")
     print("     " + ", ".join(cells))
     last = it[..., :7].flatten(2).max(dim=2).values  # each warpgroup's last block stamp
