@@ -100,7 +100,6 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
   // (every consumer thread is past the previous piece's epilogue: its stabilisers can reset)
   if (half == 0 && wt < 64) reinterpret_cast<float*>(smem + OFF_M)[wt] = -INFINITY;
   if (half == 1 && wt == 0) reinterpret_cast<int*>(smem + OFF_EX)[0] = E_NONE;
-  if (SM_ONEPASS && half == 1 && wt == 32) reinterpret_cast<int*>(smem + OFF_CTL)[1] = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, misc[i]);
   int eq = amax > 0.f ? 13 - ilog2(amax) : 0;
@@ -360,10 +359,6 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     float s[32];
     int e0 = 0, e1 = 0;
     bool p0 = false, p1 = false, t0 = true, t1 = true;
-#if SM_ONEPASS
-    float f0 = 1.f, f1 = 1.f;  // the rows' score factors
-    bool both = false;         // both rows valid
-#endif
     // the other warpgroup's block j - 1: its P^T and stabilisers; l takes alpha; its PV
     auto other_block = [&]() {
       if (j > 0) {
@@ -423,23 +418,14 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
         }
       }
 #else
-#if SM_ONEPASS
-      f0 = base_f * exp2i(e0);
-      f1 = base_f * exp2i(e1);
-      both = v0 && v1;
-      if (!both)  // (one-pass candidates scale after the other's PV)
-#else
       const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
-#endif
-      {
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
+      for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
-          for (int bb = 0; bb < 2; ++bb) {
-            s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
-            s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
-          }
-      }
+        for (int bb = 0; bb < 2; ++bb) {
+          s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
+          s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
+        }
 #endif
     }
     stamp(trace, ts, 13, wt);
@@ -449,55 +435,16 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     // Fast check, no per-head state kept: does any row maximum pass m + 2^RESCALE_LOG2, or
     // any row leave the f16 PV's range?
     bool over = PV_F16 && !(pv_f16_ok(p0, t0, e0, E) && pv_f16_ok(p1, t1, e1, E));
-    // one pass: s becomes t = s f - m (m as the other warpgroup's softmax of block j - 1 left it)
-#if SM_ONEPASS
-    const bool onepass = both && reinterpret_cast<const int*>(smem + OFF_CTL)[1];
-    if (onepass) {
-      float tm[4];  // four independent max chains (one chain of 32 is 32 dependent FMNMX)
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
+    for (int jj = 0; jj < 8; ++jj) {
+      const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          float& v = s[4 * jj + k];
-          v = fmaf(v, (k & 2) ? f1 : f0, -((k & 1) ? x.y : x.x));
-          tm[k] = jj ? fmaxf(tm[k], v) : v;
-        }
-      }
-      over |= fmaxf(fmaxf(tm[0], tm[1]), fmaxf(tm[2], tm[3])) > RESCALE_LOG2;
-    } else {
-      if (both) {  // a candidate, but some head's m is still -inf
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-          for (int bb = 0; bb < 2; ++bb) {
-            s[4 * jj + bb] *= f0;
-            s[4 * jj + 2 + bb] *= f1;
-          }
-      }
-#else
-    constexpr bool onepass = false;
-    {
-#endif
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
-#pragma unroll
-        for (int bb = 0; bb < 2; ++bb)
-          over |= fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]) > (bb ? x.y : x.x) + RESCALE_LOG2;
-      }
+      for (int bb = 0; bb < 2; ++bb)
+        over |= fmaxf(s[4 * jj + bb], s[4 * jj + 2 + bb]) > (bb ? x.y : x.x) + RESCALE_LOG2;
     }
     stamp(trace, ts, 7, wt);
     const bool moved = bar_red_or(1 + half, 128, over);
     stamp(trace, ts, 8, wt);
-    if (SM_ONEPASS && onepass && moved) {  // back to s f = t + m (m finite, not yet moved)
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) s[4 * jj + k] += (k & 1) ? x.y : x.x;
-      }
-    }
     bool exact = !PV_F16;
     float ef = 1.f;
     const float* m_use = m_s;  // the stabiliser this block's P uses
@@ -519,7 +466,6 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       }
       bar_sync(1 + half, 128);
       float* mnew_s = reinterpret_cast<float*>(smem + OFF_L);
-      [[maybe_unused]] bool fin = true;  // this thread's 16 new stabilisers are finite
 #pragma unroll
       for (int hh = 0; hh < 16; ++hh) {
         const int hd = 8 * (hh >> 1) + 2 * c + (hh & 1);
@@ -528,15 +474,10 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
         const bool up = mb > mo + RESCALE_LOG2;
         const float al = up && mo != -INFINITY ? ex2(mo - mb) : 1.f;
         l[hh] *= al;
-        if (SM_ONEPASS) fin &= (up ? mb : mo) != -INFINITY;
         if (w == 0 && g == 0) {
           mnew_s[hd] = up ? mb : mo;
           alpha_s[pb * 64 + hd] = al;
         }
-      }
-      if (SM_ONEPASS && w == 0) {  // (read after this block's pfull or the barriers below)
-        fin = __all_sync(0xffffffffu, fin);
-        if (lane == 0) reinterpret_cast<int*>(smem + OFF_CTL)[1] = fin;
       }
       if (PV_F16) {
         const int* er = ex_s + 4 + 4 * half;
@@ -558,26 +499,16 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       }
       if (PV_F16 && wt == 0) ex_s[0] = E;
     }
-    if (SM_ONEPASS && onepass && !moved) {  // s holds t = s f - m
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
+    for (int jj = 0; jj < 8; ++jj) {
+      const float2 x = *reinterpret_cast<const float2*>(m_use + 8 * jj + 2 * c);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) s[4 * jj + k] = ex2(s[4 * jj + k]);
-#pragma unroll
-        for (int bb = 0; bb < 2; ++bb) l[2 * jj + bb] += s[4 * jj + bb] + s[4 * jj + 2 + bb];
+      for (int k = 0; k < 4; ++k) {
+        const float mk = (k & 1) ? x.y : x.x;
+        s[4 * jj + k] = ex2(s[4 * jj + k] - (mk == -INFINITY ? 0.f : mk));
       }
-    } else {
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const float2 x = *reinterpret_cast<const float2*>(m_use + 8 * jj + 2 * c);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float mk = (k & 1) ? x.y : x.x;
-          s[4 * jj + k] = ex2(s[4 * jj + k] - (mk == -INFINITY ? 0.f : mk));
-        }
-#pragma unroll
-        for (int bb = 0; bb < 2; ++bb) l[2 * jj + bb] += s[4 * jj + bb] + s[4 * jj + 2 + bb];
-      }
+      for (int bb = 0; bb < 2; ++bb) l[2 * jj + bb] += s[4 * jj + bb] + s[4 * jj + 2 + bb];
     }
     stamp(trace, ts, 9, wt);
     // P^T's factors: 2^(e_k - 6 - E) for the f16 PV, 2^-E for the exact one (E >= E_MIN there)

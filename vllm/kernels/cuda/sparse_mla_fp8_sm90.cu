@@ -143,13 +143,6 @@ static_assert(QK_GROUP == 2 || QK_GROUP == 4, "QK_GROUP: 2 or 4 k-steps");
 #ifndef NEXT_PREFETCH
 #define NEXT_PREFETCH 1
 #endif
-// SM_ONEPASS 1: for a thread whose two rows are valid, once every head's stabiliser is finite,
-// the softmax computes t = s f - m by one FFMA per score (no mask, no second pass over m), takes
-// the check from t's maximum and the exponentials from t; 0: scale, check and exponentials each
-// read their operands anew.
-#ifndef SM_ONEPASS
-#define SM_ONEPASS 0
-#endif
 constexpr int TRACE_ITERS = 20;  // slots per warpgroup: 18 block iterations + the piece's stamps
 // QK_FP8 1: QK on the FP8 tensor cores with both operands in shared memory and no dequantisation:
 // K is the raw e4m3 rows (the producer places each 16-byte piece in the wgmma's 128-B-swizzled
@@ -182,7 +175,7 @@ constexpr int OFF_M = OFF_BAR + 12 * 8;                  // [64] f32: the shared
 constexpr int OFF_FLAG = OFF_M + 64 * 4;                 // [NUM_PBUF] int32: block flags
 constexpr int OFF_SIG = OFF_FLAG + 16;                   // f16 PV sigma: [3][4 tiles][64] f16
 constexpr int OFF_EX = OFF_SIG + NUM_PBUF * 4 * 64 * 2;  // f16 PV: E, ef[3], [2][4] emax
-constexpr int OFF_CTL = OFF_EX + 48;  // [4] int32: the merge decision; [1] every head's m finite
+constexpr int OFF_CTL = OFF_EX + 48;                     // [4] int32: the merge decision
 constexpr int OFF_QF = OFF_CTL + 16;                     // QK_FP8: [64] f32 per-head score factors
 constexpr int SMEM_BYTES = OFF_QF + 64 * 4;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
