@@ -28,9 +28,13 @@ STEPS = [
     ("PV own", 5, 6),
 ]  # fmt: skip
 # the piece's stamps: entry 0, query loaded 3, first barrier 4, query stored 1, epilogue
-# barriers 5 and 6, before the output stores 7, end 2
+# barriers 5 and 6, before the output stores 7, end 2; inside the query load (QSTAGED): the
+# thread's loads landed and staged 8, the staging barrier 9, its quarter read back and its
+# largest value found 10
 PIECE = [("query load", 0, 3), ("bar", 3, 4), ("query store", 4, 1), ("epi: l reduce", 5, 5),
          ("epi: lse", 5, 6), ("epi: inv", 6, 7), ("epi: store", 7, 2)]  # fmt: skip
+QLOAD = [("loads + staging", 0, 8), ("staging bar", 8, 9), ("read back + amax", 9, 10),
+         ("amax across threads", 10, 3)]  # fmt: skip
 
 
 def med(x: torch.Tensor) -> float:
@@ -76,6 +80,9 @@ def trace(t: int, spec: str, num_ctas: int | None = None, ctx: int = CTX) -> Non
     cells = [f"{n} {med(piece[..., b] - piece[..., a]):.0f}" for n, a, b in PIECE]
     cells[3] = f"epi: l reduce {med(piece[..., 5] - last):.0f}"
     print("   piece: " + ", ".join(cells))
+    if (piece[..., 10] > 0).all():  # QSTAGED builds
+        print("   query load: " + ", ".join(
+            f"{n} {med(piece[..., b] - piece[..., a]):.0f}" for n, a, b in QLOAD))  # fmt: skip
     for wg in range(2):  # the spread of the per-token steps, per warpgroup
         q = torch.tensor([0.1, 0.5, 0.9])
         ql = (piece[:, wg, 3] - piece[:, wg, 0]).float().quantile(q).tolist()

@@ -41,7 +41,8 @@ __device__ __forceinline__ float quarter_amax(const uint4 (&v)[18]) {
 __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restrict__ qrow,
                                                     long long stride_qh, int num_heads, int half,
                                                     int wt, uint4 (&v)[18],
-                                                    uint8_t* staging = nullptr) {
+                                                    uint8_t* staging = nullptr,
+                                                    long long* trace = nullptr) {
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   const bool hv = h < num_heads;
   if (staging != nullptr) {
@@ -59,13 +60,17 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
       const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
       *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = x[i];
     }
+    stamp(trace, TRACE_ITERS - 1, 8, wt);  // this thread's loads have landed
     bar_sync(3, 256);
+    stamp(trace, TRACE_ITERS - 1, 9, wt);
     const uint4* qs = reinterpret_cast<const uint4*>(staging + h * RS);
 #pragma unroll
     for (int k = 0; k < 16; ++k) v[k] = qs[qq * 16 + k];
 #pragma unroll
     for (int k = 0; k < 2; ++k) v[16 + k] = qs[64 + 2 * qq + k];
-    return quarter_amax(v);
+    const float amax = quarter_amax(v);
+    stamp(trace, TRACE_ITERS - 1, 10, wt);
+    return amax;
   }
   const uint4* qh = reinterpret_cast<const uint4*>(qrow + (long long)h * stride_qh);
 #pragma unroll
@@ -89,7 +94,7 @@ __device__ __forceinline__ float load_query64(const __nv_bfloat16* __restrict__ 
     qrow += a0 > 3e38f ? 8 : 0;  // (never in practice) the second load waits for the first
     if (QSTAGED) bar_sync(3, 256);  // every thread has read the first copy
   }
-  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v, staging);
+  float amax = load_query_quarter(qrow, stride_qh, num_heads, half, wt, v, staging, trace);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   float* misc = reinterpret_cast<float*>(smem + OFF_MISC);
