@@ -46,7 +46,6 @@ def _need_nvcc():
         (("-DNEXT_PREFETCH=0",), 48),
         (("-DQSTAGED=0",), 48),
         (("-DQK_GROUP=2",), 48),
-        (("-DQCPASYNC=1",), 48),
         (("-DPROD_REGS=40", "-DCONS_REGS=232", "-DQK_GROUP=2"), 120),  # the earlier budget
     ],
 )
@@ -274,7 +273,6 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
         {"SEESAW_ORDER": 2},
         {"QK_FP8": 1},
         {"QSTAGED": 0},
-        {"QCPASYNC": 1},
     ],
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):

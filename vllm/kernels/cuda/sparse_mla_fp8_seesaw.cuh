@@ -48,18 +48,6 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
   if (staging != nullptr) {
     constexpr int RS = 1168;  // staging row stride: 1152 + 16 (rows 4 banks apart)
     const int tc = 128 * half + wt;
-#if QCPASYNC
-    // straight into the staging area by 16-byte cp.async (no registers, no L1 line per load)
-    const uint32_t st0 = static_cast<uint32_t>(__cvta_generic_to_shared(staging));
-#pragma unroll
-    for (int i = 0; i < 18; ++i) {  // 16-byte piece g of the [64 heads x 72] query
-      const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
-      const bool ok = hd < num_heads;
-      const uint4* src = reinterpret_cast<const uint4*>(qrow + (ok ? (long long)hd * stride_qh : 0)) + pc;
-      cp_async16(st0 + hd * RS + 16 * pc, src, ok ? 16u : 0u);
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-#else
     uint4 x[18];
 #pragma unroll
     for (int i = 0; i < 18; ++i) {  // 16-byte piece g of the [64 heads x 72] query
@@ -72,7 +60,6 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
       const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
       *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = x[i];
     }
-#endif
     stamp(trace, TRACE_ITERS - 1, 8, wt);  // this thread's loads have landed
     bar_sync(3, 256);
     stamp(trace, TRACE_ITERS - 1, 9, wt);

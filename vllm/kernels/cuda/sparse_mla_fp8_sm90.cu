@@ -106,12 +106,6 @@
 #ifndef QSTAGED
 #define QSTAGED 1
 #endif
-// QCPASYNC 1 (QSTAGED): the query reaches the staging area by the consumers' 16-byte cp.async
-// copies instead of loads into registers and shared-memory stores.
-#ifndef QCPASYNC
-#define QCPASYNC 0
-#endif
-static_assert(!QCPASYNC || QSTAGED, "QCPASYNC fills QSTAGED's staging area");
 // DIAG_QTWICE 1 (diagnostic): the query prologue loads the query twice (the first copy is
 // discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
 #ifndef DIAG_QTWICE
