@@ -46,6 +46,7 @@ def _need_nvcc():
         (("-DNEXT_PREFETCH=0",), 48),
         (("-DQSTAGED=0",), 48),
         (("-DQK_GROUP=2",), 48),
+        (("-DQAMAX_INT=1",), 48),
         (("-DPROD_REGS=40", "-DCONS_REGS=232", "-DQK_GROUP=2"), 120),  # the earlier budget
     ],
 )
@@ -273,6 +274,7 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
         {"SEESAW_ORDER": 2},
         {"QK_FP8": 1},
         {"QSTAGED": 0},
+        {"QAMAX_INT": 1},
     ],
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):

@@ -15,6 +15,13 @@ constexpr int E_HI = 13, E_LO = 4, TILE_LO = 11, E_MIN = -100, E_NONE = -1000;
 // (rarely) only in the scoring warpgroup's slow path; alpha and the block's flags go with P^T.
 // pempty[b]: both warpgroups have retired PV of the block that last used P^T[b] (and sigma[b]).
 
+// max.u16x2: each 16-bit half the larger of the two, unsigned
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // The largest |value| of v[0..15] (bf16 pairs).
 __device__ __forceinline__ float quarter_amax(const uint4 (&v)[18]) {
   float amax = 0.f;
@@ -60,6 +67,19 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
       const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
       *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = x[i];
     }
+#if QAMAX_INT
+    // the largest |value| of the nope pieces this thread loaded (they cover the query once): on
+    // the bit patterns, where |bf16| orders as an unsigned 16-bit integer, two at a time
+    uint32_t mb = 0;
+#pragma unroll
+    for (int i = 0; i < 18; ++i) {
+      const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
+      const uint32_t keep = pc < 64 ? 0x7fff7fffu : 0u;  // (rope pieces: not in the f16 range)
+      const uint32_t ws[4] = {x[i].x, x[i].y, x[i].z, x[i].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mb = max_u16x2(mb, ws[e] & keep);
+    }
+#endif
     stamp(trace, TRACE_ITERS - 1, 8, wt);  // this thread's loads have landed
     bar_sync(3, 256);
     stamp(trace, TRACE_ITERS - 1, 9, wt);
@@ -68,7 +88,11 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
     for (int k = 0; k < 16; ++k) v[k] = qs[qq * 16 + k];
 #pragma unroll
     for (int k = 0; k < 2; ++k) v[16 + k] = qs[64 + 2 * qq + k];
+#if QAMAX_INT
+    const float amax = __uint_as_float(max(mb & 0xffffu, mb >> 16) << 16);
+#else
     const float amax = quarter_amax(v);
+#endif
     stamp(trace, TRACE_ITERS - 1, 10, wt);
     return amax;
   }

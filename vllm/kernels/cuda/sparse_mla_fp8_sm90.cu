@@ -106,6 +106,11 @@
 #ifndef QSTAGED
 #define QSTAGED 1
 #endif
+// QAMAX_INT 1 (QSTAGED): the query's largest |value| from the bit patterns each thread loaded
+// (16-bit unsigned maxima, two a instruction), not by a float pass over its quarter read back.
+#ifndef QAMAX_INT
+#define QAMAX_INT 0
+#endif
 // DIAG_QTWICE 1 (diagnostic): the query prologue loads the query twice (the first copy is
 // discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
 #ifndef DIAG_QTWICE
