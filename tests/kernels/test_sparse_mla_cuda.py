@@ -46,7 +46,7 @@ def _need_nvcc():
         (("-DNEXT_PREFETCH=0",), 48),
         (("-DQSTAGED=0",), 48),
         (("-DQK_GROUP=2",), 48),
-        (("-DQAMAX_INT=1",), 48),
+        (("-DQAMAX_INT=0",), 48),
         (("-DPROD_REGS=40", "-DCONS_REGS=232", "-DQK_GROUP=2"), 120),  # the earlier budget
     ],
 )
@@ -274,7 +274,7 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
         {"SEESAW_ORDER": 2},
         {"QK_FP8": 1},
         {"QSTAGED": 0},
-        {"QAMAX_INT": 1},
+        {"QAMAX_INT": 0},
     ],
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):
@@ -340,6 +340,27 @@ def _gpu_inputs(layout, num_blocks, t, k, seed):
     slots = _slots(t, k, num_blocks * layout.block_size, "cuda", g)
     q = torch.randn(t, 64, 576, generator=g).to(torch.bfloat16).cuda()
     return cache, slots, q
+
+
+@pytest.mark.gpu
+def test_cuda_decode_gpu_query_amax_builds_agree(monkeypatch):
+    """The query's largest |value| from its bf16 bit patterns (QAMAX_INT 1, the default) is the
+    float pass's (QAMAX_INT 0) exactly, so both builds give the same bits (no token is cut
+    between CTAs here: a cut token's bits depend on which piece merges)."""
+    from vllm.kernels.sparse_mla_decode import sparse_mla_decode
+
+    _gpu()
+    layout = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
+    cache, slots, q = _gpu_inputs(layout, 64, 133, 2048, seed=17)
+    q[5] *= 1e4  # tokens whose power of two differs from the others'
+    q[6] *= 1e-5
+    q[7, :, :512] = 0  # no nope part: the amax is 0
+    outs = []
+    for v in (0, 1):
+        monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {"QAMAX_INT": v})
+        outs.append(sparse_mla_decode(q, cache, slots, layout, 1 / math.sqrt(256), kernel="cuda"))
+    (a, la), (b, lb) = outs
+    assert a.isfinite().all() and torch.equal(a, b) and torch.equal(la, lb)
 
 
 @pytest.mark.gpu

@@ -39,7 +39,8 @@ __device__ __forceinline__ float quarter_amax(const uint4 (&v)[18]) {
 
 // Thread (head h = 32 half + wt / 4, quarter qq = wt % 4) loads its quarter of head h's query:
 // v[0..15] the nope values [128 qq, 128 qq + 128), v[16..17] rope dims [16 qq, 16 qq + 16)
-// (zeros past num_heads); returns the largest |value| of its nope part.
+// (zeros past num_heads); returns the largest |value| of its nope part (staged with QAMAX_INT:
+// of the nope pieces it staged, so only the maximum over all 256 threads is the query's).
 // Straight from global memory, each of a warp's 16-byte loads touches 32 cache lines (8 heads x
 // 4 quarters). QSTAGED 1 (default path only): the 256 consumer threads first copy the query in
 // order (a warp's load is 512 contiguous bytes) into a padded [64 x 1168-byte] staging area in
