@@ -46,7 +46,7 @@ def _need_nvcc():
         (("-DNEXT_PREFETCH=0",), 48),
         (("-DQSTAGED=0",), 48),
         (("-DQK_GROUP=2",), 48),
-        (("-DQAMAX_INT=0",), 48),
+        (("-DQAMAX_INT=1",), 48),
         (("-DPROD_REGS=40", "-DCONS_REGS=232", "-DQK_GROUP=2"), 120),  # the earlier budget
     ],
 )
@@ -274,7 +274,7 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
         {"SEESAW_ORDER": 2},
         {"QK_FP8": 1},
         {"QSTAGED": 0},
-        {"QAMAX_INT": 0},
+        {"QAMAX_INT": 1},
     ],
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):
@@ -344,8 +344,8 @@ def _gpu_inputs(layout, num_blocks, t, k, seed):
 
 @pytest.mark.gpu
 def test_cuda_decode_gpu_query_amax_builds_agree(monkeypatch):
-    """The query's largest |value| from its bf16 bit patterns (QAMAX_INT 1, the default) is the
-    float pass's (QAMAX_INT 0) exactly, so both builds give the same bits (no token is cut
+    """The query's largest |value| from its bf16 bit patterns (QAMAX_INT 1) is the float pass's
+    (QAMAX_INT 0, the default) exactly, so both builds give the same bits (no token is cut
     between CTAs here: a cut token's bits depend on which piece merges)."""
     from vllm.kernels.sparse_mla_decode import sparse_mla_decode
 
