@@ -307,11 +307,14 @@ def sparse_mla_fp8_cuda(
     # every CTA's range at least ceil((nb - 1) / (MAX_PIECES - 1)) blocks: a token then spans at
     # most MAX_PIECES CTAs
     ctas = max(1, min(ctas, work // max(1, _cdiv(nb - 1, MAX_PIECES - 1))))
-    ws_o = torch.empty(2 * ctas, 64, D_V, dtype=torch.float32, device=q.device)
-    if DEFINES.get("DIAG_TRACE"):  # the stamps land in ws_o (one piece per CTA)
+    if DEFINES.get("DIAG_TRACE"):  # the stamps land past ws_o's partial slots (one piece a CTA)
         global last_trace
-        ws_o.zero_()
-        last_trace = ws_o
+        stamps = ctas * 2 * 20 * 16 * 2  # [G, 2 warpgroups, 20 slots, 16] int64, as fp32 words
+        buf = torch.zeros(2 * ctas * 64 * D_V + stamps, dtype=torch.float32, device=q.device)
+        ws_o = buf[: 2 * ctas * 64 * D_V].view(2 * ctas, 64, D_V)
+        last_trace = buf[2 * ctas * 64 * D_V :]
+    else:
+        ws_o = torch.empty(2 * ctas, 64, D_V, dtype=torch.float32, device=q.device)
     ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
     fn = _function(dev, tuple(sorted(DEFINES.items())))
     stream = torch.cuda.current_stream(dev).cuda_stream

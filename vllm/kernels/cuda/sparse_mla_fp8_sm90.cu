@@ -636,8 +636,9 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&
 
 // Grid (G, 1), any G >= 1 (more than the SMs run in waves), 384 threads, one CTA per SM.
 // out [T, H, 512] (bf16 or fp32; contiguous: stride_oh must be 512), lse [T, H] fp32; ws_o
-// [2G, 64, 512] fp32 and ws_l [2G, 64] the split tokens' partials; counters [2T] int32, zero on
-// entry (the merging piece re-zeroes its token's two, so they are zero again on exit).
+// [2G, 64, 512] fp32 (DIAG_TRACE: then G x 10 KB of stamps) and ws_l [2G, 64] the split tokens'
+// partials; counters [2T] int32, zero on entry (the merging piece re-zeroes its token's two, so
+// they are zero again on exit).
 extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
     const int* __restrict__ idx, void* __restrict__ out, float* __restrict__ lse,
@@ -696,7 +697,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   const int w = wt >> 5, g = (wt & 31) >> 2, c = wt & 3;
   const int dv0 = 256 * half + 8 * (8 * w + g);
   int* ctl_s = reinterpret_cast<int*>(smem + OFF_CTL);
-  long long* trace = DIAG_TRACE ? reinterpret_cast<long long*>(ws_o) +
+  // (DIAG_TRACE: past the 2G partial slots, which split tokens write; the launcher adds room)
+  long long* trace = DIAG_TRACE ? reinterpret_cast<long long*>(ws_o + (long long)2 * G * 64 * D_V) +
                                       (long long)(2 * blockIdx.x + half) * TRACE_ITERS * 16
                                 : nullptr;
 #pragma unroll 1
