@@ -89,6 +89,41 @@ def trace(t: int, spec: str, num_ctas: int | None = None, ctx: int = CTX) -> Non
         st = (piece[:, wg, 2] - piece[:, wg, 7]).float().quantile(q).tolist()
         print(f"   warpgroup {wg}: query load p10/50/90 {ql[0]:.0f}/{ql[1]:.0f}/{ql[2]:.0f}, "
               f"epi: store {st[0]:.0f}/{st[1]:.0f}/{st[2]:.0f}")  # fmt: skip
+    role = piece[..., 14]
+    for r, name, steps in (
+        (2, "storing pieces", [("ticket", 7, 11), ("store partial", 11, 12), ("to end", 12, 2)]),
+        (
+            1,
+            "merging pieces",
+            [("ticket", 7, 11), ("wait", 11, 12), ("merge", 12, 13), ("store out", 13, 2)],
+        ),
+    ):
+        sel = role == r
+        if sel.any():
+            p = piece[sel]
+            print(f"   {name} ({int(sel.sum())} warpgroups): " + ", ".join(
+                f"{n} {med(p[:, b] - p[:, a]):.0f}" for n, a, b in steps))  # fmt: skip
+    gt = tr[:, :, 18, :2]  # %globaltimer (ns) at each warpgroup's piece start and end
+    if (gt > 0).all():
+        t0 = gt[..., 0].min()
+        q = torch.tensor([0.0, 0.5, 0.9, 1.0])
+        st = (gt[..., 0] - t0).float().flatten().quantile(q).tolist()
+        en = (gt[..., 1] - t0).float().flatten().quantile(q).tolist()
+        print(
+            "   global clock (ns from the first start): start min/p50/p90/max "
+            + "/".join(f"{x:.0f}" for x in st)
+            + ", end "
+            + "/".join(f"{x:.0f}" for x in en)
+        )
+    rep = tr[:, :, 18, 2:5]  # DIAG_REPEAT builds: the query's first pass ends, its second starts,
+    if (rep[..., :2] > 0).all():  # the first store pass ends (pieces that store the output)
+        p1 = med(rep[..., 0] - piece[..., 0])
+        p2 = med(piece[..., 8] - rep[..., 1])
+        out = rep[..., 2] > 0
+        first = (rep[..., 2] - torch.where(role == 1, piece[..., 13], piece[..., 7]))[out]
+        print(f"   DIAG_REPEAT: query loads + staging, first pass {p1:.0f}, second {p2:.0f}; "
+              f"output stores, first pass {med(first):.0f}, "
+              f"second {med((piece[..., 2] - rep[..., 2])[out]):.0f}")  # fmt: skip
     print(f"   first iteration: wait stage {med(it[:, :, 0, 1] - it[:, :, 0, 0]):.0f}, "
           f"QK {med(it[:, :, 0, 2] - it[:, :, 0, 1]):.0f}; from the query to it "
           f"{med(it[:, :, 0, 0] - piece[..., 1]):.0f}")  # fmt: skip

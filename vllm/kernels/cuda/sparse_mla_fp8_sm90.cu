@@ -116,6 +116,34 @@
 #endif
 // DIAG_QTWICE 1 (diagnostic): the query prologue loads the query twice (the first copy is
 // discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
+// DIAG_REPEAT 1 (diagnostic): the query load and the output stores each run twice, the same code
+// in a loop (stamps between the passes), so a DIAG_TRACE build shows what a second, warm pass of
+// the same instructions costs.
+// STORE_STAGED 1: the output stores in a loop of one pass the compiler cannot see through, so
+// the accumulators stay live and each head is scaled, packed and stored in turn (the form a
+// DIAG_REPEAT build's stores take), not all heads' values packed first and stored in a burst.
+#ifndef STORE_STAGED
+#define STORE_STAGED 0
+#endif
+// QFLAT 1 (QSTAGED): for a query whose heads are contiguous (stride 576), the staging loads
+// address the token's 64 x 1152 bytes as one flat array (no per-piece head division and 64-bit
+// stride multiply).
+#ifndef QFLAT
+#define QFLAT 0
+#endif
+// DIAG_NO_MERGE 1 (diagnostic, wrong results): each piece of a split token stores its own
+// normalised partial as the token's output (no ticket, partial, wait or merge), so the time
+// shows what the merge costs. DIAG_NO_QLOAD 1 (diagnostic, wrong results): the query prologue
+// stores zeros into Q^T without loading the query, so the time shows what the load costs.
+#ifndef DIAG_NO_MERGE
+#define DIAG_NO_MERGE 0
+#endif
+#ifndef DIAG_NO_QLOAD
+#define DIAG_NO_QLOAD 0
+#endif
+#ifndef DIAG_REPEAT
+#define DIAG_REPEAT 0
+#endif
 #ifndef DIAG_QTWICE
 #define DIAG_QTWICE 0
 #endif
@@ -487,6 +515,12 @@ template <bool FP32>
 __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float (&inv)[16],
                                           void* out, long long base, int num_heads, int dv0,
                                           int c) {
+#if STORE_STAGED
+  int npass = 1;  // (opaque to the compiler: acc stays live across the one pass)
+  asm volatile("" : "+r"(npass));
+#pragma unroll 1
+  for (int pass = 0; pass < npass; ++pass)
+#endif
   if (num_heads == 64)
     store_out_heads<FP32, true>(acc, inv, out, base, num_heads, dv0, c);
   else
@@ -500,6 +534,17 @@ __device__ __forceinline__ void stamp(long long* trace, int slot, int k, int wt)
     asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
     trace[16 * slot + k] = t;
   }
+}
+// (DIAG_TRACE) a value, not a clock: the piece's role in its token's merge, or %globaltimer (ns,
+// one clock for all SMs) into slot TRACE_ITERS - 2
+__device__ __forceinline__ void stamp_value(long long* trace, int slot, int k, int wt,
+                                            long long v) {
+  if (DIAG_TRACE && wt == 0) trace[16 * slot + k] = v;
+}
+__device__ __forceinline__ long long global_ns() {
+  long long t = 0;
+  if (DIAG_TRACE) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 #include "sparse_mla_fp8_seesaw.cuh"
@@ -776,11 +821,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     const Piece pc = piece_at(wi, nb, num_tokens);
     stamp(trace, TRACE_ITERS - 1, 7, wt);
     if (!pc.split) {
+#if DIAG_REPEAT
+#pragma unroll 1
+      for (int pass = 0; pass < 2; ++pass) {  // the same stores twice (same values)
+        store_out<false>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
+        if (pass == 0) stamp(trace, TRACE_ITERS - 2, 4, wt);
+      }
+#else
       if (DIAG_NO_OUT) {
       } else if (out_fp32)
         store_out<true>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
       else
         store_out<false>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
+#endif
+    } else if (DIAG_NO_MERGE) {
+      store_out<false>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
     } else {
       // Split token: each piece takes a ticket (arrival order) on counters[2t]. All but the
       // last store their normalised partial and count it on counters[2t + 1]; the last waits
@@ -791,6 +846,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       int* cnt = counters + 2 * pc.t;
       if (wt == 0 && half == 0) ctl_s[0] = atomicAdd(cnt, 1) == c_b - c_a;
       bar_sync(3, 256);
+      stamp(trace, TRACE_ITERS - 1, 11, wt);
+      stamp_value(trace, TRACE_ITERS - 1, 14, wt, ctl_s[0] ? 1 : 2);  // 1 merges, 2 stores
       if (!ctl_s[0]) {
         store_partial(acc, inv,
                       ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V,
@@ -800,6 +857,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
           fence_acq_rel_gpu();
           atomicAdd(cnt + 1, 1);
         }
+        stamp(trace, TRACE_ITERS - 1, 12, wt);
       } else {
         if (wt == 0 && half == 0) {
           while (ld_acquire_gpu(cnt + 1) < c_b - c_a) {
@@ -808,19 +866,30 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
           cnt[1] = 0;
         }
         bar_sync(3, 256);
+        stamp(trace, TRACE_ITERS - 1, 12, wt);
         merge_pieces(acc, inv, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a, c_b,
                      pc.cta - c_a, pc.tw, pc.W, pc.G, lse + pc.t * stride_lt, num_heads,
                      128 * half + wt, c);
+        stamp(trace, TRACE_ITERS - 1, 13, wt);
         float one[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) one[i] = 1.f;
+#if DIAG_REPEAT
+#pragma unroll 1
+        for (int pass = 0; pass < 2; ++pass) {
+          store_out<false>(acc, one, out, pc.t * stride_ot, num_heads, dv0, c);
+          if (pass == 0) stamp(trace, TRACE_ITERS - 2, 4, wt);
+        }
+#else
         if (out_fp32)
           store_out<true>(acc, one, out, pc.t * stride_ot, num_heads, dv0, c);
         else
           store_out<false>(acc, one, out, pc.t * stride_ot, num_heads, dv0, c);
+#endif
       }
     }
     stamp(trace, TRACE_ITERS - 1, 2, wt);
+    stamp_value(trace, TRACE_ITERS - 2, 1, wt, global_ns());
     wi += pc.npb;
   }
 }
