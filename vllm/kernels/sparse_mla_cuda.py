@@ -53,10 +53,9 @@ def _smem_bytes() -> int:
     stages = 3 * BLOCK_N * ROW_BYTES
     ids, red, alpha, ell, misc = 3 * BLOCK_N * 4, 2 * 4 * 64 * 4, pbuf * 64 * 4, 64 * 4, 64
     m, flags, bars, sig, ex, ctl, qf = 64 * 4, 16, 12 * 8, pbuf * 4 * 64 * 2, 48, 16, 64 * 4
-    cbars = 2 * 8
     return (
         qt + pt + stages + ids + red + alpha + ell + misc + m + flags + bars + sig + ex + ctl + qf
-        + cbars + 1024
+        + 1024
     )  # fmt: skip
 
 
@@ -119,27 +118,6 @@ def ptxas_resources(log: str) -> dict[str, int]:
     }
 
 
-class _Dim3(ctypes.Structure):
-    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
-
-
-class _LaunchAttrValue(ctypes.Union):  # CUlaunchAttributeValue: a 64-byte union
-    _fields_ = [("pad", ctypes.c_char * 64), ("cluster_dim", _Dim3)]
-
-
-class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttrValue)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [
-        ("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-        ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-        ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint),
-    ]  # fmt: skip
-
-
 class _Driver:
     """The few CUDA driver calls we need, through ctypes (no extra Python package)."""
 
@@ -172,39 +150,9 @@ class _Driver:
         self.check(self.lib.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute")
         return fn
 
-    def _config(self, grid: tuple[int, int], threads: int, smem: int, stream: int, cluster: int):
-        attr = _LaunchAttr()
-        attr.id = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.cluster_dim = _Dim3(cluster, 1, 1)
-        cfg = _LaunchConfig(grid[0], grid[1], 1, threads, 1, 1, smem, ctypes.c_void_p(stream))
-        cfg.attrs = ctypes.pointer(attr)
-        cfg.num_attrs = 1
-        return cfg, attr
-
-    def max_active_clusters(self, fn, cluster: int, grid: int, threads: int = THREADS,
-                            smem: int | None = None) -> int:  # fmt: skip
-        """How many clusters of ``cluster`` CTAs of ``fn`` can be resident at once."""
-        cfg, _attr = self._config(
-            (grid, 1), threads, SMEM_ALLOC if smem is None else smem, 0, cluster
-        )
-        n = ctypes.c_int()
-        self.check(
-            self.lib.cuOccupancyMaxActiveClusters(ctypes.byref(n), fn, ctypes.byref(cfg)),
-            "cuOccupancyMaxActiveClusters",
-        )
-        return n.value
-
     def launch(self, fn, grid: tuple[int, int], stream: int, args: list, threads: int = THREADS,
-               smem: int | None = None, cluster: int = 1):  # fmt: skip
+               smem: int | None = None):  # fmt: skip
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        if cluster > 1:  # cuLaunchKernelEx with a cluster dimension
-            cfg, _attr = self._config(
-                grid, threads, SMEM_ALLOC if smem is None else smem, stream, cluster
-            )
-            self.check(
-                self.lib.cuLaunchKernelEx(ctypes.byref(cfg), fn, params, None), "cuLaunchKernelEx"
-            )
-            return
         self.check(
             self.lib.cuLaunchKernel(
                 fn, grid[0], grid[1], 1, threads, 1, 1, SMEM_ALLOC if smem is None else smem,
@@ -381,25 +329,9 @@ def sparse_mla_fp8_cuda(
         c.c_longlong(out.stride(1)), c.c_longlong(out.stride(2)), c.c_longlong(lse.stride(1)),
         c.c_int(1 if out_dtype == torch.float32 else 0),
     ]  # fmt: skip
-    cluster = 2 if _cluster_merge(dev, fn, t, nb, ctas) else 1
     with torch.cuda.device(dev):
-        _driver().launch(fn, (ctas, 1), stream, args, cluster=cluster)
+        _driver().launch(fn, (ctas, 1), stream, args)
     return out, lse
-
-
-@functools.lru_cache(maxsize=16)
-def _max_clusters(device_index: int, fn_addr: int, grid: int) -> int:
-    with torch.cuda.device(device_index):
-        return _driver().max_active_clusters(ctypes.c_void_p(fn_addr), 2, grid)
-
-
-def _cluster_merge(device_index: int, fn, t: int, nb: int, ctas: int) -> bool:
-    """Whether to launch in 2-CTA clusters (a CLUSTER_MERGE build): every token is cut into
-    exactly the two pieces of one cluster (G = 2T, an even number of blocks), and all the
-    clusters are resident at once (one wave, as the default grid runs at small T)."""
-    if not DEFINES.get("CLUSTER_MERGE") or ctas != 2 * t or nb % 2:
-        return False
-    return _max_clusters(device_index, fn.value, ctas) >= t
 
 
 __all__ = [

@@ -57,15 +57,6 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
     constexpr int RS = 1168;  // staging row stride: 1152 + 16 (rows 4 banks apart)
     const int tc = 128 * half + wt;
     uint4 x[18];
-#if QFLAT
-    if (stride_qh == 576) {
-      const uint4* src = reinterpret_cast<const uint4*>(qrow) + tc;
-      const int lim = 72 * num_heads - tc;
-#pragma unroll
-      for (int i = 0; i < 18; ++i)
-        x[i] = 256 * i < lim ? __ldg(src + 256 * i) : make_uint4(0, 0, 0, 0);
-    } else
-#endif
 #pragma unroll
     for (int i = 0; i < 18; ++i) {  // 16-byte piece g of the [64 heads x 72] query
       const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;

@@ -106,47 +106,22 @@
 #ifndef QSTAGED
 #define QSTAGED 1
 #endif
-// QAMAX_INT 1 (QSTAGED): the query's largest |value| (which sets its f16 power of two) from the
-// bit patterns each thread loaded, by 16-bit unsigned maxima two a instruction; 0 (default): a
-// float pass over the quarter each thread reads back. Same value, so the same results (a NaN
-// aside). Measured ~1 % faster at T=64-128 (BENCHMARKS.md, nineteenth session); to become the
-// default once the whole GPU suite has run on it.
+// QAMAX_INT 1 (default; QSTAGED): the query's largest |value| (which sets its f16 power of two)
+// from the bit patterns each thread loaded, by 16-bit unsigned maxima two an instruction; 0: a
+// float pass over the quarter each thread reads back. Same value, so the same bits (GPU test);
+// measured 0-1 % faster at T=64-128 (BENCHMARKS.md, nineteenth and twentieth sessions).
 #ifndef QAMAX_INT
-#define QAMAX_INT 0
+#define QAMAX_INT 1
 #endif
 // DIAG_QTWICE 1 (diagnostic): the query prologue loads the query twice (the first copy is
 // discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
 // DIAG_REPEAT 1 (diagnostic): the query load and the output stores each run twice, the same code
 // in a loop (stamps between the passes), so a DIAG_TRACE build shows what a second, warm pass of
 // the same instructions costs.
-// STORE_STAGED 1: the output stores in a loop of one pass the compiler cannot see through, so
-// the accumulators stay live and each head is scaled, packed and stored in turn (the form a
-// DIAG_REPEAT build's stores take), not all heads' values packed first and stored in a burst.
-#ifndef STORE_STAGED
-#define STORE_STAGED 0
-#endif
-// QFLAT 1 (QSTAGED): for a query whose heads are contiguous (stride 576), the staging loads
-// address the token's 64 x 1152 bytes as one flat array (no per-piece head division and 64-bit
-// stride multiply).
-#ifndef QFLAT
-#define QFLAT 0
-#endif
 // DIAG_NO_MERGE 1 (diagnostic, wrong results): each piece of a split token stores its own
 // normalised partial as the token's output (no ticket, partial, wait or merge), so the time
 // shows what the merge costs. DIAG_NO_QLOAD 1 (diagnostic, wrong results): the query prologue
 // stores zeros into Q^T without loading the query, so the time shows what the load costs.
-// CLUSTER_MERGE 1: a kernel launched in clusters of 2 CTAs (the launcher does so when each token
-// is cut into exactly the 2 pieces of one cluster: G = 2T) merges a token's pieces through
-// distributed shared memory instead of the workspace. Each CTA owns the output of one half of
-// the value columns (rank r: the columns of warpgroup r); its other warpgroup writes its
-// normalised partial and LSE straight into the peer's shared memory, once the peer has said its
-// stages are free, then arrives on the peer's mbarrier; the owning warpgroup waits for that,
-// merges with its own partial (still in registers) and stores its half. No ticket, no
-// workspace round trip, and both CTAs merge at once, half each. Without a cluster launch the
-// kernel takes the ticket merge as before.
-#ifndef CLUSTER_MERGE
-#define CLUSTER_MERGE 0
-#endif
 #ifndef DIAG_NO_MERGE
 #define DIAG_NO_MERGE 0
 #endif
@@ -225,19 +200,11 @@ constexpr int OFF_SIG = OFF_FLAG + 16;                   // f16 PV sigma: [3][4 
 constexpr int OFF_EX = OFF_SIG + NUM_PBUF * 4 * 64 * 2;  // f16 PV: E, ef[3], [2][4] emax
 constexpr int OFF_CTL = OFF_EX + 48;                     // [4] int32: the merge decision
 constexpr int OFF_QF = OFF_CTL + 16;                     // QK_FP8: [64] f32 per-head score factors
-constexpr int OFF_CBAR = OFF_QF + 64 * 4;                 // CLUSTER_MERGE: ready, data mbarriers
-constexpr int SMEM_BYTES = OFF_CBAR + 16;
+constexpr int SMEM_BYTES = OFF_QF + 64 * 4;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
 static_assert(64 * 1168 <= OFF_ST - OFF_QT, "the query's staging area: Q^T and P^T");
-static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0 && OFF_CBAR % 8 == 0,
-              "alignment");
-// CLUSTER_MERGE: what a peer CTA writes into the raw stages' space once this CTA's blocks are
-// done: its normalised partial of this CTA's value columns ([32][128] float4, in the receiving
-// warpgroup's accumulator order) and its per-head LSE; this CTA's own LSE beside them.
-constexpr int CM_LSE_IN = 32 * 128 * 16;
-constexpr int CM_LSE_OWN = CM_LSE_IN + 64 * 4;
-static_assert(CM_LSE_OWN + 64 * 4 <= NUM_STAGES * STAGE, "CLUSTER_MERGE exchange area");
+static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
 
 // A stage's bytes. QK_FP8 0: the rows as copied, ROW bytes apart. QK_FP8 1: the layout of the QK
 // wgmma's A operand: 128-feature tile t of row r (128 e4m3 bytes) at t * 8192 + 128 r, its 16-byte
@@ -535,12 +502,6 @@ template <bool FP32>
 __device__ __forceinline__ void store_out(const float (&acc)[4][32], const float (&inv)[16],
                                           void* out, long long base, int num_heads, int dv0,
                                           int c) {
-#if STORE_STAGED
-  int npass = 1;  // (opaque to the compiler: acc stays live across the one pass)
-  asm volatile("" : "+r"(npass));
-#pragma unroll 1
-  for (int pass = 0; pass < npass; ++pass)
-#endif
   if (num_heads == 64)
     store_out_heads<FP32, true>(acc, inv, out, base, num_heads, dv0, c);
   else
@@ -697,74 +658,6 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&
   }
 }
 
-#if CLUSTER_MERGE
-// CLUSTER_MERGE: a token's two pieces, one per CTA of a 2-CTA cluster, merged through
-// distributed shared memory. Warpgroup `half` of CTA rank r owns value columns [256 half, +256)
-// when half == r: it waits for the peer's partial of those columns, then sets acc to the merged,
-// normalised output (weights as merge_pieces's, pieces in rank order) and rank 0's writes the
-// LSE. The other warpgroup waits until the peer's stages are free, writes its normalised partial
-// (acc * inv) and the CTA's per-head LSE there and arrives on the peer's data barrier. The
-// caller stores acc for the owning warpgroup. Each CTA's LSE is in its own CM_LSE_OWN (written
-// before the epilogue's last barrier).
-__device__ __forceinline__ void cluster_merge(float (&acc)[4][32], const float (&inv)[16],
-                                              uint8_t* smem, uint32_t sbase, int half, int tc,
-                                              int wt, int c, float* lse, int num_heads) {
-  const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
-  const uint32_t ready = sbase + OFF_CBAR, data = sbase + OFF_CBAR + 8;
-  cluster_wait();  // both CTAs' barriers are initialised (each arrived after its inits)
-  if (half == (int)rank) {
-    if (wt == 0) mbar_arrive_cluster(mapa_shared(ready, peer));  // our stages are free
-    mbar_wait_cluster(data, 0);
-    const float* own_l = reinterpret_cast<const float*>(smem + OFF_ST + CM_LSE_OWN);
-    const float* in_l = reinterpret_cast<const float*>(smem + OFF_ST + CM_LSE_IN);
-    const float4* in = reinterpret_cast<const float4*>(smem + OFF_ST) + wt;
-    if (rank == 0 && wt < num_heads) {
-      const float l0 = own_l[wt], l1 = in_l[wt], mx = fmaxf(l0, l1);
-      const float sum = mx == -INFINITY ? 0.f : __expf(l0 - mx) + __expf(l1 - mx);
-      lse[wt] = sum > 0.f ? mx + __logf(sum) : -INFINITY;
-    }
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      float wo[2], wi[2];  // heads 8 jj + 2c + {0, 1}: own and peer weights
-#pragma unroll
-      for (int bb = 0; bb < 2; ++bb) {
-        const int h = 8 * jj + 2 * c + bb;
-        const float l0 = rank == 0 ? own_l[h] : in_l[h], l1 = rank == 0 ? in_l[h] : own_l[h];
-        const float mx = fmaxf(l0, l1);
-        const float e0 = mx == -INFINITY ? 0.f : __expf(l0 - mx);
-        const float e1 = mx == -INFINITY ? 0.f : __expf(l1 - mx);
-        const float sum = e0 + e1, r = sum > 0.f ? 1.f / sum : 0.f;
-        wo[bb] = inv[2 * jj + bb] * (rank == 0 ? e0 * r : e1 * r);
-        wi[bb] = rank == 0 ? e1 * r : e0 * r;
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float4 x = in[128 * (8 * j + jj)];
-        float* a = acc[j] + 4 * jj;
-        a[0] = a[0] * wo[0] + wi[0] * x.x;
-        a[1] = a[1] * wo[1] + wi[1] * x.y;
-        a[2] = a[2] * wo[0] + wi[0] * x.z;
-        a[3] = a[3] * wo[1] + wi[1] * x.w;
-      }
-    }
-  } else {
-    mbar_wait_cluster(ready, 0);  // the peer's stages are free
-    const uint32_t dst = mapa_shared(sbase + OFF_ST, peer) + 16 * wt;
-#pragma unroll
-    for (int q = 0; q < 32; ++q) {
-      const int j = q >> 3, jj = q & 7;
-      const float* a = acc[j] + 4 * jj;
-      st_cluster_v4(dst + 16 * 128 * q, a[0] * inv[2 * jj], a[1] * inv[2 * jj + 1],
-                    a[2] * inv[2 * jj], a[3] * inv[2 * jj + 1]);
-    }
-    if (wt < 64)
-      st_cluster_f32(mapa_shared(sbase + OFF_ST + CM_LSE_IN, peer) + 4 * wt,
-                     reinterpret_cast<const float*>(smem + OFF_ST + CM_LSE_OWN)[wt]);
-    mbar_arrive_cluster(mapa_shared(data, peer));
-  }
-}
-#endif
-
 }  // namespace
 
 // Grid (G, 1), any G >= 1 (more than the SMs run in waves), 384 threads, one CTA per SM.
@@ -798,10 +691,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       mbar_init(b.pfull + 8 * s, 128);
       mbar_init(b.pempty + 8 * s, 256);
     }
-    if (CLUSTER_MERGE) {
-      mbar_init(sbase + OFF_CBAR, 1);        // ready: the peer's stages are free
-      mbar_init(sbase + OFF_CBAR + 8, 128);  // data: the peer's partial has landed here
-    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // PRODUCER_CPASYNC 0: rows of a -1 id keep what the stage held (masked, never NaN), so the
@@ -811,10 +700,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       *reinterpret_cast<uint4*>(smem + OFF_ST + o) = make_uint4(0, 0, 0, 0);
   fence_proxy_async();
   __syncthreads();
-#if CLUSTER_MERGE
-  // (the peer's barriers are initialised before any arrive on them: the merge waits for this)
-  if (cluster_size() == 2) cluster_arrive();
-#endif
 
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 " STR(PROD_REGS) ";\n");
@@ -885,9 +770,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
         for (int i = 0; i < 8; ++i) x += red[i * 64 + head];
         l_s[head] = x;
         const float ls = x > 0.f ? (m_s[head] + __log2f(x)) * 0.6931471805599453f : -INFINITY;
-#if CLUSTER_MERGE
-        if (cluster_size() == 2) reinterpret_cast<float*>(smem + OFF_ST + CM_LSE_OWN)[head] = ls;
-#endif
         if (head < num_heads) {
           if (pc.split)
             ws_l[piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 + head] = ls;
@@ -935,20 +817,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
 #endif
     } else if (DIAG_NO_MERGE) {
       store_out<false>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
-#if CLUSTER_MERGE
-    } else if (cluster_size() == 2) {
-      cluster_merge(acc, inv, smem, sbase, half, 128 * half + wt, wt, c, lse + pc.t * stride_lt,
-                    num_heads);
-      if ((int)cluster_rank() == half) {
-        float one[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) one[i] = 1.f;
-        if (out_fp32)
-          store_out<true>(acc, one, out, pc.t * stride_ot, num_heads, dv0, c);
-        else
-          store_out<false>(acc, one, out, pc.t * stride_ot, num_heads, dv0, c);
-      }
-#endif
     } else {
       // Split token: each piece takes a ticket (arrival order) on counters[2t]. All but the
       // last store their normalised partial and count it on counters[2t + 1]; the last waits
