@@ -54,7 +54,12 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
   const int hl = wt >> 2, qq = wt & 3, h = 32 * half + hl;
   const bool hv = h < num_heads;
   if (staging != nullptr) {
-    constexpr int RS = 1168;  // staging row stride: 1152 + 16 (rows 4 banks apart)
+    // staging row stride. QSKEW 0: 1152 + 16 (rows 4 banks apart); the read-back is 4-way
+    // conflicted (a thread's 4 quarters lie 256 bytes apart: the same banks). QSKEW 1: a 16-byte
+    // gap after each 256-byte nope quarter, so quarter qq starts 4 qq banks on, and rows 1216
+    // bytes (16 banks mod 32) apart: a quarter-warp's 2 heads x 4 quarters cover all 32 banks
+    // (the 2 rope loads stay 2-way).
+    constexpr int RS = QSKEW ? 1216 : 1168;
     const int tc = 128 * half + wt;
     uint4 x[18];
 #pragma unroll
@@ -66,7 +71,7 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
 #pragma unroll
     for (int i = 0; i < 18; ++i) {
       const int g = tc + 256 * i, hd = g / 72, pc = g - 72 * hd;
-      *reinterpret_cast<uint4*>(staging + hd * RS + 16 * pc) = x[i];
+      *reinterpret_cast<uint4*>(staging + hd * RS + 16 * (QSKEW ? pc + (pc >> 4) : pc)) = x[i];
     }
 #if QAMAX_INT
     // the largest |value| of the nope pieces this thread loaded (they cover the query once): on
@@ -86,9 +91,9 @@ __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restr
     stamp(trace, TRACE_ITERS - 1, 9, wt);
     const uint4* qs = reinterpret_cast<const uint4*>(staging + h * RS);
 #pragma unroll
-    for (int k = 0; k < 16; ++k) v[k] = qs[qq * 16 + k];
+    for (int k = 0; k < 16; ++k) v[k] = qs[(QSKEW ? 17 : 16) * qq + k];
 #pragma unroll
-    for (int k = 0; k < 2; ++k) v[16 + k] = qs[64 + 2 * qq + k];
+    for (int k = 0; k < 2; ++k) v[16 + k] = qs[(QSKEW ? 68 : 64) + 2 * qq + k];
 #if QAMAX_INT
     const float amax = __uint_as_float(max(mb & 0xffffu, mb >> 16) << 16);
 #else

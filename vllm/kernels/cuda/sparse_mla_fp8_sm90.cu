@@ -118,6 +118,11 @@
 // DIAG_REPEAT 1 (diagnostic): the query load and the output stores each run twice, the same code
 // in a loop (stamps between the passes), so a DIAG_TRACE build shows what a second, warm pass of
 // the same instructions costs.
+// QSKEW 1 (QSTAGED): the query's staging rows skewed so each thread's read-back of its quarter
+// is free of bank conflicts (load_query_quarter); 0: 4-way conflicts.
+#ifndef QSKEW
+#define QSKEW 0
+#endif
 // DIAG_NO_MERGE 1 (diagnostic, wrong results): each piece of a split token stores its own
 // normalised partial as the token's output (no ticket, partial, wait or merge), so the time
 // shows what the merge costs. DIAG_NO_QLOAD 1 (diagnostic, wrong results): the query prologue
@@ -203,7 +208,7 @@ constexpr int OFF_QF = OFF_CTL + 16;                     // QK_FP8: [64] f32 per
 constexpr int SMEM_BYTES = OFF_QF + 64 * 4;
 [[maybe_unused]] constexpr int SMEM_ALLOC = SMEM_BYTES + 1024;  // + alignment room; the launcher's size
 
-static_assert(64 * 1168 <= OFF_ST - OFF_QT, "the query's staging area: Q^T and P^T");
+static_assert(64 * 1216 <= OFF_ST - OFF_QT, "the query's staging area: Q^T and P^T");
 static_assert(OFF_PT % 1024 == 0 && OFF_ST % 16 == 0 && OFF_BAR % 8 == 0, "alignment");
 
 // A stage's bytes. QK_FP8 0: the rows as copied, ROW bytes apart. QK_FP8 1: the layout of the QK
