@@ -118,10 +118,12 @@
 // DIAG_REPEAT 1 (diagnostic): the query load and the output stores each run twice, the same code
 // in a loop (stamps between the passes), so a DIAG_TRACE build shows what a second, warm pass of
 // the same instructions costs.
-// QSKEW 1 (QSTAGED): the query's staging rows skewed so each thread's read-back of its quarter
-// is free of bank conflicts (load_query_quarter); 0: 4-way conflicts.
+// QSKEW 1 (default; QSTAGED): the query's staging rows skewed so each thread's read-back of its
+// quarter is free of bank conflicts (load_query_quarter); 0: 4-way conflicts. The same bytes
+// either way; the read-back step 2.7K -> 1.2K cycles a piece, ~1 % at T=64-128 (BENCHMARKS.md,
+// twentieth session).
 #ifndef QSKEW
-#define QSKEW 0
+#define QSKEW 1
 #endif
 // DIAG_NO_MERGE 1 (diagnostic, wrong results): each piece of a split token stores its own
 // normalised partial as the token's output (no ticket, partial, wait or merge), so the time
