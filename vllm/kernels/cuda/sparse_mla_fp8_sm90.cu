@@ -113,11 +113,6 @@
 #ifndef QAMAX_INT
 #define QAMAX_INT 1
 #endif
-// DIAG_QTWICE 1 (diagnostic): the query prologue loads the query twice (the first copy is
-// discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
-// DIAG_REPEAT 1 (diagnostic): the query load and the output stores each run twice, the same code
-// in a loop (stamps between the passes), so a DIAG_TRACE build shows what a second, warm pass of
-// the same instructions costs.
 // QSKEW 1 (default; QSTAGED): the query's staging rows skewed so each thread's read-back of its
 // quarter is free of bank conflicts (load_query_quarter); 0: 4-way conflicts. The same bytes
 // either way; the read-back step 2.7K -> 1.2K cycles a piece, ~1 % at T=64-128 (BENCHMARKS.md,
@@ -128,16 +123,23 @@
 // DIAG_NO_MERGE 1 (diagnostic, wrong results): each piece of a split token stores its own
 // normalised partial as the token's output (no ticket, partial, wait or merge), so the time
 // shows what the merge costs. DIAG_NO_QLOAD 1 (diagnostic, wrong results): the query prologue
-// stores zeros into Q^T without loading the query, so the time shows what the load costs.
+// stores zeros into Q^T without loading the query. Not a clean bound on the load's cost: zero
+// queries also draw less power, and the power-capped clock rises (BENCHMARKS.md, twentieth
+// session).
 #ifndef DIAG_NO_MERGE
 #define DIAG_NO_MERGE 0
 #endif
 #ifndef DIAG_NO_QLOAD
 #define DIAG_NO_QLOAD 0
 #endif
+// DIAG_REPEAT 1 (diagnostic): the query load and the output stores each run twice, the same code
+// in a loop (stamps between the passes), so a DIAG_TRACE build shows what a second, warm pass of
+// the same instructions costs.
 #ifndef DIAG_REPEAT
 #define DIAG_REPEAT 0
 #endif
+// DIAG_QTWICE 1 (diagnostic): the query prologue loads the query twice (the first copy is
+// discarded), so a DIAG_TRACE build's "query load" minus the default's is a load from L1/L2.
 #ifndef DIAG_QTWICE
 #define DIAG_QTWICE 0
 #endif
