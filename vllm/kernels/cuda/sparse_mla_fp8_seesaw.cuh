@@ -43,9 +43,10 @@ __device__ __forceinline__ float quarter_amax(const uint4 (&v)[18]) {
 // of the nope pieces it staged, so only the maximum over all 256 threads is the query's).
 // Straight from global memory, each of a warp's 16-byte loads touches 32 cache lines (8 heads x
 // 4 quarters). QSTAGED 1 (default path only): the 256 consumer threads first copy the query in
-// order (a warp's load is 512 contiguous bytes) into a padded [64 x 1168-byte] staging area in
-// shared memory (Q^T's and the P^T buffers' space: both free when a piece starts), then each
-// thread reads its quarter from there, 4 wavefronts a load. Synchronises the consumers.
+// order (a warp's load is 512 contiguous bytes) into a padded [64 heads x RS bytes] staging area
+// in shared memory (Q^T's and the P^T buffers' space: both free when a piece starts), then each
+// thread reads its quarter from there (QSKEW: without bank conflicts). Synchronises the
+// consumers.
 __device__ __forceinline__ float load_query_quarter(const __nv_bfloat16* __restrict__ qrow,
                                                     long long stride_qh, int num_heads, int half,
                                                     int wt, uint4 (&v)[18],

@@ -120,9 +120,9 @@
 #ifndef QSKEW
 #define QSKEW 1
 #endif
-// DIAG_NO_MERGE 1 (diagnostic, wrong results): each piece of a split token stores its own
-// normalised partial as the token's output (no ticket, partial, wait or merge), so the time
-// shows what the merge costs. DIAG_NO_QLOAD 1 (diagnostic, wrong results): the query prologue
+// DIAG_NO_MERGE 1 (diagnostic, wrong results, bf16 output only): each piece of a split token
+// stores its own normalised partial as the token's output (no ticket, partial, wait or merge), so
+// the time shows what the merge costs. DIAG_NO_QLOAD 1 (diagnostic, wrong results): the query prologue
 // stores zeros into Q^T without loading the query. Not a clean bound on the load's cost: zero
 // queries also draw less power, and the power-capped clock rises (BENCHMARKS.md, twentieth
 // session).
@@ -132,9 +132,9 @@
 #ifndef DIAG_NO_QLOAD
 #define DIAG_NO_QLOAD 0
 #endif
-// DIAG_REPEAT 1 (diagnostic): the query load and the output stores each run twice, the same code
-// in a loop (stamps between the passes), so a DIAG_TRACE build shows what a second, warm pass of
-// the same instructions costs.
+// DIAG_REPEAT 1 (diagnostic, bf16 output only): the query load and the output stores each run
+// twice, the same code in a loop (stamps between the passes), so a DIAG_TRACE build shows what a
+// second, warm pass of the same instructions costs.
 #ifndef DIAG_REPEAT
 #define DIAG_REPEAT 0
 #endif
@@ -671,7 +671,7 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&
 
 // Grid (G, 1), any G >= 1 (more than the SMs run in waves), 384 threads, one CTA per SM.
 // out [T, H, 512] (bf16 or fp32; contiguous: stride_oh must be 512), lse [T, H] fp32; ws_o
-// [2G, 64, 512] fp32 (DIAG_TRACE: then G x 10 KB of stamps) and ws_l [2G, 64] the split tokens'
+// [2G, 64, 512] fp32 (DIAG_TRACE: then G x 5 KB of stamps) and ws_l [2G, 64] the split tokens'
 // partials; counters [2T] int32, zero on entry (the merging piece re-zeroes its token's two, so
 // they are zero again on exit).
 extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
