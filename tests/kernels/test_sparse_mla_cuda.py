@@ -48,6 +48,9 @@ def _need_nvcc():
         (("-DQK_GROUP=2",), 48),
         (("-DQAMAX_INT=0",), 48),
         (("-DQSKEW=0",), 48),
+        (("-DPARTIAL_BF16=1",), 48),
+        (("-DPARTIAL_BF16=1", "-DTICKET_EARLY=1"), 48),
+        (("-DTICKET_EARLY=1",), 48),
         (("-DPROD_REGS=40", "-DCONS_REGS=232", "-DQK_GROUP=2"), 120),  # the earlier budget
     ],
 )
@@ -277,6 +280,9 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
         {"QSTAGED": 0},
         {"QAMAX_INT": 0},
         {"QSKEW": 0},
+        {"PARTIAL_BF16": 1},
+        {"PARTIAL_BF16": 1, "TICKET_EARLY": 1},
+        {"TICKET_EARLY": 1},
     ],
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):

@@ -129,6 +129,21 @@
 #ifndef DIAG_NO_MERGE
 #define DIAG_NO_MERGE 0
 #endif
+// PARTIAL_BF16 1: with bf16 output, a split token's non-merging pieces store their normalised
+// partial O in bf16 (64 KB a piece, not 128 KB of fp32), and the merging piece loads the first
+// PARTIAL_EARLY (0..16) of its 16 pieces of the first other partial before it computes the
+// weights. fp32 output keeps fp32 partials.
+#ifndef PARTIAL_BF16
+#define PARTIAL_BF16 0
+#endif
+// TICKET_EARLY 1: a split piece takes its ticket before the epilogue's row sums, not after them,
+// so the atomic's round trip overlaps them.
+#ifndef TICKET_EARLY
+#define TICKET_EARLY 0
+#endif
+#ifndef PARTIAL_EARLY
+#define PARTIAL_EARLY 8
+#endif
 #ifndef DIAG_NO_QLOAD
 #define DIAG_NO_QLOAD 0
 #endif
@@ -592,6 +607,21 @@ __device__ __forceinline__ int launder(int x) {
 // A split piece's partial, normalised O (acc * inv) in the accumulators' own layout: slot
 // [32][256 threads] float4, value q of consumer thread tc = acc[q / 8][4 (q % 8) .. + 4) (heads
 // 8 (q % 8) + 2c + {0, 1, 0, 1}), which is also the merging thread's own. Each store takes 4 consecutive accumulator registers and a warp writes 512 contiguous bytes.
+// PARTIAL_BF16 (bf16 output): slot [16][256 threads] uint4, value p of thread tc the bf16 of
+// values 2p and 2p + 1 of the fp32 layout (a warp writes 512 contiguous bytes).
+__device__ __forceinline__ void store_partial_bf16(float (&acc)[4][32], const float (&inv)[16],
+                                                   float* __restrict__ slot, int tc) {
+  uint4* dst = reinterpret_cast<uint4*>(slot) + tc;
+#pragma unroll
+  for (int p = 0; p < 16; ++p) {
+    const int j = p >> 2, jj = 2 * (p & 3);
+    const float* a = acc[j] + 4 * jj;
+    const float f0 = inv[2 * jj], f1 = inv[2 * jj + 1], g0 = inv[2 * jj + 2], g1 = inv[2 * jj + 3];
+    __stcg(dst + 256 * p,
+           make_uint4(pack_bf16(a[0] * f0, a[1] * f1), pack_bf16(a[2] * f0, a[3] * f1),
+                      pack_bf16(a[4] * g0, a[5] * g1), pack_bf16(a[6] * g0, a[7] * g1)));
+  }
+}
 __device__ __forceinline__ void store_partial(float (&acc)[4][32], const float (&inv)[16],
                                               float* __restrict__ slot, int tc) {
   float4* dst = reinterpret_cast<float4*>(slot) + tc;
@@ -615,12 +645,39 @@ __device__ __forceinline__ void store_partial(float (&acc)[4][32], const float (
 // each piece's weight, (c) acc = the weighted sum of the pieces' normalised partials.
 constexpr int MAX_PIECES = 8;
 static_assert(MAX_PIECES * 64 * 4 <= OFF_ALPHA - OFF_RED, "the merge's weights live in OFF_RED");
+// acc += the bf16 partial x (store_partial_bf16's layout) weighted per head by wk
+__device__ __forceinline__ void add_partial_bf16(float (&acc)[4][32], const uint4 (&x)[16],
+                                                 const float* wk) {
+#pragma unroll
+  for (int p = 0; p < 16; ++p) {
+    const int j = p >> 2, jj = 2 * (p & 3);
+    const uint32_t u[4] = {x[p].x, x[p].y, x[p].z, x[p].w};
+    float* a = acc[j] + 4 * jj;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float lo = __uint_as_float(u[e] << 16), hi = __uint_as_float(u[e] & 0xffff0000u);
+      const int hd = 8 * (jj + (e >> 1));  // head offset of values 2e, 2e + 1
+      a[2 * e] += wk[hd] * lo;
+      a[2 * e + 1] += wk[hd + 1] * hi;
+    }
+  }
+}
+template <bool BF16>
 __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&inv)[16],
                                              const float* __restrict__ ws_o,
                                              const float* __restrict__ ws_l, float* wts, int c_a,
                                              int c_b, int own, int tw, int W, int G, float* lse,
                                              int num_heads, int tc, int c) {
   const int np = c_b - c_a + 1;
+  // BF16: the first other piece's partial is loaded before the weights (independent of them)
+  const int k0 = own == 0 ? 1 : 0;
+  uint4 x[BF16 ? 16 : 1];
+  if (BF16 && PARTIAL_EARLY) {
+    const uint4* src = reinterpret_cast<const uint4*>(
+                           ws_o + (long long)piece_slot(c_a + k0, tw, W, G) * 64 * D_V) + tc;
+#pragma unroll
+    for (int p = 0; p < (BF16 ? PARTIAL_EARLY : 0); ++p) x[p] = __ldcg(src + 256 * p);
+  }
   for (int i = tc; i < np * 64; i += 256)
     wts[i] = __ldcg(ws_l + piece_slot(c_a + (i >> 6), tw, W, G) * 64 + (i & 63));
   bar_sync(3, 256);
@@ -647,6 +704,20 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&
         acc[j][4 * jj + 3] *= f1;
       }
     }
+  }
+  if (BF16) {
+    for (int k = 0; k < np; ++k) {
+      if (k == own) continue;
+      {
+        const uint4* src = reinterpret_cast<const uint4*>(
+                               ws_o + (long long)piece_slot(c_a + k, tw, W, G) * 64 * D_V) + tc;
+#pragma unroll
+        for (int p = 0; p < (BF16 ? 16 : 0); ++p)
+          if (k != k0 || p >= PARTIAL_EARLY) x[p] = __ldcg(src + 256 * p);
+      }
+      add_partial_bf16(acc, reinterpret_cast<const uint4(&)[16]>(x), wts + 64 * k + 2 * c);
+    }
+    return;
   }
   for (int k = 0; k < np; ++k) {
     if (k == own) continue;
@@ -740,6 +811,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   for (int wi = w0;;) {  // one piece per pass: token t, its blocks [b0, b0 + npb)
     if (wi >= piece_at(wi, nb, num_tokens).w1) break;
     float acc[4][32];
+    [[maybe_unused]] int tk = 0;  // TICKET_EARLY: this piece's ticket (thread 0 of warpgroup 1)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -754,6 +826,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
                         scale_log2, smem, sbase, b, half, wt, acc, l, trace);
       }
       wi = launder(wi);
+#if TICKET_EARLY
+      if (wt == 0 && half == 0) {  // the split token's ticket, its latency under the epilogue
+        const Piece pt = piece_at(wi, nb, num_tokens);
+        if (pt.split && !DIAG_NO_MERGE) tk = atomicAdd(counters + 2 * pt.t, 1);
+      }
+#endif
       // Row sums over this warpgroup's blocks: over the warp's rows, then the 4 warps and both
       // warpgroups (shared memory); the stabiliser is the shared m.
 #pragma unroll
@@ -834,14 +912,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       // thread per CTA orders the CTA's stores (the barrier before it) with a gpu-scope fence.
       const int c_a = cta_of(pc.tw, pc.W, pc.G), c_b = cta_of(pc.tw + nb - 1, pc.W, pc.G);
       int* cnt = counters + 2 * pc.t;
-      if (wt == 0 && half == 0) ctl_s[0] = atomicAdd(cnt, 1) == c_b - c_a;
+      if (wt == 0 && half == 0) ctl_s[0] = (TICKET_EARLY ? tk : atomicAdd(cnt, 1)) == c_b - c_a;
       bar_sync(3, 256);
       stamp(trace, TRACE_ITERS - 1, 11, wt);
       stamp_value(trace, TRACE_ITERS - 1, 14, wt, ctl_s[0] ? 1 : 2);  // 1 merges, 2 stores
+      const bool pbf = PARTIAL_BF16 && !out_fp32;
       if (!ctl_s[0]) {
-        store_partial(acc, inv,
-                      ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V,
-                      128 * half + wt);
+        float* slot = ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V;
+        if (pbf)
+          store_partial_bf16(acc, inv, slot, 128 * half + wt);
+        else
+          store_partial(acc, inv, slot, 128 * half + wt);
         bar_sync(3, 256);
         if (wt == 0 && half == 0) {
           fence_acq_rel_gpu();
@@ -857,9 +938,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
         }
         bar_sync(3, 256);
         stamp(trace, TRACE_ITERS - 1, 12, wt);
-        merge_pieces(acc, inv, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a, c_b,
-                     pc.cta - c_a, pc.tw, pc.W, pc.G, lse + pc.t * stride_lt, num_heads,
-                     128 * half + wt, c);
+        if (pbf)
+          merge_pieces<true>(acc, inv, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a,
+                             c_b, pc.cta - c_a, pc.tw, pc.W, pc.G, lse + pc.t * stride_lt,
+                             num_heads, 128 * half + wt, c);
+        else
+          merge_pieces<false>(acc, inv, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a,
+                              c_b, pc.cta - c_a, pc.tw, pc.W, pc.G, lse + pc.t * stride_lt,
+                              num_heads, 128 * half + wt, c);
         stamp(trace, TRACE_ITERS - 1, 13, wt);
         float one[16];
 #pragma unroll
