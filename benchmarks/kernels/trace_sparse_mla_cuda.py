@@ -115,6 +115,20 @@ def trace(t: int, spec: str, num_ctas: int | None = None, ctx: int = CTX) -> Non
             + ", end "
             + "/".join(f"{x:.0f}" for x in en)
         )
+        q4 = torch.tensor([0.1, 0.5, 0.9, 1.0])
+        for r, name in (
+            (2, "storing"),
+            (1, "merging"),
+        ):  # split tokens: where each role's time goes
+            sel = role == r
+            if sel.any():
+                body = (piece[..., 7] - piece[..., 0])[sel].float().quantile(q4).tolist()
+                epi = (piece[..., 2] - piece[..., 7])[sel].float().quantile(q4).tolist()
+                end = (gt[..., 1] - t0)[sel].float().quantile(q4).tolist()
+                print(f"   {name} pieces p10/50/90/max: start to epilogue "
+                      + "/".join(f"{x:.0f}" for x in body) + " cycles, epilogue "
+                      + "/".join(f"{x:.0f}" for x in epi) + " cycles, end "
+                      + "/".join(f"{x:.0f}" for x in end) + " ns")  # fmt: skip
     rep = tr[:, :, 18, 2:5]  # DIAG_REPEAT builds: the query's first pass ends, its second starts,
     if (rep[..., :2] > 0).all():  # the first store pass ends (pieces that store the output)
         p1 = med(rep[..., 0] - piece[..., 0])

@@ -129,17 +129,14 @@
 #ifndef DIAG_NO_MERGE
 #define DIAG_NO_MERGE 0
 #endif
-// PARTIAL_BF16 1: with bf16 output, a split token's non-merging pieces store their normalised
-// partial O in bf16 (64 KB a piece, not 128 KB of fp32), and the merging piece loads the first
-// PARTIAL_EARLY (0..16) of its 16 pieces of the first other partial before it computes the
-// weights. fp32 output keeps fp32 partials.
+// PARTIAL_BF16 1 (default): with bf16 output, a split token's non-merging pieces store their
+// normalised partial O in bf16 (64 KB a piece, not 128 KB of fp32): one more bf16 rounding of a
+// partial before the output's own (GPU test). fp32 output keeps fp32 partials. The merging
+// piece loads the first PARTIAL_EARLY (0..16) of the 16 loads of its first other partial before
+// it computes the weights (16: the build spills 264 bytes). Measured 1 % faster at T=64,
+// where every token is split (BENCHMARKS.md, twenty-first session).
 #ifndef PARTIAL_BF16
-#define PARTIAL_BF16 0
-#endif
-// TICKET_EARLY 1: a split piece takes its ticket before the epilogue's row sums, not after them,
-// so the atomic's round trip overlaps them.
-#ifndef TICKET_EARLY
-#define TICKET_EARLY 0
+#define PARTIAL_BF16 1
 #endif
 #ifndef PARTIAL_EARLY
 #define PARTIAL_EARLY 8
@@ -811,7 +808,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
   for (int wi = w0;;) {  // one piece per pass: token t, its blocks [b0, b0 + npb)
     if (wi >= piece_at(wi, nb, num_tokens).w1) break;
     float acc[4][32];
-    [[maybe_unused]] int tk = 0;  // TICKET_EARLY: this piece's ticket (thread 0 of warpgroup 1)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -826,12 +822,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
                         scale_log2, smem, sbase, b, half, wt, acc, l, trace);
       }
       wi = launder(wi);
-#if TICKET_EARLY
-      if (wt == 0 && half == 0) {  // the split token's ticket, its latency under the epilogue
-        const Piece pt = piece_at(wi, nb, num_tokens);
-        if (pt.split && !DIAG_NO_MERGE) tk = atomicAdd(counters + 2 * pt.t, 1);
-      }
-#endif
       // Row sums over this warpgroup's blocks: over the warp's rows, then the 4 warps and both
       // warpgroups (shared memory); the stabiliser is the shared m.
 #pragma unroll
@@ -912,7 +902,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
       // thread per CTA orders the CTA's stores (the barrier before it) with a gpu-scope fence.
       const int c_a = cta_of(pc.tw, pc.W, pc.G), c_b = cta_of(pc.tw + nb - 1, pc.W, pc.G);
       int* cnt = counters + 2 * pc.t;
-      if (wt == 0 && half == 0) ctl_s[0] = (TICKET_EARLY ? tk : atomicAdd(cnt, 1)) == c_b - c_a;
+      if (wt == 0 && half == 0) ctl_s[0] = atomicAdd(cnt, 1) == c_b - c_a;
       bar_sync(3, 256);
       stamp(trace, TRACE_ITERS - 1, 11, wt);
       stamp_value(trace, TRACE_ITERS - 1, 14, wt, ctl_s[0] ? 1 : 2);  // 1 merges, 2 stores
