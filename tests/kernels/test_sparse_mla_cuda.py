@@ -76,7 +76,7 @@ def test_cuda_kernel_smem_layout_matches_launcher():
     assert consts["MAX_PIECES"] == sparse_mla_cuda.MAX_PIECES  # the launcher's grid bound
 
 
-def test_cuda_kernel_errors_name_the_problem(monkeypatch):
+def test_cuda_kernel_errors_name_the_problem():
     q = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
     rows = torch.zeros(10, 656, dtype=torch.uint8)
     idx = torch.zeros(2, 64, dtype=torch.int32)
@@ -86,10 +86,6 @@ def test_cuda_kernel_errors_name_the_problem(monkeypatch):
         sparse_mla_cuda.sparse_mla_fp8_cuda(q, rows[:, :600], idx, 0.1, torch.bfloat16)
     with pytest.raises(ValueError, match="bf16 or fp32"):
         sparse_mla_cuda.sparse_mla_fp8_cuda(q, rows, idx, 0.1, torch.float16)
-    monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {"OUT_FP32": 0})  # a bf16-output build
-    with pytest.raises(ValueError, match="OUT_FP32=0.*bf16 output"):
-        sparse_mla_cuda.sparse_mla_fp8_cuda(q, rows, idx, 0.1, torch.float32)
-    monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {})
     from vllm.kernels.sparse_mla_decode import sparse_mla_decode
 
     layout = KVCacheLayout("auto", torch.bfloat16, 512, 64, 64)
@@ -284,7 +280,6 @@ def test_cuda_decode_gpu_fp8_dequant_exact(pv_f16, monkeypatch):
         {"QAMAX_INT": 0},
         {"QSKEW": 0},
         {"PARTIAL_BF16": 0},
-        {"OUT_FP32": 0},
     ],
 )
 def test_cuda_decode_gpu_build_variants(defines, monkeypatch):

@@ -287,12 +287,6 @@ def sparse_mla_fp8_cuda(
         raise ValueError("kv_rows must be contiguous 656-byte rows, 16-byte aligned")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
-    fixed = DEFINES.get("OUT_FP32", -1)
-    if fixed >= 0 and fixed != (out_dtype == torch.float32):
-        raise ValueError(
-            f"this build of the CUDA sparse-MLA kernel (OUT_FP32={fixed}) writes "
-            f"{'fp32' if fixed else 'bf16'} output, asked for {out_dtype}"
-        )
     if q.dtype != torch.bfloat16:
         q = q.to(torch.bfloat16)
     if q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or q.data_ptr() % 16:

@@ -138,12 +138,6 @@
 #ifndef PARTIAL_BF16
 #define PARTIAL_BF16 1
 #endif
-// OUT_FP32: the output's dtype fixed at build time, 0 bf16 / 1 fp32 (the out_fp32 argument must
-// agree), so each build holds one output path and one merge path; -1 (default): the argument
-// chooses at run time.
-#ifndef OUT_FP32
-#define OUT_FP32 -1
-#endif
 #ifndef PARTIAL_EARLY
 #define PARTIAL_EARLY 8
 #endif
@@ -755,7 +749,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) sparse_mla_fp8_sm90(
     float scale_log2, int num_heads, int topk, int nb, int num_tokens, long long stride_qt,
     long long stride_qh, long long stride_it, long long stride_ot, long long stride_oh,
     long long stride_lt, int out_fp32) {
-  if (OUT_FP32 >= 0) out_fp32 = OUT_FP32;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t sbase = (raw + 1023) & ~1023u;
