@@ -115,6 +115,17 @@ def test_cuda_kernel_env_choice_falls_back(monkeypatch):
         _use_cuda(None, q, rows8, fp8, False)
 
 
+def test_cuda_launch_defines_per_grid(monkeypatch):
+    """The launcher's build: the source's default (PARTIAL_BF16 1) where tokens are cut between
+    CTAs, PARTIAL_BF16 0 where none is, and what DEFINES sets, either way."""
+    monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {})
+    assert sparse_mla_cuda.launch_defines(True) == ()
+    assert sparse_mla_cuda.launch_defines(False) == (("PARTIAL_BF16", 0),)
+    monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {"QSKEW": 0, "PARTIAL_BF16": 1})
+    assert sparse_mla_cuda.launch_defines(False) == (("PARTIAL_BF16", 1), ("QSKEW", 0))
+    assert sparse_mla_cuda.launch_defines(True) == (("PARTIAL_BF16", 1), ("QSKEW", 0))
+
+
 def test_cuda_build_error_is_reported_once(monkeypatch, caplog):
     """A kernel that fails to build or load: build_error says why (the default dispatch then
     takes the Gluon kernel), logs it once, and keeps the answer for the process."""

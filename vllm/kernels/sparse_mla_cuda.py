@@ -210,10 +210,27 @@ def _build_error(device_index: int, defines: tuple[tuple[str, int], ...]) -> str
 
 
 def build_error(device: torch.device) -> str | None:
-    """Builds and loads the kernel for ``device`` (once: cached on disk and in the process);
-    None if that worked, else why not. The default dispatch uses the Gluon kernel then."""
+    """Builds and loads the kernel for ``device`` (once: cached on disk and in the process), in
+    both builds the launcher picks between (:func:`launch_defines`); None if that worked, else
+    why not. The default dispatch uses the Gluon kernel then."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _build_error(index, tuple(sorted(DEFINES.items())))
+    for split in (True, False):
+        err = _build_error(index, launch_defines(split))
+        if err:
+            return err
+    return None
+
+
+def launch_defines(split: bool) -> tuple[tuple[str, int], ...]:
+    """The build knobs of a launch: ``DEFINES``, plus ``PARTIAL_BF16=0`` where no token is cut
+    between CTAs (``split`` False) and ``DEFINES`` does not set it. The merge code never runs
+    there, and that build's register allocation (the source's default before PARTIAL_BF16)
+    measured 0.5-1 % faster at T=128-1024; with split tokens (T=64), PARTIAL_BF16=1 measured
+    1.5-2.5 % faster (BENCHMARKS.md, twenty-first session)."""
+    d = dict(DEFINES)
+    if not split:
+        d.setdefault("PARTIAL_BF16", 0)
+    return tuple(sorted(d.items()))
 
 
 def clear_caches() -> None:
@@ -316,7 +333,8 @@ def sparse_mla_fp8_cuda(
     else:
         ws_o = torch.empty(2 * ctas, 64, D_V, dtype=torch.float32, device=q.device)
     ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
-    fn = _function(dev, tuple(sorted(DEFINES.items())))
+    # (a token is cut between CTAs unless the G ranges of W = t * nb items are whole tokens)
+    fn = _function(dev, launch_defines(t % ctas != 0))
     stream = torch.cuda.current_stream(dev).cuda_stream
     counters = _counters(q.device, stream, 2 * t)  # [2t]: tickets, partials written
     c = ctypes
