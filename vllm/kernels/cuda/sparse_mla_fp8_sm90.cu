@@ -133,8 +133,10 @@
 // normalised partial O in bf16 (64 KB a piece, not 128 KB of fp32): one more bf16 rounding of a
 // partial before the output's own (GPU test). fp32 output keeps fp32 partials. The merging
 // piece loads the first PARTIAL_EARLY (0..16) of the 16 loads of its first other partial before
-// it computes the weights (16: the build spills 264 bytes). Measured 1 % faster at T=64,
-// where every token is split (BENCHMARKS.md, twenty-first session).
+// it computes the weights (16: the build spills 264 bytes). Measured 1.5-2.5 % faster at T=64,
+// where every token is split; 0.5-1 % slower from T=128 up, where none is (the register
+// allocation of the whole kernel moves), so the launcher builds PARTIAL_BF16=0 for grids
+// without split tokens (launch_defines; BENCHMARKS.md, twenty-first session).
 #ifndef PARTIAL_BF16
 #define PARTIAL_BF16 1
 #endif
@@ -555,7 +557,8 @@ __device__ __forceinline__ long long global_ns() {
 // The W = T * nb (token, 64-row block) items are cut into G = gridDim.x contiguous ranges, the
 // first W % G of ceil(W / G) items, the others of floor(W / G). A token cut by a range boundary
 // is a split token: each of its pieces takes a ticket on the token's first counter; all but the
-// last to arrive write their normalised partial (fp32 O and the natural-log LSE) to a workspace
+// last to arrive write their normalised partial (O in fp32, or in bf16 with PARTIAL_BF16 and bf16
+// output; the natural-log LSE in fp32) to a workspace
 // slot and count it on the second counter; the last waits for that count and merges the others'
 // partials with its own, which never leaves its registers. Only the last piece waits, and only
 // for pieces that already hold tickets (so are running and wait on nothing): any number of CTAs
@@ -666,7 +669,8 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&
                                              int c_b, int own, int tw, int W, int G, float* lse,
                                              int num_heads, int tc, int c) {
   const int np = c_b - c_a + 1;
-  // BF16: the first other piece's partial is loaded before the weights (independent of them)
+  // BF16: the first PARTIAL_EARLY loads of the first other piece's partial are issued before the
+  // weights (they do not depend on them)
   const int k0 = own == 0 ? 1 : 0;
   uint4 x[BF16 ? 16 : 1];
   if (BF16 && PARTIAL_EARLY) {
