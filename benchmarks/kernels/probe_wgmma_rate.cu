@@ -11,6 +11,11 @@
 //         7: as 0, A dequantised per group from e4m3 bytes in shared memory as the PV does
 //            (4 8-byte loads, byte permutes, e4m3x2 -> f16x2, x sigma);
 //         8: as 3, A dequantised as the QK does (2 16-byte loads per 4 k-steps, x tile scale).
+// NWG: consumer warpgroups; 1-2 in a 384-thread CTA with setmaxnreg 24 / 240 (the decode
+// kernel's), 3-4 in a (NWG + 1) x 128-thread CTA with setmaxnreg 24 / 112 (what a kernel of four
+// consumer warpgroups could have: 96 registers a thread at launch). NT (mode 7): the m64 value
+// tiles of a warpgroup's PV, 4 (256 value columns, the decode kernel's) or 2 (128: each thread
+// dequantises 4 bytes of a row a step, not 8).
 // DEQ (modes 7, 8): 0 cvt.rn.f16x2.e4m3x2, 1 e4m3x2_to_f16x2_int (prmt, and,
 // shift: the integer pipe), 2 half of each group's pairs each way. NOMMA 1: the dequantisation
 // alone (its results XORed into a register instead of feeding wgmmas).
@@ -27,6 +32,18 @@ static_assert(MODE >= 0 && MODE <= 8 && MODE != 5, "MODE: 0-4, 6-8");
 #endif
 #ifndef DEQ
 #define DEQ 0
+#endif
+#ifndef NT
+#define NT 4
+#endif
+static_assert(NT == 2 || NT == 4, "NT: 2 or 4 value tiles");
+static_assert(NT == 4 || MODE == 7, "NT 2: the PV dequant pattern (mode 7)");
+static_assert(NWG >= 1 && NWG <= 4, "NWG: 1-4");
+constexpr int NTHREADS = 128 * (NWG > 2 ? NWG + 1 : 3);
+#if NWG > 2
+#define CONS_SETMAXNREG "112"
+#else
+#define CONS_SETMAXNREG "240"
 #endif
 #ifndef NOMMA
 #define NOMMA 0
@@ -155,19 +172,19 @@ __device__ __forceinline__ void feed_aside(const uint32_t (&av)[4][4], uint32_t&
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, int groups) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) probe(long long* cycles, int groups) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // (offset from the __shared__ array itself, so the compiler keeps shared-memory instructions)
   const uint32_t s0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   uint8_t* smem = smem_raw + ((1024u - (s0 & 1023u)) & 1023u);
   const int tid = threadIdx.x;
   // B atoms: f16 in [0.5, 1) and [-1, -0.5); raw rows: e4m3 bytes with no NaN
-  for (int i = tid; i < 9 * 8192 / 4; i += 384) {
+  for (int i = tid; i < 9 * 8192 / 4; i += NTHREADS) {
     const uint32_t h = mix(i * 2654435761u + 1);
     const uint32_t lo = 0x3800u | (h & 0x83FFu), hi = 0x3800u | ((h >> 16) & 0x83FFu);
     reinterpret_cast<uint32_t*>(smem)[i] = lo | (hi << 16);
   }
-  for (int i = tid; i < 64 * ROW / 4; i += 384)
+  for (int i = tid; i < 64 * ROW / 4; i += NTHREADS)
     reinterpret_cast<uint32_t*>(smem + OFF_RAW)[i] = mix(i + 77) & 0x77777777u;
   fence_proxy_async();
   __syncthreads();
@@ -176,7 +193,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     return;
   }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 " CONS_SETMAXNREG ";\n");
   if (wg > NWG) return;
   const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t db = desc_lo(sbase);
@@ -186,17 +203,38 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
   uint32_t sink = 0;
   long long t0 = clock64();
 #if MODE <= 2 || MODE == 4 || MODE == 7
-  float acc[4][32];
+  float acc[NT][32];
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < NT; ++j)
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
-  const int dv0 = 8 * (8 * w + g) + 256 * (wg - 1);
+  const int dv0 = 2 * NT * (8 * w + g) + 64 * NT * (wg - 1);
 #pragma unroll 1
   for (int it = 0; it < groups; ++it) {
     const int kk = it & 3;
     uint32_t av[4][4];
-#if MODE == 7
+#if MODE == 7 && NT == 2
+    const uint8_t* p0 = smem + OFF_RAW + (16 * kk + 2 * c) * ROW + dv0 % 512;
+    {
+      const uint32_t x0 = *reinterpret_cast<const uint32_t*>(p0);
+      const uint32_t x1 = *reinterpret_cast<const uint32_t*>(p0 + ROW);
+      const uint32_t x2 = *reinterpret_cast<const uint32_t*>(p0 + 8 * ROW);
+      const uint32_t x3 = *reinterpret_cast<const uint32_t*>(p0 + 9 * ROW);
+      const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
+      const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
+      uint32_t f[8];
+      e4m3x4_to_f16x4(u01, f[0], f[1]);
+      e4m3x4_to_f16x4(u23, f[2], f[3]);
+      e4m3x4_to_f16x4(v01, f[4], f[5]);
+      e4m3x4_to_f16x4(v23, f[6], f[7]);
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) av[q][e] = hmul2(f[4 * q + e], sig);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) av[2][e] = av[3][e] = 0u;  // (unused)
+    }
+#elif MODE == 7
     const uint8_t* p0 = smem + OFF_RAW + (16 * kk + 2 * c) * ROW;
     const uint2 r0 = *reinterpret_cast<const uint2*>(p0 + dv0 % 512);
     const uint2 r1 = *reinterpret_cast<const uint2*>(p0 + ROW + dv0 % 512);
@@ -236,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
     if (NOMMA) continue;
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < NT; ++j) {
 #if MODE == 4
       wgmma_bf16_ss(acc[j], desc(db + 2 * j + 512 * (wg - 1)), desc(db + 2 * kk + 1024), 1);
 #elif MODE == 7 && FEED >= 2
@@ -268,7 +306,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
   wgmma_wait<0>();
   float sum = 0.f;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < NT; ++j) {
     fence_acc(acc[j]);
 #pragma unroll
     for (int i = 0; i < 32; ++i) sum += acc[j][i];
@@ -346,6 +384,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) probe(long long* cycles, in
   for (int i = 0; i < NR; ++i) sum += acc[i];
 #endif
   const long long t1 = clock64();
-  if (wt == 0) cycles[2 * blockIdx.x + wg - 1] = t1 - t0;
+  if (wt == 0) cycles[4 * blockIdx.x + wg - 1] = t1 - t0;
   if (sum == 123.456f || sink == 0x12345678u) cycles[0] = -1;  // keeps the results live
 }

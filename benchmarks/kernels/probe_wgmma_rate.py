@@ -3,7 +3,7 @@ sparse-MLA decode kernel (vllm/kernels/cuda/sparse_mla_fp8_sm90.cu), measured on
 
 The decode kernel issues only m64n64k16 wgmmas with the A operand in registers (K or V^T
 dequantised from e4m3 by the warpgroup itself), N = 64 heads. This probe times, one CTA per SM,
-one or two warpgroups issuing such wgmmas back to back with the kernel's commit/wait pattern:
+one, two or four warpgroups issuing such wgmmas back to back with the kernel's commit/wait pattern:
 fed by fixed registers; fed by the QK's or the PV's dequantisation (cvt.rn.f16x2.e4m3x2, or the
 same values built on the integer pipe, at several commit-group depths); with the dequantisation
 beside wgmmas that do not read it (fixed registers, or A from shared memory); with the
@@ -84,6 +84,19 @@ CASES = [
     ("RS n64, 4 accumulators, wait<1>, one warpgroup", {"MODE": 0, "NWG": 1}),
     ("RS n64 + PV dequant, one warpgroup", {"MODE": 7, "NWG": 1}),
     ("RS n64 + QK dequant, one warpgroup", {"MODE": 8, "NWG": 1}),
+    # what a kernel of four consumer warpgroups (128 value columns each) would run: its PV
+    # (2 value tiles a step, committed and waited per step) and QK, beside the two-warpgroup rows
+    ("RS n64 + PV dequant, 2 tiles (128 columns)", {"MODE": 7, "NT": 2, "PG": 2}),
+    ("RS n64 + PV dequant, 2 tiles, four warpgroups", {"MODE": 7, "NT": 2, "PG": 2, "NWG": 4}),
+    ("RS n64 + QK dequant, four warpgroups", {"MODE": 8, "NWG": 4}),
+    (
+        "RS n64 + PV dequant, 2 tiles, drained every 4 steps, four warpgroups",
+        {"MODE": 7, "NT": 2, "PG": 2, "NWG": 4, "DRAIN": 4},
+    ),
+    (
+        "RS n64 + QK dequant, drained every 9 steps, four warpgroups",
+        {"MODE": 8, "NWG": 4, "DRAIN": 9},
+    ),
 ]
 N_OF_MODE = {6: 256}
 
@@ -129,23 +142,25 @@ def main() -> None:
                 continue
             d = {"NWG": 2, **d}
             fn = drv.load(build(d, tmp)[0], "probe", SMEM)
-            cyc = torch.zeros(sms, 2, dtype=torch.int64, device="cuda")
+            cyc = torch.zeros(sms, 4, dtype=torch.int64, device="cuda")
+            threads = 128 * (max(d["NWG"], 2) + 1)
             a_ptr = ctypes.c_void_p(cyc.data_ptr())
             a_groups = ctypes.c_int(GROUPS)
             stream = torch.cuda.current_stream().cuda_stream
             for _ in range(2):
-                drv.launch(fn, (sms, 1), stream, [a_ptr, a_groups], 384, SMEM)
+                drv.launch(fn, (sms, 1), stream, [a_ptr, a_groups], threads, SMEM)
             torch.cuda.synchronize()
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             reps = 5
             ev[0].record()
             for _ in range(reps):
-                drv.launch(fn, (sms, 1), stream, [a_ptr, a_groups], 384, SMEM)
+                drv.launch(fn, (sms, 1), stream, [a_ptr, a_groups], threads, SMEM)
             ev[1].record()
             torch.cuda.synchronize()
             ms = ev[0].elapsed_time(ev[1]) / reps
             n = N_OF_MODE.get(d["MODE"], 64)
-            flop_sm = d["NWG"] * GROUPS * 4 * 2 * 64 * n * 16  # per SM per launch
+            per_group = d.get("NT", 4) if d["MODE"] == 7 else 4  # wgmmas a group
+            flop_sm = d["NWG"] * GROUPS * per_group * 2 * 64 * n * 16  # per SM per launch
             cycles = float(cyc[:, : d["NWG"]].float().mean())
             fpc = flop_sm / cycles
             tflops = flop_sm * sms / (ms * 1e-3) / 1e12
