@@ -124,6 +124,12 @@ def test_cuda_launch_defines_per_grid(monkeypatch):
     monkeypatch.setattr(sparse_mla_cuda, "DEFINES", {"QSKEW": 0, "PARTIAL_BF16": 1})
     assert sparse_mla_cuda.launch_defines(False) == (("PARTIAL_BF16", 1), ("QSKEW", 0))
     assert sparse_mla_cuda.launch_defines(True) == (("PARTIAL_BF16", 1), ("QSKEW", 0))
+    # which grids split: the default grid at T=64 (two pieces a token) does, T >= #SMs / 2 not
+    sms = 132
+    assert sparse_mla_cuda.splits_tokens(64, sparse_mla_cuda.default_ctas(64, 32, sms))
+    assert not sparse_mla_cuda.splits_tokens(128, sparse_mla_cuda.default_ctas(128, 32, sms))
+    assert not sparse_mla_cuda.splits_tokens(1024, sparse_mla_cuda.default_ctas(1024, 32, sms))
+    assert sparse_mla_cuda.splits_tokens(9, 4) and not sparse_mla_cuda.splits_tokens(8, 4)
 
 
 def test_cuda_build_error_is_reported_once(monkeypatch, caplog):

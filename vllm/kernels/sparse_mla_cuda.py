@@ -221,6 +221,13 @@ def build_error(device: torch.device) -> str | None:
     return None
 
 
+def splits_tokens(t: int, ctas: int) -> bool:
+    """Whether a grid of ``ctas`` CTAs over ``t`` tokens cuts some token between CTAs: the G
+    equal ranges of the W = t * nb (token, block) items are whole tokens exactly when G divides
+    t (for G < t not dividing it, this answers True even where the cuts happen to align)."""
+    return t % ctas != 0
+
+
 def launch_defines(split: bool) -> tuple[tuple[str, int], ...]:
     """The build knobs of a launch: ``DEFINES``, plus ``PARTIAL_BF16=0`` where no token is cut
     between CTAs (``split`` False) and ``DEFINES`` does not set it. The merge code never runs
@@ -333,8 +340,7 @@ def sparse_mla_fp8_cuda(
     else:
         ws_o = torch.empty(2 * ctas, 64, D_V, dtype=torch.float32, device=q.device)
     ws_l = torch.empty(2 * ctas, 64, dtype=torch.float32, device=q.device)
-    # (a token is cut between CTAs unless the G ranges of W = t * nb items are whole tokens)
-    fn = _function(dev, launch_defines(t % ctas != 0))
+    fn = _function(dev, launch_defines(splits_tokens(t, ctas)))
     stream = torch.cuda.current_stream(dev).cuda_stream
     counters = _counters(q.device, stream, 2 * t)  # [2t]: tickets, partials written
     c = ctypes

@@ -672,12 +672,12 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&
   // BF16: the first PARTIAL_EARLY loads of the first other piece's partial are issued before the
   // weights (they do not depend on them)
   const int k0 = own == 0 ? 1 : 0;
-  uint4 x[BF16 ? 16 : 1];
-  if (BF16 && PARTIAL_EARLY) {
+  uint4 x[16];
+  if constexpr (BF16 && PARTIAL_EARLY > 0) {
     const uint4* src = reinterpret_cast<const uint4*>(
                            ws_o + (long long)piece_slot(c_a + k0, tw, W, G) * 64 * D_V) + tc;
 #pragma unroll
-    for (int p = 0; p < (BF16 ? PARTIAL_EARLY : 0); ++p) x[p] = __ldcg(src + 256 * p);
+    for (int p = 0; p < PARTIAL_EARLY; ++p) x[p] = __ldcg(src + 256 * p);
   }
   for (int i = tc; i < np * 64; i += 256)
     wts[i] = __ldcg(ws_l + piece_slot(c_a + (i >> 6), tw, W, G) * 64 + (i & 63));
@@ -706,17 +706,15 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&
       }
     }
   }
-  if (BF16) {
+  if constexpr (BF16) {
     for (int k = 0; k < np; ++k) {
       if (k == own) continue;
-      {
-        const uint4* src = reinterpret_cast<const uint4*>(
-                               ws_o + (long long)piece_slot(c_a + k, tw, W, G) * 64 * D_V) + tc;
+      const uint4* src = reinterpret_cast<const uint4*>(
+                             ws_o + (long long)piece_slot(c_a + k, tw, W, G) * 64 * D_V) + tc;
 #pragma unroll
-        for (int p = 0; p < (BF16 ? 16 : 0); ++p)
-          if (k != k0 || p >= PARTIAL_EARLY) x[p] = __ldcg(src + 256 * p);
-      }
-      add_partial_bf16(acc, reinterpret_cast<const uint4(&)[16]>(x), wts + 64 * k + 2 * c);
+      for (int p = 0; p < 16; ++p)
+        if (k != k0 || p >= PARTIAL_EARLY) x[p] = __ldcg(src + 256 * p);
+      add_partial_bf16(acc, x, wts + 64 * k + 2 * c);
     }
     return;
   }
