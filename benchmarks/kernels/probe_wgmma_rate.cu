@@ -10,7 +10,17 @@
 //         6: RS m64n256k16, one accumulator;
 //         7: as 0, A dequantised per group from e4m3 bytes in shared memory as the PV does
 //            (4 8-byte loads, byte permutes, e4m3x2 -> f16x2, x sigma);
-//         8: as 3, A dequantised as the QK does (2 16-byte loads per 4 k-steps, x tile scale).
+//         8: as 3, A dequantised as the QK does (2 16-byte loads per 4 k-steps, x tile scale);
+//         9: a whole block loop in one warpgroup's registers: the PV accumulators live across
+//            the loop; per iteration a QK call (9 mode-8 steps into its own accumulator,
+//            drained), a minimal softmax of the scores (exponentials against shared-memory
+//            maxima, row sums, the f16 P^T stored to shared memory) and the PV calls (4 steps
+//            each, dequantised as mode 7, drained per call). NWG 1-2: 4 value tiles (256
+//            columns) and 2 PV calls an iteration, the decode kernel's split; NWG 3-4: 2 tiles
+//            (128 columns) and 4 PV calls, the split of a kernel with four consumer warpgroups.
+//            Either way 68 wgmmas a warpgroup an iteration. L16 1: the row sums in 16
+//            registers a thread (as the decode kernel keeps them); 0: reduced across the 8
+//            lanes sharing heads every block (14 shuffles) into 2.
 // NWG: consumer warpgroups; 1-2 in a 384-thread CTA with setmaxnreg 24 / 240 (the decode
 // kernel's), 3-4 in a (NWG + 1) x 128-thread CTA with setmaxnreg 24 / 112 (what a kernel of four
 // consumer warpgroups could have: 96 registers a thread at launch). NT (mode 7): the m64 value
@@ -26,7 +36,7 @@
 #ifndef MODE
 #define MODE 0
 #endif
-static_assert(MODE >= 0 && MODE <= 8 && MODE != 5, "MODE: 0-4, 6-8");
+static_assert(MODE >= 0 && MODE <= 9 && MODE != 5, "MODE: 0-4, 6-9");
 #ifndef NWG
 #define NWG 2
 #endif
@@ -40,8 +50,10 @@ static_assert(NT == 2 || NT == 4, "NT: 2 or 4 value tiles");
 static_assert(NT == 4 || MODE == 7, "NT 2: the PV dequant pattern (mode 7)");
 static_assert(NWG >= 1 && NWG <= 4, "NWG: 1-4");
 constexpr int NTHREADS = 128 * (NWG > 2 ? NWG + 1 : 3);
+#define STR_(x) #x
+#define STR(x) STR_(x)
 #if NWG > 2
-#define CONS_SETMAXNREG "112"
+#define CONS_SETMAXNREG STR(CONS_REGS)
 #else
 #define CONS_SETMAXNREG "240"
 #endif
@@ -67,6 +79,13 @@ constexpr int NTHREADS = 128 * (NWG > 2 ? NWG + 1 : 3);
 #endif
 #ifndef PW
 #define PW 1
+#endif
+#ifndef L16
+#define L16 1
+#endif
+// CONS_REGS (NWG > 2): the consumers' setmaxnreg (112: what 640 threads at 96 a thread leave)
+#ifndef CONS_REGS
+#define CONS_REGS 112
 #endif
 
 namespace {
@@ -202,7 +221,137 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) probe(long long* cycle
   const uint32_t sig = 0x3C003C00u;
   uint32_t sink = 0;
   long long t0 = clock64();
-#if MODE <= 2 || MODE == 4 || MODE == 7
+#if MODE == 9
+  constexpr int NT9 = NWG > 2 ? 2 : 4, NPV = 8 / NT9;  // value tiles, PV calls an iteration
+  float acc[NT9][32];
+#pragma unroll
+  for (int j = 0; j < NT9; ++j)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
+  constexpr int NL = L16 ? 16 : 2;
+  float l[NL];
+#pragma unroll
+  for (int i = 0; i < NL; ++i) l[i] = 0.f;
+  const int dv0 = 2 * NT9 * (8 * w + g) + 64 * NT9 * (wg - 1);
+  const uint8_t* row0 = smem + OFF_RAW + (16 * w + g) * ROW;
+  const uint8_t* row1 = row0 + 8 * ROW;
+  const float* m_s = reinterpret_cast<const float*>(smem + OFF_SCR);
+#pragma unroll 1
+  for (int it = 0; it < groups / 16; ++it) {
+    float s[32];
+#pragma unroll
+    for (int mm = 0; mm < 9; ++mm) {  // the QK call: 9 steps of 4 k-steps
+      const int off = 128 * c + 16 * ((mm + 2 * c) & 7);
+      const uint4 u0 = *reinterpret_cast<const uint4*>(row0 + off);
+      const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
+      const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
+      const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
+      uint32_t av[4][4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        uint32_t f0, f1, f2, f3;
+        e4m3x4_to_f16x4(x0[k], f0, f2);
+        e4m3x4_to_f16x4(x1[k], f1, f3);
+        av[k][0] = hmul2(f0, sig);
+        av[k][1] = hmul2(f1, sig ^ 0x00010001u);
+        av[k][2] = hmul2(f2, sig);
+        av[k][3] = hmul2(f3, sig ^ 0x00010001u);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        wgmma_f16(s, av[k][0], av[k][1], av[k][2], av[k][3], desc(db + 2 * k + 512 * (mm & 7)),
+                  mm > 0 || k > 0);
+      wgmma_commit();
+      if (mm > 0) wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+    fence_acc(s);
+    // the softmax's minimum: exponentials against the maxima, row sums, P^T (f16) stored
+    float ls[16];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const float2 x = *reinterpret_cast<const float2*>(m_s + 8 * jj + 2 * c);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[4 * jj + k] = ex2(s[4 * jj + k] * 0.125f - ((k & 1) ? x.y : x.x));
+#pragma unroll
+      for (int bb = 0; bb < 2; ++bb) ls[2 * jj + bb] = s[4 * jj + bb] + s[4 * jj + 2 + bb];
+    }
+#if L16
+#pragma unroll
+    for (int i = 0; i < 16; ++i) l[i] += ls[i];
+#else
+    {  // reduce-scatter over the lanes holding the same heads (lane bits 2-4): 16 -> 8 -> 4 -> 2
+      const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float keep = b4 ? ls[8 + i] : ls[i], give = b4 ? ls[i] : ls[8 + i];
+        ls[i] = keep + __shfl_xor_sync(0xffffffffu, give, 16);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float keep = b3 ? ls[4 + i] : ls[i], give = b3 ? ls[i] : ls[4 + i];
+        ls[i] = keep + __shfl_xor_sync(0xffffffffu, give, 8);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float keep = b2 ? ls[2 + i] : ls[i], give = b2 ? ls[i] : ls[2 + i];
+        l[i] += keep + __shfl_xor_sync(0xffffffffu, give, 4);
+      }
+    }
+#endif
+    uint8_t* pt = smem + OFF_SCR + 16 * (wt + 128 * 4 * ((wg - 1) & 1));
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      *reinterpret_cast<uint4*>(pt + 2048 * q) =
+          make_uint4(pack_f16(s[8 * q], s[8 * q + 1]), pack_f16(s[8 * q + 2], s[8 * q + 3]),
+                     pack_f16(s[8 * q + 4], s[8 * q + 5]), pack_f16(s[8 * q + 6], s[8 * q + 7]));
+    fence_proxy_async();
+#pragma unroll 1
+    for (int pc = 0; pc < NPV; ++pc) {  // the PV calls: 4 steps each
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint8_t* p0 = smem + OFF_RAW + (16 * kk + 2 * c) * ROW + dv0 % 512;
+        uint32_t av[NT9][4];
+#pragma unroll
+        for (int wi = 0; wi < NT9 / 2; ++wi) {  // 4 bytes of each of the 4 rows a half
+          const uint32_t x0 = *reinterpret_cast<const uint32_t*>(p0 + 4 * wi);
+          const uint32_t x1 = *reinterpret_cast<const uint32_t*>(p0 + ROW + 4 * wi);
+          const uint32_t x2 = *reinterpret_cast<const uint32_t*>(p0 + 8 * ROW + 4 * wi);
+          const uint32_t x3 = *reinterpret_cast<const uint32_t*>(p0 + 9 * ROW + 4 * wi);
+          const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
+          const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
+          uint32_t f[8];
+          e4m3x4_to_f16x4(u01, f[0], f[1]);
+          e4m3x4_to_f16x4(u23, f[2], f[3]);
+          e4m3x4_to_f16x4(v01, f[4], f[5]);
+          e4m3x4_to_f16x4(v23, f[6], f[7]);
+#pragma unroll
+          for (int q = 0; q < 2; ++q)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) av[2 * wi + q][e] = hmul2(f[4 * q + e], sig);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < NT9; ++j)
+          wgmma_f16(acc[j], av[j][0], av[j][1], av[j][2], av[j][3], desc(db + 2 * kk + 512 * j), 1);
+        wgmma_commit();
+        if (kk > 0) wgmma_wait<1>();
+      }
+      wgmma_wait<0>();
+    }
+  }
+  wgmma_wait<0>();
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < NT9; ++j) {
+    fence_acc(acc[j]);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sum += acc[j][i];
+  }
+#pragma unroll
+  for (int i = 0; i < NL; ++i) sum += l[i];
+#elif MODE <= 2 || MODE == 4 || MODE == 7
   float acc[NT][32];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
