@@ -146,6 +146,17 @@
 #ifndef DIAG_NO_QLOAD
 #define DIAG_NO_QLOAD 0
 #endif
+// DIAG_NO_CHECK 1 (diagnostic, wrong results): the softmax's check (does a score pass m +
+// 2^RESCALE_LOG2, or leave the f16 PV's range) and its barrier-with-OR are skipped; only each
+// warpgroup's first block of a piece moves m. The time shows what the check costs the loop.
+#ifndef DIAG_NO_CHECK
+#define DIAG_NO_CHECK 0
+#endif
+// DIAG_NO_PWAIT 1 (diagnostic, wrong results): a warpgroup does not wait for the other's P^T
+// (pfull) before that block's PV, so the time shows what the two warpgroups' hand-off costs.
+#ifndef DIAG_NO_PWAIT
+#define DIAG_NO_PWAIT 0
+#endif
 // DIAG_REPEAT 1 (diagnostic, bf16 output only): the query load and the output stores each run
 // twice, the same code in a loop (stamps between the passes), so a DIAG_TRACE build shows what a
 // second, warm pass of the same instructions costs.
