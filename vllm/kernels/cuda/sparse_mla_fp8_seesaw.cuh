@@ -284,8 +284,9 @@ __device__ __forceinline__ void pv_block_f16(float (&acc)[4][32], const uint8_t*
     const int s0 = 16 * kk + 2 * c;
     uint2 r0, r1, r2, r3;
     v_rows(stg, s0, dv0, r0, r1, r2, r3);
-    const uint32_t g01 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0);
-    const uint32_t g89 = *reinterpret_cast<const uint32_t*>(sg + 2 * s0 + 16);
+    const uint32_t g01 = DIAG_PV_CONST ? 0x3C003C00u : *reinterpret_cast<const uint32_t*>(sg + 2 * s0);
+    const uint32_t g89 =
+        DIAG_PV_CONST ? 0x3C003C00u : *reinterpret_cast<const uint32_t*>(sg + 2 * s0 + 16);
     uint32_t a[4][4];
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
@@ -478,6 +479,7 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
         for (int bb = 0; bb < 2; ++bb) {
+          if (DIAG_SM_NOSCALE) break;  // (the row scale is folded into the exponentials)
           s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
           s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
         }
@@ -566,7 +568,12 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float mk = (k & 1) ? x.y : x.x;
+#if DIAG_SM_NOSCALE
+        s[4 * jj + k] = ex2(fmaf(s[4 * jj + k], base_f * exp2i((k & 2) ? e1 : e0),
+                                 -(mk == -INFINITY ? 0.f : mk)));
+#else
         s[4 * jj + k] = ex2(s[4 * jj + k] - (mk == -INFINITY ? 0.f : mk));
+#endif
       }
 #pragma unroll
       for (int bb = 0; bb < 2; ++bb) l[2 * jj + bb] += s[4 * jj + bb] + s[4 * jj + 2 + bb];
@@ -574,8 +581,8 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
     stamp(trace, ts, 9, wt);
     // P^T's factors: 2^(e_k - 6 - E) for the f16 PV, 2^-E for the exact one (E >= E_MIN there)
     const float ge = exp2i(min(-E, 127));
-    const float g0 = exact ? ge : (p0 ? exp2i(max(e0 - 6 - E, -127)) : 0.f);
-    const float g1 = exact ? ge : (p1 ? exp2i(max(e1 - 6 - E, -127)) : 0.f);
+    const float g0 = DIAG_SM_NOG ? 1.f : exact ? ge : (p0 ? exp2i(max(e0 - 6 - E, -127)) : 0.f);
+    const float g1 = DIAG_SM_NOG ? 1.f : exact ? ge : (p1 ? exp2i(max(e1 - 6 - E, -127)) : 0.f);
     const uint32_t pt = sbase + OFF_PT + pb * 8192;
     if (exact)
       store_pt<true>(pt, s, g0, g1, w, lane);

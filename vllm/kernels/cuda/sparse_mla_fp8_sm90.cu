@@ -149,13 +149,44 @@
 // DIAG_NO_CHECK 1 (diagnostic, wrong results): the softmax's check (does a score pass m +
 // 2^RESCALE_LOG2, or leave the f16 PV's range) and its barrier-with-OR are skipped; only each
 // warpgroup's first block of a piece moves m. The time shows what the check costs the loop.
-#ifndef DIAG_NO_CHECK
-#define DIAG_NO_CHECK 0
-#endif
+// (Defined below, after DIAG_SM_MIN, which implies it.)
 // DIAG_NO_PWAIT 1 (diagnostic, wrong results): a warpgroup does not wait for the other's P^T
 // (pfull) before that block's PV, so the time shows what the two warpgroups' hand-off costs.
 #ifndef DIAG_NO_PWAIT
 #define DIAG_NO_PWAIT 0
+#endif
+// Diagnostics that strip the block loop towards probe_wgmma_rate.cu's mode 9 (wrong results):
+// DIAG_SM_NOSCALE 1: no separate pass scaling and masking the scores (the row scale folded into
+// the exponentials by an FFMA); DIAG_SM_NOG 1: P^T without its per-row factors; DIAG_SM_MIN 1:
+// both and DIAG_NO_CHECK, so the softmax is only the exponentials, the row sums and the P^T
+// stores; DIAG_PV_CONST 1: the f16 PV multiplies by a constant instead of the loaded sigma;
+// DIAG_NO_COPY 1: the producer issues no copies (the stages keep what they hold) but still
+// signals them full.
+#ifndef DIAG_SM_MIN
+#define DIAG_SM_MIN 0
+#endif
+#if DIAG_SM_MIN
+#undef DIAG_SM_NOSCALE
+#undef DIAG_SM_NOG
+#undef DIAG_NO_CHECK
+#define DIAG_SM_NOSCALE 1
+#define DIAG_SM_NOG 1
+#define DIAG_NO_CHECK 1
+#endif
+#ifndef DIAG_SM_NOSCALE
+#define DIAG_SM_NOSCALE 0
+#endif
+#ifndef DIAG_SM_NOG
+#define DIAG_SM_NOG 0
+#endif
+#ifndef DIAG_NO_CHECK
+#define DIAG_NO_CHECK 0
+#endif
+#ifndef DIAG_PV_CONST
+#define DIAG_PV_CONST 0
+#endif
+#ifndef DIAG_NO_COPY
+#define DIAG_NO_COPY 0
 #endif
 // DIAG_REPEAT 1 (diagnostic, bf16 output only): the query load and the output stores each run
 // twice, the same code in a loop (stamps between the passes), so a DIAG_TRACE build shows what a
@@ -406,7 +437,7 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
 #else
     const uint32_t dst0 = sbase + OFF_ST + st * STAGE + 16 * pw * ROW;
 #pragma unroll 4
-    for (int rr = 0; rr < 16; ++rr) {
+    for (int rr = 0; rr < (DIAG_NO_COPY ? 0 : 16); ++rr) {
       const int r_id = __shfl_sync(0xffffffffu, id, rr);
       const uint8_t* src = kv + (size_t)(r_id < 0 ? 0 : r_id) * ROW;
       const uint32_t nb = r_id < 0 ? 0u : 16u;
