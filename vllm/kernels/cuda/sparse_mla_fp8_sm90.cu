@@ -157,20 +157,25 @@
 #endif
 // Diagnostics that strip the block loop towards probe_wgmma_rate.cu's mode 9 (wrong results):
 // DIAG_SM_NOSCALE 1: no separate pass scaling and masking the scores (the row scale folded into
-// the exponentials by an FFMA); DIAG_SM_NOG 1: P^T without its per-row factors; DIAG_SM_MIN 1:
-// both and DIAG_NO_CHECK, so the softmax is only the exponentials, the row sums and the P^T
-// stores; DIAG_PV_CONST 1: the f16 PV multiplies by a constant instead of the loaded sigma;
+// the exponentials by an FFMA); it implies DIAG_NO_CHECK, whose check would otherwise compare
+// unscaled scores and take the rare path every block. DIAG_SM_NOG 1: P^T without its per-row
+// factors. DIAG_SM_MIN 1: both, so the softmax is only the exponentials, the row sums and the
+// P^T stores. DIAG_PV_CONST 1: the f16 PV multiplies by a constant instead of the loaded sigma.
 // DIAG_NO_COPY 1: the producer issues no copies (the stages keep what they hold) but still
-// signals them full.
+// signals them full. Those that change the data (SM_MIN, NO_COPY) also change the power drawn,
+// and so the power-capped clock: their times are not instruction costs alone (BENCHMARKS.md,
+// twenty-second session).
 #ifndef DIAG_SM_MIN
 #define DIAG_SM_MIN 0
 #endif
 #if DIAG_SM_MIN
 #undef DIAG_SM_NOSCALE
 #undef DIAG_SM_NOG
-#undef DIAG_NO_CHECK
 #define DIAG_SM_NOSCALE 1
 #define DIAG_SM_NOG 1
+#endif
+#if defined(DIAG_SM_NOSCALE) && DIAG_SM_NOSCALE
+#undef DIAG_NO_CHECK
 #define DIAG_NO_CHECK 1
 #endif
 #ifndef DIAG_SM_NOSCALE
