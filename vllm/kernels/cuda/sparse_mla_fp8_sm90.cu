@@ -236,13 +236,6 @@ static_assert(QK_GROUP == 2 || QK_GROUP == 4, "QK_GROUP: 2 or 4 k-steps");
 #ifndef NEXT_PREFETCH
 #define NEXT_PREFETCH 1
 #endif
-// L2_AHEAD N > 0: the cp.async producer also prefetches into L2 (cp.async.bulk.prefetch.L2) the
-// rows of the block N work items after the one it is about to copy, before it waits for that
-// one's stage, so a stage's copies read L2 rather than HBM; 0 (default): no such prefetch.
-#ifndef L2_AHEAD
-#define L2_AHEAD 0
-#endif
-static_assert(L2_AHEAD >= 0, "L2_AHEAD: blocks ahead, 0 for none");
 constexpr int TRACE_ITERS = 20;  // slots per warpgroup: 18 block iterations + the piece's stamps
 // QK_FP8 1: QK on the FP8 tensor cores with both operands in shared memory and no dequantisation:
 // K is the raw e4m3 rows (the producer places each 16-byte piece in the wgmma's 128-B-swizzled
@@ -429,14 +422,10 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
                                                  Bars b, int pw, int lane,
                                                  const QueryRef& q) {
   int* ids_s = reinterpret_cast<int*>(smem + OFF_IDS);
-  // (L2_AHEAD: lanes 16-31, whose ids the copies do not use, hold row 16 pw + lane - 16 of the
-  // block L2_AHEAD items on, and prefetch it into L2)
-  const int la = L2_AHEAD > 0 && lane >= 16 ? L2_AHEAD : 0;
-  int id = w0 + la < w1 ? block_id(wk, w0 + la, 16 * pw + (lane & 15)) : -1;
+  int id = w0 < w1 ? block_id(wk, w0, 16 * pw + (lane & 15)) : -1;
   for (int w = w0; w < w1; ++w) {
     const int i = w - w0, st = i % NUM_STAGES;
     const uint32_t ph = (i / NUM_STAGES) & 1;
-    if (L2_AHEAD > 0 && lane >= 16 && id >= 0) prefetch_l2(kv + (size_t)id * ROW, ROW);
     mbar_wait(b.empty + 8 * st, ph ^ 1);
     if (lane < 16) ids_s[st * BN + 16 * pw + lane] = id;
 #if QK_FP8
@@ -465,10 +454,7 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
     cp_async_arrive_noinc(b.full + 8 * st);
     __syncwarp();
     if (lane == 0) mbar_arrive(b.full + 8 * st);
-    if (w + 1 + la < w1)
-      id = block_id(wk, w + 1 + la, 16 * pw + (lane & 15));
-    else if (L2_AHEAD > 0)
-      id = -1;
+    if (w + 1 < w1) id = block_id(wk, w + 1, 16 * pw + (lane & 15));
   }
   if (DIAG_SKIP_FULL) asm volatile("cp.async.wait_all;" ::: "memory");
   if (NEXT_PREFETCH) prefetch_next_cta(kv, wk, q, 32 * pw + lane);
