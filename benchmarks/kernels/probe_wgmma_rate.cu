@@ -167,6 +167,51 @@ __device__ __forceinline__ uint32_t mix(uint32_t x) {
   x *= 0x846ca68bu;
   return x ^ (x >> 16);
 }
+// The QK's A operands of one step (4 k-steps, modes 8 and 9): 16 bytes of rows row0 and row1 at
+// byte off, e4m3 -> f16 pairs (DEQ) times sig.
+__device__ __forceinline__ void qk_operands(const uint8_t* row0, const uint8_t* row1, int off,
+                                            uint32_t sig, uint32_t (&av)[4][4]) {
+  const uint4 u0 = *reinterpret_cast<const uint4*>(row0 + off);
+  const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
+  const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
+  const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    uint32_t f0, f1, f2, f3;
+    if (DEQ == 1 || (DEQ == 2 && k >= 2)) {
+      f0 = e4m3x2_to_f16x2_int<0x9180>(x0[k], x0[k]);
+      f2 = e4m3x2_to_f16x2_int<0xB3A2>(x0[k], x0[k]);
+      f1 = e4m3x2_to_f16x2_int<0x9180>(x1[k], x1[k]);
+      f3 = e4m3x2_to_f16x2_int<0xB3A2>(x1[k], x1[k]);
+    } else {
+      e4m3x4_to_f16x4(x0[k], f0, f2);
+      e4m3x4_to_f16x4(x1[k], f1, f3);
+    }
+    av[k][0] = hmul2(f0, sig);
+    av[k][1] = hmul2(f1, sig ^ 0x00010001u);
+    av[k][2] = hmul2(f2, sig);
+    av[k][3] = hmul2(f3, sig ^ 0x00010001u);
+  }
+}
+// The PV's A operands of one step for 2 value tiles (modes 7 with NT 2, and 9): 4 bytes of rows
+// s0, s0 + 1, s0 + 8, s0 + 9 (p: row s0's), e4m3 -> f16 pairs of two rows times sig.
+__device__ __forceinline__ void pv_operands2(const uint8_t* p, uint32_t sig, uint32_t (&av)[2][4]) {
+  const uint32_t x0 = *reinterpret_cast<const uint32_t*>(p);
+  const uint32_t x1 = *reinterpret_cast<const uint32_t*>(p + ROW);
+  const uint32_t x2 = *reinterpret_cast<const uint32_t*>(p + 8 * ROW);
+  const uint32_t x3 = *reinterpret_cast<const uint32_t*>(p + 9 * ROW);
+  const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
+  const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
+  uint32_t f[8];
+  e4m3x4_to_f16x4(u01, f[0], f[1]);
+  e4m3x4_to_f16x4(u23, f[2], f[3]);
+  e4m3x4_to_f16x4(v01, f[4], f[5]);
+  e4m3x4_to_f16x4(v23, f[6], f[7]);
+#pragma unroll
+  for (int q = 0; q < 2; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) av[q][e] = hmul2(f[4 * q + e], sig);
+}
 // A step's 4 operand sets from the fixed registers (modes other than 7, 8).
 __device__ __forceinline__ void fixed_operands(uint32_t (&av)[4][4], const uint32_t (&a)[4]) {
 #pragma unroll
@@ -241,22 +286,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) probe(long long* cycle
     float s[32];
 #pragma unroll
     for (int mm = 0; mm < 9; ++mm) {  // the QK call: 9 steps of 4 k-steps
-      const int off = 128 * c + 16 * ((mm + 2 * c) & 7);
-      const uint4 u0 = *reinterpret_cast<const uint4*>(row0 + off);
-      const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
-      const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
-      const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
       uint32_t av[4][4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        uint32_t f0, f1, f2, f3;
-        e4m3x4_to_f16x4(x0[k], f0, f2);
-        e4m3x4_to_f16x4(x1[k], f1, f3);
-        av[k][0] = hmul2(f0, sig);
-        av[k][1] = hmul2(f1, sig ^ 0x00010001u);
-        av[k][2] = hmul2(f2, sig);
-        av[k][3] = hmul2(f3, sig ^ 0x00010001u);
-      }
+      qk_operands(row0, row1, 128 * c + 16 * ((mm + 2 * c) & 7), sig, av);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < 4; ++k)
@@ -314,23 +345,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) probe(long long* cycle
         const uint8_t* p0 = smem + OFF_RAW + (16 * kk + 2 * c) * ROW + dv0 % 512;
         uint32_t av[NT9][4];
 #pragma unroll
-        for (int wi = 0; wi < NT9 / 2; ++wi) {  // 4 bytes of each of the 4 rows a half
-          const uint32_t x0 = *reinterpret_cast<const uint32_t*>(p0 + 4 * wi);
-          const uint32_t x1 = *reinterpret_cast<const uint32_t*>(p0 + ROW + 4 * wi);
-          const uint32_t x2 = *reinterpret_cast<const uint32_t*>(p0 + 8 * ROW + 4 * wi);
-          const uint32_t x3 = *reinterpret_cast<const uint32_t*>(p0 + 9 * ROW + 4 * wi);
-          const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
-          const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
-          uint32_t f[8];
-          e4m3x4_to_f16x4(u01, f[0], f[1]);
-          e4m3x4_to_f16x4(u23, f[2], f[3]);
-          e4m3x4_to_f16x4(v01, f[4], f[5]);
-          e4m3x4_to_f16x4(v23, f[6], f[7]);
-#pragma unroll
-          for (int q = 0; q < 2; ++q)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) av[2 * wi + q][e] = hmul2(f[4 * q + e], sig);
-        }
+        for (int wi = 0; wi < NT9 / 2; ++wi)  // 4 bytes of each of the 4 rows a pair of tiles
+          pv_operands2(p0 + 4 * wi, sig, *reinterpret_cast<uint32_t(*)[2][4]>(&av[2 * wi]));
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < NT9; ++j)
@@ -364,25 +380,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) probe(long long* cycle
     uint32_t av[4][4];
 #if MODE == 7 && NT == 2
     const uint8_t* p0 = smem + OFF_RAW + (16 * kk + 2 * c) * ROW + dv0 % 512;
-    {
-      const uint32_t x0 = *reinterpret_cast<const uint32_t*>(p0);
-      const uint32_t x1 = *reinterpret_cast<const uint32_t*>(p0 + ROW);
-      const uint32_t x2 = *reinterpret_cast<const uint32_t*>(p0 + 8 * ROW);
-      const uint32_t x3 = *reinterpret_cast<const uint32_t*>(p0 + 9 * ROW);
-      const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
-      const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
-      uint32_t f[8];
-      e4m3x4_to_f16x4(u01, f[0], f[1]);
-      e4m3x4_to_f16x4(u23, f[2], f[3]);
-      e4m3x4_to_f16x4(v01, f[4], f[5]);
-      e4m3x4_to_f16x4(v23, f[6], f[7]);
+    pv_operands2(p0, sig, *reinterpret_cast<uint32_t(*)[2][4]>(&av[0]));
 #pragma unroll
-      for (int q = 0; q < 2; ++q)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) av[q][e] = hmul2(f[4 * q + e], sig);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) av[2][e] = av[3][e] = 0u;  // (unused)
-    }
+    for (int e = 0; e < 4; ++e) av[2][e] = av[3][e] = 0u;  // (unused)
 #elif MODE == 7
     const uint8_t* p0 = smem + OFF_RAW + (16 * kk + 2 * c) * ROW;
     const uint2 r0 = *reinterpret_cast<const uint2*>(p0 + dv0 % 512);
@@ -471,28 +471,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) probe(long long* cycle
   for (int it = 0; it < groups; ++it) {
     uint32_t av[4][4];
 #if MODE == 8
-    const int off = 128 * c + 16 * ((it + 2 * c) & 7);
-    const uint4 u0 = *reinterpret_cast<const uint4*>(row0 + off);
-    const uint4 u1 = *reinterpret_cast<const uint4*>(row1 + off);
-    const uint32_t x0[4] = {u0.x, u0.y, u0.z, u0.w};
-    const uint32_t x1[4] = {u1.x, u1.y, u1.z, u1.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      uint32_t f0, f1, f2, f3;
-      if (DEQ == 1 || (DEQ == 2 && k >= 2)) {
-        f0 = e4m3x2_to_f16x2_int<0x9180>(x0[k], x0[k]);
-        f2 = e4m3x2_to_f16x2_int<0xB3A2>(x0[k], x0[k]);
-        f1 = e4m3x2_to_f16x2_int<0x9180>(x1[k], x1[k]);
-        f3 = e4m3x2_to_f16x2_int<0xB3A2>(x1[k], x1[k]);
-      } else {
-        e4m3x4_to_f16x4(x0[k], f0, f2);
-        e4m3x4_to_f16x4(x1[k], f1, f3);
-      }
-      av[k][0] = hmul2(f0, sig);
-      av[k][1] = hmul2(f1, sig ^ 0x00010001u);
-      av[k][2] = hmul2(f2, sig);
-      av[k][3] = hmul2(f3, sig ^ 0x00010001u);
-    }
+    qk_operands(row0, row1, 128 * c + 16 * ((it + 2 * c) & 7), sig, av);
 #else
     fixed_operands(av, a);
 #endif
