@@ -193,24 +193,47 @@ __device__ __forceinline__ void qk_operands(const uint8_t* row0, const uint8_t* 
     av[k][3] = hmul2(f3, sig ^ 0x00010001u);
   }
 }
-// The PV's A operands of one step for 2 value tiles (modes 7 with NT 2, and 9): 4 bytes of rows
-// s0, s0 + 1, s0 + 8, s0 + 9 (p: row s0's), e4m3 -> f16 pairs of two rows times sig.
-__device__ __forceinline__ void pv_operands2(const uint8_t* p, uint32_t sig, uint32_t (&av)[2][4]) {
-  const uint32_t x0 = *reinterpret_cast<const uint32_t*>(p);
-  const uint32_t x1 = *reinterpret_cast<const uint32_t*>(p + ROW);
-  const uint32_t x2 = *reinterpret_cast<const uint32_t*>(p + 8 * ROW);
-  const uint32_t x3 = *reinterpret_cast<const uint32_t*>(p + 9 * ROW);
-  const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
-  const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
+// The PV's A operands for 2 value tiles from 4 bytes (x0..x3) of rows s0, s0 + 1, s0 + 8, s0 + 9:
+// e4m3 -> f16 pairs of two rows (INT: on the integer pipe) times sig (modes 7 and 9).
+template <bool INT>
+__device__ __forceinline__ void pv_operands_words(uint32_t x0, uint32_t x1, uint32_t x2,
+                                                  uint32_t x3, uint32_t sig, uint32_t (&av)[2][4]) {
   uint32_t f[8];
-  e4m3x4_to_f16x4(u01, f[0], f[1]);
-  e4m3x4_to_f16x4(u23, f[2], f[3]);
-  e4m3x4_to_f16x4(v01, f[4], f[5]);
-  e4m3x4_to_f16x4(v23, f[6], f[7]);
+  if (INT) {
+    f[0] = e4m3x2_to_f16x2_int<0xC480>(x0, x1);
+    f[1] = e4m3x2_to_f16x2_int<0xD591>(x0, x1);
+    f[2] = e4m3x2_to_f16x2_int<0xC480>(x2, x3);
+    f[3] = e4m3x2_to_f16x2_int<0xD591>(x2, x3);
+    f[4] = e4m3x2_to_f16x2_int<0xE6A2>(x0, x1);
+    f[5] = e4m3x2_to_f16x2_int<0xF7B3>(x0, x1);
+    f[6] = e4m3x2_to_f16x2_int<0xE6A2>(x2, x3);
+    f[7] = e4m3x2_to_f16x2_int<0xF7B3>(x2, x3);
+  } else {
+    v_pairs_f16(x0, x1, x2, x3, f);  // (the decode kernel's)
+  }
 #pragma unroll
   for (int q = 0; q < 2; ++q)
 #pragma unroll
     for (int e = 0; e < 4; ++e) av[q][e] = hmul2(f[4 * q + e], sig);
+}
+// The same from 4 bytes of each row at p (row s0's).
+__device__ __forceinline__ void pv_operands2(const uint8_t* p, uint32_t sig, uint32_t (&av)[2][4]) {
+  pv_operands_words<false>(*reinterpret_cast<const uint32_t*>(p),
+                           *reinterpret_cast<const uint32_t*>(p + ROW),
+                           *reinterpret_cast<const uint32_t*>(p + 8 * ROW),
+                           *reinterpret_cast<const uint32_t*>(p + 9 * ROW), sig, av);
+}
+// The sum of retired accumulators (keeps them live)
+template <int N>
+__device__ __forceinline__ float acc_sum(float (&acc)[N][32]) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    fence_acc(acc[j]);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) sum += acc[j][i];
+  }
+  return sum;
 }
 // A step's 4 operand sets from the fixed registers (modes other than 7, 8).
 __device__ __forceinline__ void fixed_operands(uint32_t (&av)[4][4], const uint32_t (&a)[4]) {
@@ -358,13 +381,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) probe(long long* cycle
     }
   }
   wgmma_wait<0>();
-  float sum = 0.f;
-#pragma unroll
-  for (int j = 0; j < NT9; ++j) {
-    fence_acc(acc[j]);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) sum += acc[j][i];
-  }
+  float sum = acc_sum(acc);
 #pragma unroll
   for (int i = 0; i < NL; ++i) sum += l[i];
 #elif MODE <= 2 || MODE == 4 || MODE == 7
@@ -391,30 +408,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) probe(long long* cycle
     const uint2 r3 = *reinterpret_cast<const uint2*>(p0 + 9 * ROW + dv0 % 512);
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
-      const uint32_t x0 = wi ? r0.y : r0.x, x1 = wi ? r1.y : r1.x, x2 = wi ? r2.y : r2.x,
-                     x3 = wi ? r3.y : r3.x;
-      const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
-      const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
-      uint32_t f[8];
-      if (DEQ == 1 || (DEQ == 2 && wi == 1)) {
-        f[0] = e4m3x2_to_f16x2_int<0xC480>(x0, x1);
-        f[1] = e4m3x2_to_f16x2_int<0xD591>(x0, x1);
-        f[2] = e4m3x2_to_f16x2_int<0xC480>(x2, x3);
-        f[3] = e4m3x2_to_f16x2_int<0xD591>(x2, x3);
-        f[4] = e4m3x2_to_f16x2_int<0xE6A2>(x0, x1);
-        f[5] = e4m3x2_to_f16x2_int<0xF7B3>(x0, x1);
-        f[6] = e4m3x2_to_f16x2_int<0xE6A2>(x2, x3);
-        f[7] = e4m3x2_to_f16x2_int<0xF7B3>(x2, x3);
-      } else {
-        e4m3x4_to_f16x4(u01, f[0], f[1]);
-        e4m3x4_to_f16x4(u23, f[2], f[3]);
-        e4m3x4_to_f16x4(v01, f[4], f[5]);
-        e4m3x4_to_f16x4(v23, f[6], f[7]);
-      }
-#pragma unroll
-      for (int q = 0; q < 2; ++q)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) av[2 * wi + q][e] = hmul2(f[4 * q + e], sig);
+      uint32_t(&aw)[2][4] = *reinterpret_cast<uint32_t(*)[2][4]>(&av[2 * wi]);
+      if (DEQ == 1 || (DEQ == 2 && wi == 1))
+        pv_operands_words<true>(wi ? r0.y : r0.x, wi ? r1.y : r1.x, wi ? r2.y : r2.x,
+                                wi ? r3.y : r3.x, sig, aw);
+      else
+        pv_operands_words<false>(wi ? r0.y : r0.x, wi ? r1.y : r1.x, wi ? r2.y : r2.x,
+                                 wi ? r3.y : r3.x, sig, aw);
     }
 #else
     fixed_operands(av, a);
@@ -453,13 +453,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1) probe(long long* cycle
 #endif
   }
   wgmma_wait<0>();
-  float sum = 0.f;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    fence_acc(acc[j]);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) sum += acc[j][i];
-  }
+  float sum = acc_sum(acc);
 #else
   constexpr int NR = MODE == 6 ? 128 : 32;
   float acc[NR];

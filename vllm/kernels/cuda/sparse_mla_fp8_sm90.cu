@@ -460,17 +460,6 @@ __device__ __forceinline__ void producer_cpasync(const uint8_t* __restrict__ kv,
   if (NEXT_PREFETCH) prefetch_next_cta(kv, wk, q, 32 * pw + lane);
 }
 
-// Vᵀ fragments of 4 rows (s0, s0+1, s0+8, s0+9; 4 bytes each), e4m3 -> f16x2 pairs of two rows
-// (the lower row low): f[0..3] columns 0-1, f[4..7] columns 2-3 (rows s0/s0+1, then s0+8/s0+9).
-__device__ __forceinline__ void v_pairs_f16(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3,
-                                            uint32_t (&f)[8]) {
-  const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
-  const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
-  e4m3x4_to_f16x4(u01, f[0], f[1]);
-  e4m3x4_to_f16x4(u23, f[2], f[3]);
-  e4m3x4_to_f16x4(v01, f[4], f[5]);
-  e4m3x4_to_f16x4(v23, f[6], f[7]);
-}
 
 // ---- PV on one half of the value columns ------------------------------------------------------
 // O^T[256 dv x 64 heads] += V^T . P^T over the block in stage `stg`. Thread (w, g, c) holds dv

@@ -154,6 +154,17 @@ __device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo2, uint3
       : "=r"(lo2), "=r"(hi2)
       : "r"(w));
 }
+// Vᵀ fragments of 4 rows (s0, s0+1, s0+8, s0+9; 4 bytes each), e4m3 -> f16x2 pairs of two rows
+// (the lower row low): f[0..3] columns 0-1, f[4..7] columns 2-3 (rows s0/s0+1, then s0+8/s0+9).
+__device__ __forceinline__ void v_pairs_f16(uint32_t x0, uint32_t x1, uint32_t x2, uint32_t x3,
+                                            uint32_t (&f)[8]) {
+  const uint32_t u01 = __byte_perm(x0, x1, 0x5140), v01 = __byte_perm(x0, x1, 0x7362);
+  const uint32_t u23 = __byte_perm(x2, x3, 0x5140), v23 = __byte_perm(x2, x3, 0x7362);
+  e4m3x4_to_f16x4(u01, f[0], f[1]);
+  e4m3x4_to_f16x4(u23, f[2], f[3]);
+  e4m3x4_to_f16x4(v01, f[4], f[5]);
+  e4m3x4_to_f16x4(v23, f[6], f[7]);
+}
 __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   uint32_t out;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(out) : "r"(a), "r"(b));
