@@ -475,11 +475,11 @@ __device__ __forceinline__ void consumer_seesaw(const __nv_bfloat16* __restrict_
       }
 #else
       const float f0 = base_f * exp2i(e0), f1 = base_f * exp2i(e1);
+      // (DIAG_SM_NOSCALE: the row scale is folded into the exponentials instead)
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj)
+      for (int jj = 0; jj < (DIAG_SM_NOSCALE ? 0 : 8); ++jj)
 #pragma unroll
         for (int bb = 0; bb < 2; ++bb) {
-          if (DIAG_SM_NOSCALE) break;  // (the row scale is folded into the exponentials)
           s[4 * jj + bb] = v0 ? s[4 * jj + bb] * f0 : -INFINITY;
           s[4 * jj + 2 + bb] = v1 ? s[4 * jj + 2 + bb] * f1 : -INFINITY;
         }

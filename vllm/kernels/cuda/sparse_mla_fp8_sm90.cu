@@ -246,6 +246,8 @@ constexpr int TRACE_ITERS = 20;  // slots per warpgroup: 18 block iterations + t
 #define QK_FP8 0
 #endif
 static_assert(!QK_FP8 || PRODUCER_CPASYNC, "QK_FP8 places 16-byte pieces: the cp.async producer");
+static_assert(!(QK_FP8 && (DIAG_SM_NOSCALE || DIAG_NO_COPY)),
+              "DIAG_SM_NOSCALE / DIAG_NO_COPY strip the default QK's scale pass and copies only");
 
 namespace {
 
