@@ -2,12 +2,13 @@
 
 Prints what ``ptxas`` reports (registers, spills), the shared memory and the partitions'
 ``setmaxnreg`` counts, and optionally a histogram of SASS opcodes, so that changes to the Gluon
-kernel can be checked before they take device time. The configuration is resolved exactly as
-the launcher resolves it (:func:`vllm.kernels.sparse_mla_ws.launch_config`), with the runtime's
-divisibility hints (without them the allocation differs from the GPU's).
+kernel can be checked before they take device time. The build is the one the launcher launches
+(:func:`vllm.kernels.sparse_mla_ws.launch_config`: bf16 rows, bf16 queries and output), with
+the runtime's divisibility hints (without them the allocation differs from the GPU's);
+``--ids-from-global`` / ``--sync-query`` build the launcher's fallbacks (a top-k slice longer
+than the shared-memory id copy; a query that cp.async cannot copy).
 
-    python benchmarks/kernels/aot_sm90.py [--fp8] [--schedule split|seesaw] [--register-fp8]
-        [--producer-regs N] [--fp8-rows N] [--dequant 0|1] [--tune k=v,...] [--sass-hist]
+    python benchmarks/kernels/aot_sm90.py [--ids-from-global] [--sync-query] [--sass-hist]
         [--dump DIR] [--json]
 
 Run it in a process without TRITON_INTERPRET=1 (the kernel tests' CPU runs set it).
@@ -36,17 +37,17 @@ def _bin(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_config(is_fp8: bool, **tuning):
-    """triton.compile of the kernel ``sparse_mla_ws`` would launch for these rows and tuning
-    (bf16 queries and output, fp8_ds_mla or bf16 rows), for sm_90a."""
-    kernel, meta, _ = ws.launch_config(is_fp8, 656 if is_fp8 else 1152, **tuning)
+def compile_config(q_async: bool = True, idx_smem: bool = True):
+    """triton.compile, for sm_90a, of the kernel :func:`sparse_mla_ws` launches (bf16 queries,
+    rows and output)."""
+    kernel, meta = ws.launch_config(q_async=q_async, idx_smem=idx_smem)
     meta = dict(meta)
     opts = dict(num_warps=meta.pop("num_warps"), maxnreg=meta.pop("maxnreg"))
     names = list(kernel.arg_names)
     ints = ("num_heads", "topk", "k_per_split", "stride_qt", "stride_qh", "stride_it", "row_stride",
             "stride_os", "stride_ot", "stride_oh", "stride_ls", "stride_lt")  # fmt: skip
-    sig = dict(q_ptr="*bf16", kv_ptr="*u8" if is_fp8 else "*bf16", idx_ptr="*i32", trace_ptr="*i64",
-               out_ptr="*bf16", lse_ptr="*fp32", scale_log2="fp32", **dict.fromkeys(ints, "i32"),
+    sig = dict(q_ptr="*bf16", kv_ptr="*bf16", idx_ptr="*i32", out_ptr="*bf16", lse_ptr="*fp32",
+               scale_log2="fp32", **dict.fromkeys(ints, "i32"),
                **dict.fromkeys(meta, "constexpr"))  # fmt: skip
     sig = {n: sig[n] for n in names}
     consts = {(names.index(k),): v for k, v in meta.items()}
@@ -117,36 +118,27 @@ def region_spills(sass: str) -> list[tuple[str, int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fp8", action="store_true", help="fp8_ds_mla rows (else bf16)")
-    ap.add_argument("--schedule", default=None, help="split | seesaw (default: the launcher's)")
-    ap.add_argument("--register-fp8", action="store_true", help="FP8 rows through registers")
-    ap.add_argument("--producer-regs", type=int, default=None)
-    ap.add_argument("--fp8-rows", type=int, default=None)
-    ap.add_argument("--dequant", type=int, default=None)
-    ap.add_argument("--tune", default="", help="other launch_config knobs (integers or names), e.g. "
-                    "trace=1,idx_smem=0,q_async=0,early_release=0")  # fmt: skip
+    ap.add_argument("--ids-from-global", action="store_true",
+                    help="the top-k ids read from global memory (slices over IDX_CAP)")  # fmt: skip
+    ap.add_argument("--sync-query", action="store_true",
+                    help="the query loaded before the fork (not copyable by cp.async)")  # fmt: skip
     ap.add_argument("--sass-hist", action="store_true")
     ap.add_argument("--dump", default=None, help="write the ptx and sass there")
     ap.add_argument(
         "--json", action="store_true", help="print the report (no SASS) as one JSON line"
     )
     a = ap.parse_args()
-    tuning = dict(schedule=a.schedule, producer_regs=a.producer_regs, fp8_rows=a.fp8_rows,
-                  dequant=a.dequant, fp8_staged=False if a.register_fp8 else None)  # fmt: skip
-    tuning.update(
-        {
-            k: int(v) if v.lstrip("-").isdigit() else v
-            for k, v in (kv.split("=") for kv in a.tune.split(",") if kv)
-        }
-    )
-    k = compile_config(a.fp8, **tuning)
+    flags = dict(q_async=not a.sync_query, idx_smem=not a.ids_from_global)
+    k = compile_config(**flags)
     rep = report(k)
     if a.json:
-        _, meta, _ = ws.launch_config(a.fp8, 656 if a.fp8 else 1152, **tuning)
+        _, meta = ws.launch_config(**flags)
+        consts = dict(PRODUCER_WARPS=ws.PRODUCER_WARPS.value, PRODUCER_REGS=ws.PRODUCER_REGS,
+                      CONSUMER_REGS=ws.CONSUMER_REGS.value)  # fmt: skip
         print(json.dumps({**{k: v for k, v in rep.items() if k != "sass"}, "limit": SMEM_LIMIT,
-                          "meta": meta}))  # fmt: skip
+                          "meta": {**meta, **consts}}))  # fmt: skip
         return
-    print(f"fp8={a.fp8} {tuning}: registers {rep['registers']}, spills {rep['spill_stores']} B "
+    print(f"{flags}: registers {rep['registers']}, spills {rep['spill_stores']} B "
           f"stored / {rep['spill_loads']} B loaded, smem {rep['smem']} B (limit {SMEM_LIMIT}), "
           f"setmaxnreg {rep['setmaxnreg']}")  # fmt: skip
     print("  spill instructions per register region:",
