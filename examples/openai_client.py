@@ -32,7 +32,9 @@ def main() -> None:
         model=model, prompt="The capital of France is", max_tokens=16, temperature=0.0
     )
     print(f"completion: {r.choices[0].text!r} (finish: {r.choices[0].finish_reason})")
-    print(f"  usage: {r.usage.prompt_tokens} prompt + {r.usage.completion_tokens} completion tokens")
+    print(
+        f"  usage: {r.usage.prompt_tokens} prompt + {r.usage.completion_tokens} completion tokens"
+    )
 
     # Completions, streamed as server-sent events: one chunk per detokenised piece.
     print("completion, streamed: ", end="", flush=True)
