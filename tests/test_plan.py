@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
-from vllm.attention.kv_cache import kv_bytes_per_token
 from vllm.config.arch import GLM_5_3, ModelArch
 from vllm.entrypoints.cli import plan as cli
+from vllm.kv_cache_interface import kv_bytes_per_token
 from vllm.model_executor.tiny import TINY_CONFIG
 from vllm.plan import (
     GiB,

@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from vllm.attention.kv_cache import BLOCK_SIZE, KVCacheLayout, cdiv, kv_bytes_per_token
 from vllm.config.arch import GLM_5_3, ModelArch
+from vllm.kv_cache_interface import BLOCK_SIZE, KVCacheLayout, cdiv, kv_bytes_per_token
 
 GiB = 1 << 30
 GB = 1e9

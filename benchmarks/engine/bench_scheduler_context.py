@@ -16,16 +16,21 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from vllm.core.messages import (  # noqa: E402
+    EngineCoreRequest,
+    KVCachePlan,
+    ModelRunnerOutput,
+    SamplingOptions,
+)
 from vllm.core.scheduler import Scheduler  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.engine.messages import EngineCoreRequest, ModelRunnerOutput, SamplingOptions  # noqa: E402
 from vllm.model_executor.tiny import TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
 
 
 def measure(ckpt: str, b: int, ctx: int, steps: int) -> float:
     cfg = EngineArgs(model=ckpt, max_num_batched_tokens=65536, max_num_seqs=b,
                      max_model_len=ctx + 1000).create_engine_config()  # fmt: skip
-    s = Scheduler(cfg, b * (ctx // 64 + 4))
+    s = Scheduler(cfg, KVCachePlan(b * (ctx // 64 + 4)))
     sp = SamplingOptions(temperature=0, max_tokens=500, ignore_eos=True)
     for i in range(b):
         s.add_request(EngineCoreRequest(f"r{i}", [(i + j) % 900 + 3 for j in range(ctx)], sp, [0]))

@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from vllm.core.messages import EngineCoreRequest, KVCachePlan, SamplingOptions  # noqa: E402
 from vllm.core.scheduler import Scheduler  # noqa: E402
 from vllm.distributed.parallel_state import ParallelContext  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
-from vllm.engine.messages import EngineCoreRequest, SamplingOptions  # noqa: E402
 from vllm.model_executor.model_loader import build_model  # noqa: E402
 from vllm.model_executor.tiny import GLM_SLICE as GLM_SLICE_BASE  # noqa: E402
 from vllm.model_executor.tiny import TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
@@ -65,8 +65,8 @@ def run(
     model = build_model(path, dtype=cfg.model_config.dtype, device=dev)
     runner = ModelRunner(cfg, model, ParallelContext.single(), dev)
     blocks = cfg.cache_config.kv_cache_memory_bytes // runner.kv_bytes_per_block()
-    runner.initialize_kv_cache(blocks)
-    sched = Scheduler(cfg, blocks)
+    runner.initialize_kv_cache(KVCachePlan(blocks))
+    sched = Scheduler(cfg, KVCachePlan(blocks))
     for i in range(batch):
         sched.add_request(
             EngineCoreRequest(
@@ -93,14 +93,14 @@ def run(
                 torch.cuda.set_sync_debug_mode("warn")
             start_of = runner.update_states(so)
             inp = build_step_inputs(so, runner.states, dev, start_of, runner.staging)
-            runner.metadata(inp, inp.positions, inp.token_req, inp.query_start_loc.tolist())
+            step_in, meta = runner.prepare(inp)
             if dev.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
             prep_syncs = len([x for x in w if "synchroniz" in str(x.message)])
         _sync(dev)
         t2 = time.perf_counter()
         with torch.inference_mode():
-            hidden = runner.cp.forward(runner, inp)
+            hidden = runner.forward(step_in, meta)
         _sync(dev)
         t3 = time.perf_counter()
         with warnings.catch_warnings(record=True) as w:

@@ -38,11 +38,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from vllm.attention.kv_cache import KVCacheLayout  # noqa: E402
 from vllm.attention.ops import dispatch  # noqa: E402
+
 from vllm.config.arch import GLM_5_3, ModelArch  # noqa: E402
 from vllm.hisparse.resolver import apply_copies, prefetch  # noqa: E402
 from vllm.hisparse.worker import device_view  # noqa: E402
+from vllm.kernels.kv_cache import KVCacheLayout  # noqa: E402
 
 TOPK, H, BS, LAYERS = 2048, 64, 64, 4
 

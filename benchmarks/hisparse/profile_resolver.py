@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.hisparse.bench_hisparse import DenseLayer, Setup  # noqa: E402
-from vllm.attention.kv_cache import KVCacheLayout  # noqa: E402
 from vllm.config.arch import GLM_5_3, ModelArch  # noqa: E402
+from vllm.kernels.kv_cache import KVCacheLayout  # noqa: E402
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ compiler does (a variable redefined with another type in one branch, for one); t
 A CASE is the top-k at ``T,S,K`` or ``T,S,K,key=value,...`` with :func:`indexer_topk`'s tuning
 knobs (ints, floats, true/false), e.g. ``8192,32768,2048`` or
 ``300,5000,2048,sample_run=1,prefetch=true``, resolved as the launcher resolves it
-(:func:`vllm.kernels.topk.topk_launch_config`). ``--from-log`` compiles the launches the kernel
+(:func:`vllm.kernels.triton.topk.topk_launch_config`). ``--from-log`` compiles the launches the kernel
 tests ran under the interpreter (``VLLM_TRITON_LAUNCH_LOG``, see ``tests/kernels/conftest.py``):
 every kernel, up to N distinct configurations each, with the constexprs the launchers set from
 the device (``GPU_CONSTS``) at their CUDA values. Run it without TRITON_INTERPRET=1.
@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from benchmarks.kernels.aot_sm90 import ptxas
-from vllm.kernels import topk
+from vllm.kernels.triton import topk
 
 # argument types of the four kernels (limits as int64, as the model and tests pass them)
 SIGNATURES = {

@@ -1,6 +1,6 @@
 """HiSparse resolve for GLM-5.3 decode (K = 2048 selected positions, H = 4096 hot rows, 128K
 context, 20 % of the selected positions resident, ~90 % of the rest hot-buffer hits): the fused
-kernel (one launch + a 3-element sum) against the torch reference ``resolve()`` (~40 launches),
+kernel (one launch + a 3-element sum) against the torch reference ``resolve_ref()`` (~40 launches),
 eager and replayed from a CUDA graph, at B decode tokens. Latency-bound (in-program sorts; the
 bytes are a few MB): the column to read is ``xref``, the speed-up over the reference. Every timed
 call first restores the hot-buffer state (two small copies, timed alone and subtracted), so each
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms
-from vllm.hisparse.resolver import resolve
-from vllm.kernels.hisparse_resolve import resolve_cost, resolve_fused
-from vllm.kernels.triton_utils import resource_report
+from vllm.kernels.hisparse_resolve import resolve_cost, resolve_ref
+from vllm.kernels.triton.hisparse_resolve import resolve_fused
+from vllm.kernels.triton.utils import resource_report
 
 K, H, BLOCK, PAGES, NOW = 2048, 4096, 64, 2048, 10_000
 SHAPES = [1, 64, 256]
@@ -77,7 +77,7 @@ def bench(b: int, graph: bool, num_warps: int = 8, tag: str = "") -> dict:
                              num_warps=num_warps)  # fmt: skip
 
     def ref():
-        return resolve(pos, req, pt, ht, hs, hot_pos[0], hot_lru[0], NOW, 0, BLOCK)
+        return resolve_ref(pos, req, pt, ht, hs, hot_pos[0], hot_lru[0], NOW, 0, BLOCK)
 
     restore()
     res = fused()

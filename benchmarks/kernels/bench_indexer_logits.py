@@ -8,16 +8,16 @@ from __future__ import annotations
 import torch
 
 from benchmarks.kernels.common import dump_json, parser, print_rows, row, scaled_ref_ms, time_ms
-from vllm.attention.kv_cache import KVCacheLayout, quantize_indexer_fp8_ref
-from vllm.attention.ops import dispatch
-from vllm.attention.ops.indexer import indexer_logits_ref
-from vllm.kernels.indexer_logits import (
-    indexer_logits,
+from vllm.kernels.indexer import (
     indexer_logits_cost,
-    indexer_logits_paged,
     indexer_logits_paged_cost,
+    indexer_logits_paged_ref,
+    indexer_logits_ref,
 )
-from vllm.kernels.triton_utils import resource_report
+from vllm.kernels.kv_cache import quantize_indexer_fp8
+from vllm.kernels.triton.indexer_logits import indexer_logits, indexer_logits_paged
+from vllm.kernels.triton.utils import resource_report
+from vllm.kv_cache_interface import KVCacheLayout
 
 PREFILL = [(8192, 32768), (8192, 65536), (8192, 131072)]
 DECODE = [(64, 131072), (256, 131072)]
@@ -26,8 +26,8 @@ H, D = 32, 128
 
 def prefill_inputs(t, s):
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, qs = quantize_indexer_fp8_ref(torch.randn(t, H, D, device="cuda", generator=g))
-    k, ks = quantize_indexer_fp8_ref(torch.randn(s, D, device="cuda", generator=g))
+    q, qs = quantize_indexer_fp8(torch.randn(t, H, D, device="cuda", generator=g))
+    k, ks = quantize_indexer_fp8(torch.randn(s, D, device="cuda", generator=g))
     w = torch.randn(t, H, device="cuda", generator=g) * (H * D) ** -0.5
     return q, qs, w, k, ks
 
@@ -60,7 +60,7 @@ def bench_decode(t, ctx, q_fp8=True):
     block_table = torch.randperm(nb, device="cuda", generator=g).view(t, bpr).to(torch.int32)
     token_req = torch.arange(t, device="cuda")
     ctx_lens = torch.full((t,), ctx, device="cuda")
-    q, qs = quantize_indexer_fp8_ref(torch.randn(t, H, D, device="cuda", generator=g))
+    q, qs = quantize_indexer_fp8(torch.randn(t, H, D, device="cuda", generator=g))
     if not q_fp8:
         q = q.float()
     w = torch.randn(t, H, device="cuda", generator=g)
@@ -69,7 +69,7 @@ def bench_decode(t, ctx, q_fp8=True):
     sub = 8
     sub_args = (q[:sub], qs[:sub], w[:sub], cache, layout, block_table, token_req[:sub],
                 ctx_lens[:sub], ctx)  # fmt: skip
-    ref_ms = scaled_ref_ms(lambda: dispatch.indexer_logits_paged_ref(*sub_args), sub, t)
+    ref_ms = scaled_ref_ms(lambda: indexer_logits_paged_ref(*sub_args), sub, t)
     flops, nbytes = indexer_logits_paged_cost(t, ctx, H, D)
     return row("indexer_decode", f"T={t} ctx={ctx} q={'fp8' if q_fp8 else 'fp32'}", ms, flops,
                nbytes, "fp8", ref_ms)  # fmt: skip

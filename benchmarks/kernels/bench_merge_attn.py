@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms
-from vllm.attention.ops.sparse_mla import merge_attn_states_ref
-from vllm.kernels.merge_attn import merge_attn_cost, merge_attn_states
+from vllm.kernels.merge_attn import merge_attn_cost, merge_attn_states, merge_attn_states_ref
 
 SHAPES = [(8, 64), (8, 1024), (2, 1024)]  # (shards, tokens)
 

@@ -13,8 +13,8 @@ import torch
 
 from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms
 from vllm.kernels import moe_grouped
-from vllm.kernels.moe_grouped import experts_grouped, moe_grouped_cost
-from vllm.model_executor.layers.moe import DENSE_MAX_TOKENS, experts_dense, experts_ref
+from vllm.kernels.moe import DENSE_MAX_TOKENS, experts_dense, experts_ref, fused_experts_cost
+from vllm.kernels.triton.moe_grouped import experts_grouped
 
 H, INTER, K = 6144, 2048, 8
 
@@ -39,7 +39,7 @@ def bench(t: int, e_loc: int, e_total: int, offset: int, sweep: bool = False) ->
         flops = 2 * e_loc * t * 3 * INTER * H  # every local expert on every token
         note = f"ref {ref_ms:.3f} ms; ref reads {hit}/{e_loc} experts"
         rows.append(row("moe_experts_dense", shape, dense_ms, flops, nbytes, "bf16", ref_ms, note))
-    flops, nbytes = moe_grouped_cost(t, K, e_loc, H, INTER, valid, hit)
+    flops, nbytes = fused_experts_cost(t, K, e_loc, H, INTER, valid, hit)
     default_m = moe_grouped.TUNE["block_m"]
     for block_m in [default_m] + ([16 if default_m != 16 else 64] if sweep else []):
         moe_grouped.TUNE["block_m"] = block_m

@@ -24,11 +24,10 @@ from benchmarks.kernels.common import (
     time_ms_graph,
     ws_available,
 )
-from vllm.attention.kv_cache import KVCacheLayout
-from vllm.attention.ops.sparse_mla import sparse_mla_ref
-from vllm.kernels.sparse_mla_decode import sparse_mla_decode, sparse_mla_decode_cost
-from vllm.kernels.sparse_mla_fwd import SparseMLAConfig, default_config
-from vllm.kernels.triton_utils import resource_report
+from vllm.kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_cost, sparse_mla_ref
+from vllm.kernels.triton.sparse_mla_fwd import SparseMLAConfig, default_config
+from vllm.kernels.triton.utils import resource_report
+from vllm.kv_cache_interface import KVCacheLayout
 
 SHAPES = [64, 128, 256, 512, 1024]  # decode queries
 CTX, NUM_REQS, TOPK, H = 131072, 16, 2048, 64

@@ -14,10 +14,9 @@ from benchmarks.kernels.common import (
     time_ms,
     ws_available,
 )
-from vllm.attention.ops import dispatch
-from vllm.kernels.sparse_mla_fwd import SparseMLAConfig
-from vllm.kernels.sparse_mla_prefill import sparse_mla_prefill, sparse_mla_prefill_cost
-from vllm.kernels.triton_utils import resource_report
+from vllm.kernels.sparse_mla import sparse_mla_prefill, sparse_mla_prefill_cost
+from vllm.kernels.triton.sparse_mla_fwd import SparseMLAConfig
+from vllm.kernels.triton.utils import resource_report
 
 SHAPES = [(8192, 32768), (32768, 131072), (131072, 131072)]  # (queries, context)
 TOPK, H = 2048, 64
@@ -48,7 +47,7 @@ def _ref(q, kv, idx, scale):
 
     os.environ["VLLM_USE_REF_KERNELS"] = "1"
     try:
-        return dispatch.sparse_mla_prefill(q, kv, idx, scale, 512)
+        return sparse_mla_prefill(q, kv, idx, scale, 512)
     finally:
         del os.environ["VLLM_USE_REF_KERNELS"]
 

@@ -24,10 +24,10 @@ from benchmarks.kernels.common import (
     time_ms,
     time_ms_graph,
 )
-from vllm.attention.ops.indexer import topk_ref
-from vllm.kernels.indexer_logits import indexer_logits, indexer_logits_paged_cost
-from vllm.kernels.topk import indexer_topk, topk_cost, topk_stages
-from vllm.kernels.triton_utils import resource_report
+from vllm.kernels.indexer import indexer_logits_paged_cost, topk_cost, topk_ref
+from vllm.kernels.triton.indexer_logits import indexer_logits
+from vllm.kernels.triton.topk import indexer_topk, topk_stages
+from vllm.kernels.triton.utils import resource_report
 
 TOPK = 2048
 SHAPES = [(64, 131072, False), (64, 1 << 20, False), (8192, 32768, True), (8192, 131072, True)]

@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from vllm.attention.ops import dispatch  # noqa: E402
 from vllm.distributed.pcp_manager import v_chunks  # noqa: E402
+from vllm.kernels.indexer import indexer_logits, indexer_topk
+from vllm.kernels.sparse_mla import sparse_mla_prefill
 
 H, D_QK, D_V, TOPK, HI, DI = 64, 576, 512, 2048, 32, 128
 ROW_FP8, IDX_ROW = 656, 132
@@ -50,10 +51,10 @@ def layer_share(ranges, q, qs, w, k, ks, q_abs, kv, dev):
         step = 4096
         for s in range(lo, hi, step):
             e = min(hi, s + step)
-            logits = dispatch.indexer_logits(q[s:e], qs[s:e], w[s:e], k[:e], ks[:e])
+            logits = indexer_logits(q[s:e], qs[s:e], w[s:e], k[:e], ks[:e])
             limit = torch.arange(s, e, device=dev) + 1
-            sel = dispatch.indexer_topk(logits, limit, TOPK)
-            dispatch.sparse_mla_prefill(q_abs[s:e], kv[:e], sel, 0.0625, D_V)
+            sel = indexer_topk(logits, limit, TOPK)
+            sparse_mla_prefill(q_abs[s:e], kv[:e], sel, 0.0625, D_V)
 
 
 def run(length: int, pcp: int, dev: torch.device) -> dict:

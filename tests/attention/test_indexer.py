@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.attention.ops.indexer import indexer_logits_ref, merge_topk_ref, topk_ref
+from vllm.kernels.indexer import indexer_logits_ref, merge_topk, topk_ref
 
 
 def _brute(q, qs, w, k, ks):
@@ -65,7 +65,7 @@ def test_global_merge_equals_single_rank_and_union_differs():
                 local >= 0, logits[:, mine].gather(1, local.long().clamp_min(0)), float("-inf")
             )
         )
-    merged = merge_topk_ref(torch.cat(cand_s, 1), torch.cat(cand_p, 1), k)
+    merged = merge_topk(torch.cat(cand_s, 1), torch.cat(cand_p, 1), k)
     assert torch.equal(merged, single)
     # a union of local top-k's is not the global top-k
     union = [set(torch.cat(cand_p, 1)[i].tolist()) - {-1} for i in range(3)]
@@ -77,4 +77,4 @@ def test_global_merge_equals_single_rank_and_union_differs():
 def test_merge_handles_empty_shards():
     scores = torch.tensor([[1.0, float("-inf"), 0.5, float("-inf")]])
     pos = torch.tensor([[4, -1, 2, -1]])
-    assert merge_topk_ref(scores, pos, 3).tolist() == [[4, 2, -1]]
+    assert merge_topk(scores, pos, 3).tolist() == [[4, 2, -1]]

@@ -7,17 +7,15 @@ import struct
 import pytest
 import torch
 
-from vllm.attention.kv_cache import (
-    FP8_DTYPE,
-    KVCacheLayout,
-    kv_bytes_per_token,
+from vllm.config.arch import GLM_5_3, ModelArch
+from vllm.kernels.kv_cache import (
     pow2_scale,
-    read_indexer_cache_ref,
-    read_mla_cache_ref,
+    read_indexer_cache,
+    read_mla_cache,
     write_indexer_cache_ref,
     write_mla_cache_ref,
 )
-from vllm.config.arch import GLM_5_3, ModelArch
+from vllm.kv_cache_interface import FP8_DTYPE, KVCacheLayout, kv_bytes_per_token
 
 
 @pytest.fixture
@@ -73,7 +71,7 @@ def test_fp8_ds_mla_byte_layout(glm):
             assert torch.equal(q, (tile / torch.tensor(scales[t])).to(FP8_DTYPE))
         rope = torch.frombuffer(bytearray(row[528:656]), dtype=torch.bfloat16)
         assert torch.equal(rope, k_pe[i].to(torch.bfloat16))
-    back = read_mla_cache_ref(cache, torch.tensor([[5, 127, -1]]), lay)[0]
+    back = read_mla_cache(cache, torch.tensor([[5, 127, -1]]), lay)[0]
     assert back.shape == (3, 576) and back[2].eq(0).all()
     assert torch.allclose(
         back[0, :512], kv_c[0], rtol=2**-3, atol=kv_c[0].abs().max() / 448 * 2**-6
@@ -85,7 +83,7 @@ def test_zero_tile_reads_zero_not_nan(glm):
     lay = KVCacheLayout.from_arch(glm, "fp8_ds_mla", torch.bfloat16)
     cache = lay.allocate_mla(1, "cpu")
     write_mla_cache_ref(cache, torch.zeros(1, 512), torch.zeros(1, 64), torch.tensor([0]), lay)
-    assert read_mla_cache_ref(cache, torch.tensor([0]), lay).eq(0).all()
+    assert read_mla_cache(cache, torch.tensor([0]), lay).eq(0).all()
 
 
 def test_indexer_fp8_page_layout(glm):
@@ -104,14 +102,14 @@ def test_indexer_fp8_page_layout(glm):
     assert torch.equal(vals, (k[0] / scale).to(FP8_DTYPE))
     # tokens not written stay zero: values region and scales region
     assert cache[1, : 10 * 128].eq(0).all() and cache[1, 11 * 128 : 64 * 128].eq(0).all()
-    v, s = read_indexer_cache_ref(cache, torch.tensor([74, 3, -1]), lay)
+    v, s = read_indexer_cache(cache, torch.tensor([74, 3, -1]), lay)
     assert torch.allclose(v[0] * s[0], k[0], rtol=2**-3, atol=1e-6)
     assert s[2] == 0 and v[2].eq(0).all()
     # amax floor: a near-zero key gets scale 2^ceil(log2(1e-4/448))
     small = torch.full((1, 128), 1e-9)
     write_indexer_cache_ref(cache, small, torch.tensor([0]), lay)
     assert (
-        read_indexer_cache_ref(cache, torch.tensor([0]), lay)[1].item()
+        read_indexer_cache(cache, torch.tensor([0]), lay)[1].item()
         == pow2_scale(torch.tensor(1e-4)).item()
     )
 
@@ -121,12 +119,12 @@ def test_auto_cache_roundtrip_exact(glm):
     cache = lay.allocate_mla(1, "cpu")
     kv_c, k_pe = torch.randn(2, 512).bfloat16(), torch.randn(2, 64).bfloat16()
     write_mla_cache_ref(cache, kv_c, k_pe, torch.tensor([1, 2]), lay)
-    back = read_mla_cache_ref(cache, torch.tensor([2, 1]), lay)
+    back = read_mla_cache(cache, torch.tensor([2, 1]), lay)
     assert torch.equal(back, torch.cat([kv_c, k_pe], -1)[[1, 0]].float())
     icache = lay.allocate_indexer(1, "cpu")
     k = torch.randn(2, 128).bfloat16()
     write_indexer_cache_ref(icache, k, torch.tensor([7, -1]), lay)
-    v, s = read_indexer_cache_ref(icache, torch.tensor([7]), lay)
+    v, s = read_indexer_cache(icache, torch.tensor([7]), lay)
     assert torch.equal(v[0], k[0].float()) and s.item() == 1.0
 
 

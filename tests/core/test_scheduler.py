@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from vllm.core.block_pool import BlockPool, hash_block
+from vllm.core.messages import EngineCoreRequest, KVCachePlan, ModelRunnerOutput, SamplingOptions
 from vllm.core.scheduler import Scheduler
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.messages import EngineCoreRequest, ModelRunnerOutput, SamplingOptions
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _run(s: Scheduler, steps=1000):
 
 
 def test_chunked_prefill_and_budget(config):
-    s = Scheduler(config, 100)
+    s = Scheduler(config, KVCachePlan(100))
     s.add_request(_req("a", 600))
     first = s.schedule()  # (not fed back: inspect only)
     assert first.num_scheduled_tokens == {"a": 256}
@@ -55,7 +55,7 @@ def test_chunked_prefill_and_budget(config):
 
 
 def test_max_num_seqs(config):
-    s = Scheduler(config, 100)
+    s = Scheduler(config, KVCachePlan(100))
     for i in range(6):
         s.add_request(_req(str(i), 10))
     got = _run(s)  # asserts <= 4 requests per step
@@ -63,13 +63,13 @@ def test_max_num_seqs(config):
 
 
 def test_prefix_cache_hits_whole_blocks_and_keeps_one_token(config):
-    s = Scheduler(config, 100)
+    s = Scheduler(config, KVCachePlan(100))
     s.add_request(_req("a", 200))
     _run(s)
     s.add_request(_req("b", 200))
     so = s.schedule()
     assert so.new_reqs[0].num_computed_tokens == 192 and so.num_scheduled_tokens["b"] == 8
-    s2 = Scheduler(config, 100)
+    s2 = Scheduler(config, KVCachePlan(100))
     s2.add_request(_req("a", 128))
     _run(s2)
     s2.add_request(_req("c", 128))  # exactly two blocks: only one may hit
@@ -80,7 +80,7 @@ def test_blocks_completed_during_decode_are_published_once(config):
     """A block filled by generated tokens is published to the prefix cache the step it completes
     (only the new blocks are published per step: long contexts cost nothing extra per step), and
     a follow-up request whose prompt is the whole first conversation hits it."""
-    s = Scheduler(config, 100)
+    s = Scheduler(config, KVCachePlan(100))
     s.add_request(_req("a", 100, max_tokens=40))  # 140 tokens: block 1 fills during decode
     out = _run(s)["a"]
     assert s.kv.published == {}  # forgotten with the request's blocks
@@ -90,7 +90,7 @@ def test_blocks_completed_during_decode_are_published_once(config):
 
 
 def test_preemption_recomputes_and_finishes(config):
-    s = Scheduler(config, 5)
+    s = Scheduler(config, KVCachePlan(5))
     for i, n in enumerate((5, 40, 70, 130)):
         s.add_request(_req(str(i), n, max_tokens=60))
     got = _run(s)
@@ -99,14 +99,14 @@ def test_preemption_recomputes_and_finishes(config):
 
 
 def test_request_too_big_for_cache_refused(config):
-    s = Scheduler(config, 2)
+    s = Scheduler(config, KVCachePlan(2))
     err = s.add_request(_req("x", 120, max_tokens=20))
     assert err is not None and "KV capacity 128" in err.error
     assert not s.has_work()
 
 
 def test_abort_frees_blocks(config):
-    s = Scheduler(config, 10)
+    s = Scheduler(config, KVCachePlan(10))
     s.add_request(_req("a", 100))
     s.schedule()
     assert s.kv.pool.num_free_blocks == 8

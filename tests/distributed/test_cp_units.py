@@ -5,14 +5,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.attention.kv_cache import KVCacheLayout
 from vllm.attention.metadata import MLAMetadata
-from vllm.attention.ops.sparse_mla import merge_attn_states_ref, sparse_mla_attend_ref
 from vllm.config import ParallelConfig
 from vllm.config.arch import ModelArch
 from vllm.distributed.cp_attention import local_len, local_to_global
 from vllm.distributed.groups import group_ranks
 from vllm.distributed.pcp_manager import shard_tokens, v_chunks
+from vllm.kernels.merge_attn import merge_attn_states_ref
+from vllm.kernels.sparse_mla import sparse_mla_attend_ref
+from vllm.kv_cache_interface import KVCacheLayout
 
 
 def test_v_chunks_pair_cheap_with_expensive():

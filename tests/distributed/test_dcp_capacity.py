@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vllm import LLM, SamplingParams
-from vllm.attention.kv_cache import kv_bytes_per_token
 from vllm.config.arch import ModelArch
+from vllm.kv_cache_interface import kv_bytes_per_token
 
 pytestmark = pytest.mark.distributed
 

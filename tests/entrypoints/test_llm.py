@@ -105,7 +105,7 @@ def test_preemption_keeps_greedy_output(llm, tiny_ckpt):
 
 
 def _bytes_per_token(m):
-    from vllm.attention.kv_cache import kv_bytes_per_token
+    from vllm.kv_cache_interface import kv_bytes_per_token
 
     mc = m.config.model_config
     return kv_bytes_per_token(mc.arch, "auto", mc.dtype, num_mtp_layers=0)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.attention.kv_cache import KVCacheLayout
-from vllm.attention.ops import dispatch
 from vllm.config.arch import GLM_5_3, ModelArch
 from vllm.hisparse.resolver import apply_copies
+from vllm.kernels.hisparse_resolve import hisparse_resolve
+from vllm.kernels.sparse_mla import sparse_mla_decode
+from vllm.kv_cache_interface import KVCacheLayout
 
 BS, TOPK, B, CTX = 64, 256, 8, 8192
 
@@ -47,12 +48,12 @@ def _state(dev, layout, g):
 
 
 def _step(st, pos, step, q, layout):
-    res = dispatch.hisparse_resolve(
+    res = hisparse_resolve(
         pos, torch.arange(B, device=pos.device), st["page_table"], st["host_table"],
         st["hot_slots"], st["hot_pos"], st["hot_lru"], step, st["trash"], BS,
     )  # fmt: skip
     apply_copies(res, [st["gpu"]], [st["host_dev"]])
-    out, _ = dispatch.sparse_mla_decode(q, st["gpu"], res.slots, layout, 0.0625)
+    out, _ = sparse_mla_decode(q, st["gpu"], res.slots, layout, 0.0625)
     return res.slots, out
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm.hisparse.resolver import apply_copies, resolve
+from vllm.hisparse.resolver import apply_copies
+from vllm.kernels.hisparse_resolve import resolve_ref
 
 
 def _setup(h=8, pages=6, seed=0):
@@ -30,7 +31,7 @@ def test_resident_hit_miss_and_lru():
         [[0, 5, 9, 13], [5, 9, 6, 10, 17, 14], [5, 18, 19, 8, 2, 12]], start=1
     ):
         pos = torch.tensor([sel])
-        res = resolve(
+        res = resolve_ref(
             pos,
             torch.tensor([0]),
             page_table,
@@ -62,7 +63,7 @@ def test_resident_hit_miss_and_lru():
 def test_eviction_prefers_least_recent_and_never_a_current_hit():
     page_table, host_table, hot_slots, hot_pos, hot_lru, gpu, host = _setup(h=4)
     page_table[:] = -1
-    r = lambda step, sel: resolve(
+    r = lambda step, sel: resolve_ref(
         torch.tensor([sel]),
         torch.tensor([0]),
         page_table,
@@ -85,7 +86,7 @@ def test_eviction_prefers_least_recent_and_never_a_current_hit():
 
 def test_invalid_positions_and_trash():
     page_table, host_table, hot_slots, hot_pos, hot_lru, gpu, host = _setup()
-    res = resolve(
+    res = resolve_ref(
         torch.tensor([[-1, 0, -1]]),
         torch.tensor([0]),
         page_table,

@@ -121,10 +121,10 @@ def _launch_record(fn, args, kwargs):
 
 @pytest.fixture
 def interp():
-    """``load(name)`` -> the module ``vllm.kernels.<name>``, running under the interpreter."""
+    """``load(name)`` -> the Triton module ``vllm.kernels.triton.<name>``, run by the interpreter."""
     pytest.importorskip("triton")
     if not _INTERPRETER:
         pytest.skip("Triton runs compiled here (CUDA present, or imported before TRITON_INTERPRET)")
     _numpy_index_shim()
     _launch_log_shim()
-    return lambda name: importlib.import_module(f"vllm.kernels.{name}")
+    return lambda name: importlib.import_module(f"vllm.kernels.triton.{name}")

@@ -1,4 +1,4 @@
-"""Fused HiSparse resolver against the torch reference ``resolve()``: identical slots, src, dest,
+"""Fused HiSparse resolver against the torch reference ``resolve_ref()``: identical slots, src, dest,
 miss and counts, and identical hot_pos / hot_lru columns [:H] (column H, the reference's trash
 column, is not written by the kernel), over consecutive steps that carry the hot-buffer state:
 resident pages, hot hits, misses that evict, −1 positions, LRU ties, step as int and as tensor."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.hisparse.resolver import resolve
+from vllm.kernels.hisparse_resolve import resolve_ref
 
 
 def _state(r, h, pages, bs, groups, g, resident_frac=0.4, old_frac=0.0, now=100, device="cpu"):
@@ -63,7 +63,7 @@ def _run_steps(
         pos = _positions(req_slot, k, hot_pos[1], pages * bs, hit_frac, none_frac, g)
         pos = pos.to(device=device, dtype=pos_dtype)
         step = now + i
-        want = resolve(pos, req_slot, page_table, host_table, hot_slots, ref_pos[1], ref_lru[1],
+        want = resolve_ref(pos, req_slot, page_table, host_table, hot_slots, ref_pos[1], ref_lru[1],
                        step, trash, bs)  # fmt: skip
         use_tensor = step_tensor[i % len(step_tensor)]
         st = torch.tensor([step], device=device) if use_tensor else step
@@ -116,7 +116,7 @@ def test_resolve_fused_interpreter_corners(interp):
     for i, pos in enumerate(cases):
         req = torch.tensor([1, 0])
         rp, rl = hp.clone(), hl.clone()
-        want = resolve(pos, req, page_table, host_table, hot_slots, rp, rl, i, 77, 4)
+        want = resolve_ref(pos, req, page_table, host_table, hot_slots, rp, rl, i, 77, 4)
         got = mod.resolve_fused(pos, req, page_table, host_table, hot_slots, hp, hl, i, 77, 4)
         for name in ("slots", "src", "dest", "miss", "hits", "num_miss", "num_resident"):
             assert torch.equal(getattr(got, name), getattr(want, name)), (i, name)
@@ -185,7 +185,7 @@ def test_resolve_fused_gpu_cuda_graph():
         pos.copy_(_positions(req, k, hot_pos[0], pages * bs, 0.9, 0.05, g).cuda())
         step.fill_(50 + i)
         graph.replay()
-        want = resolve(pos, req, page_table, host_table, hot_slots, ref_pos[0], ref_lru[0],
+        want = resolve_ref(pos, req, page_table, host_table, hot_slots, ref_pos[0], ref_lru[0],
                        50 + i, 5, bs)  # fmt: skip
         for name in ("slots", "src", "dest", "miss", "hits", "num_miss", "num_resident"):
             assert torch.equal(getattr(out, name), getattr(want, name)), (i, name)

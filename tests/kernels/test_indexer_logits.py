@@ -12,13 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.attention.kv_cache import (
-    KVCacheLayout,
-    quantize_indexer_fp8_ref,
-    write_indexer_cache_ref,
-)
-from vllm.attention.ops import dispatch
-from vllm.attention.ops.indexer import indexer_logits_ref
+from vllm.kernels.indexer import indexer_logits_paged_ref, indexer_logits_ref
+from vllm.kernels.kv_cache import quantize_indexer_fp8, write_indexer_cache_ref
+from vllm.kv_cache_interface import KVCacheLayout
 
 
 def _rel(a, b):
@@ -33,8 +29,8 @@ def _check_prefill(mod, t, s, h, d, device, fp8, tol, seed, **kw):
     k = torch.randn(s, d, generator=g)
     w = torch.randn(t, h, generator=g) * (h * d) ** -0.5
     if fp8:
-        q, qs = quantize_indexer_fp8_ref(q)
-        k, ks = quantize_indexer_fp8_ref(k)
+        q, qs = quantize_indexer_fp8(q)
+        k, ks = quantize_indexer_fp8(k)
     else:  # bf16-valued, as the model's `auto` path feeds them: tf32 dots are then exact
         q, k = q.bfloat16().float(), k.bfloat16().float()
         qs, ks = torch.ones(t, h), torch.rand(s, generator=g) + 0.5
@@ -64,7 +60,7 @@ def _check_paged(mod, cache_dtype, num_req, h, d, bs, device, q_fp8, tol, seed, 
     q = torch.randn(t, h, d, generator=g)
     qs = torch.ones(t, h)
     if q_fp8:
-        q, qs = quantize_indexer_fp8_ref(q)
+        q, qs = quantize_indexer_fp8(q)
     w = torch.randn(t, h, generator=g)
     max_ctx = int(ctx_t.max()) + 3
     dev = [x.to(device) for x in (q, qs, w, cache, block_table, token_req, ctx_t)]
@@ -72,7 +68,7 @@ def _check_paged(mod, cache_dtype, num_req, h, d, bs, device, q_fp8, tol, seed, 
     out = mod.indexer_logits_paged(
         q, qs, w, cache, layout, block_table, token_req, ctx_t, max_ctx, **kw
     )
-    ref = dispatch.indexer_logits_paged_ref(
+    ref = indexer_logits_paged_ref(
         q.float(), qs, w, cache, layout, block_table, token_req, ctx_t, max_ctx
     )
     assert _rel(out, ref) < tol

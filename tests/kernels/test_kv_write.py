@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.attention.kv_cache import KVCacheLayout, write_indexer_cache_ref, write_mla_cache_ref
+from vllm.kernels.kv_cache import write_indexer_cache_ref, write_mla_cache_ref
+from vllm.kv_cache_interface import KVCacheLayout
 
 
 def _layout(cache_dtype: str, r: int, rope: int, d_idx: int, block_size: int = 64):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.attention.ops.sparse_mla import merge_attn_states_ref
+from vllm.kernels.merge_attn import merge_attn_states_ref
 
 
 def _check(mod, n, t, h, dv, device, seed, in_dtype=torch.float32):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.model_executor.layers import moe
+from vllm.kernels import moe
 
 
 def _case(t, e_loc, k, h, i, offset, e_total, dtype=torch.float32, seed=0, skip=()):
@@ -35,7 +35,7 @@ def _case(t, e_loc, k, h, i, offset, e_total, dtype=torch.float32, seed=0, skip=
 )
 def test_layout_invariants(t, e_loc, k, offset, e_total, block_m):
     pytest.importorskip("triton")
-    from vllm.kernels.moe_grouped import sort_pairs_by_expert
+    from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
 
     _, _, _, ids, _, _ = _case(t, e_loc, k, 8, 8, offset, e_total, seed=t + block_m)
     pairs, block_expert = sort_pairs_by_expert(ids, offset, e_loc, block_m)
@@ -66,11 +66,10 @@ def test_layout_invariants(t, e_loc, k, offset, e_total, block_m):
         assert run == sorted(run)
 
 
-def test_forward_on_cpu_ignores_backend_flag(monkeypatch):
-    """VLLM_MOE_BACKEND=grouped is for CUDA tensors; CPU keeps the reference."""
-    monkeypatch.setenv("VLLM_MOE_BACKEND", "grouped")
+def test_forward_on_cpu_is_the_reference():
+    """CPU tensors take the reference (the kernels are for CUDA tensors)."""
     args = _case(6, 4, 2, 16, 8, 0, 4, seed=3)
-    assert torch.equal(moe.experts_forward(*args), moe.experts_ref(*args))
+    assert torch.equal(moe.fused_experts(*args), moe.experts_ref(*args))
 
 
 # ---- CPU: Triton interpreter, tiny shapes, fp32 ------------------------------------------------
@@ -129,7 +128,7 @@ GPU_SHAPES = [
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("t,e_loc,k,h,i,offset,e_total", GPU_SHAPES)
 def test_grouped_gpu_bf16(monkeypatch, t, e_loc, k, h, i, offset, e_total, block_m):
-    from vllm.kernels import moe_grouped as mod
+    from vllm.kernels.triton import moe_grouped as mod
 
     monkeypatch.setitem(mod.TUNE, "block_m", block_m)
     case = _case(t, e_loc, k, h, i, offset, e_total, torch.bfloat16, seed=t + e_loc)
@@ -142,17 +141,16 @@ def test_grouped_gpu_bf16(monkeypatch, t, e_loc, k, h, i, offset, e_total, block
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 64, 1000])
-def test_forward_grouped_backend_gpu(monkeypatch, t):
-    """VLLM_MOE_BACKEND=grouped routes every CUDA batch size through the grouped kernel."""
-    from vllm.kernels import moe_grouped as mod
+@pytest.mark.parametrize("t", [65, 1000])
+def test_forward_grouped_gpu(monkeypatch, t):
+    """CUDA batches past DENSE_MAX_TOKENS go through the grouped kernel."""
+    from vllm.kernels.triton import moe_grouped as mod
 
     case = _case(t, 32, 8, 1024, 512, 32, 256, torch.bfloat16, seed=t)
     args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in case]
     direct = mod.experts_grouped(*args)
     real, calls = mod.experts_grouped, []
     monkeypatch.setattr(mod, "experts_grouped", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setenv("VLLM_MOE_BACKEND", "grouped")
-    got = moe.experts_forward(*args)
+    got = moe.fused_experts(*args)
     assert calls and torch.equal(got, direct)
     torch.testing.assert_close(got.float(), moe.experts_ref(*args).float(), rtol=2e-2, atol=2e-2)

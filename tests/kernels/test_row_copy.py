@@ -28,7 +28,7 @@ def test_reference_copies_only_masked_rows():
 @pytest.mark.gpu
 def test_kernel_matches_reference_with_pinned_host_source():
     from vllm.hisparse.worker import device_view
-    from vllm.kernels.row_copy import masked_row_copy
+    from vllm.kernels.triton.row_copy import masked_row_copy
 
     src, dst, dest, sidx, mask = _case()
     ref = dst.clone()

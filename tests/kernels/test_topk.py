@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.attention.ops.indexer import topk_ref
+from vllm.kernels.indexer import topk_ref
 
 
 def _logits(t, s, g, ties=True, dist="normal"):
@@ -217,7 +217,7 @@ def test_topk_gpu_one_million():
      (dict(cap=1024), "cap 1024 must be a power of two >= topk")],
 )  # fmt: skip
 def test_topk_launch_config_rejects_bad_tuning(kw, msg):
-    from vllm.kernels.topk import topk_launch_config
+    from vllm.kernels.triton.topk import topk_launch_config
 
     with pytest.raises(ValueError, match=msg):
         topk_launch_config(8, 40000, 2048, **kw)
@@ -226,7 +226,7 @@ def test_topk_launch_config_rejects_bad_tuning(kw, msg):
 def test_topk_launch_config_defaults():
     """The defaults the benchmarks measured: runs of 8, one score in 32, 2 pivot warps for a
     1024-score sample (32K columns), the sample capped at 16K scores for 1M columns."""
-    from vllm.kernels.topk import MAX_SAMPLE, topk_launch_config
+    from vllm.kernels.triton.topk import MAX_SAMPLE, topk_launch_config
 
     cfg = topk_launch_config(8192, 32768, 2048)
     assert (cfg["pivot"]["RUN"], cfg["pivot"]["SAMPLE_STRIDE"]) == (8, 32)

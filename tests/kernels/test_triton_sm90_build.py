@@ -76,7 +76,7 @@ def test_interpreted_kernels_build_for_sm90(tmp_path):
                        env=_env(False), timeout=1200)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     reps = json.loads(r.stdout.strip().splitlines()[-1])
-    assert {key.split(".")[2] for key in reps} >= KERNEL_MODULES
+    assert {key.split(".")[3] for key in reps} >= KERNEL_MODULES
     errors = {key: rep["error"] for key, rs in reps.items() for rep in rs if "error" in rep}
     assert not errors, errors
 

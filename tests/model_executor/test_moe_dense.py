@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.model_executor.layers import moe
+from vllm.kernels import moe
 from vllm.model_executor.model_loader import build_model
 from vllm.model_executor.models import glm_moe_dsa
 from vllm.model_executor.simple_forward import prompt_logits
@@ -53,7 +53,7 @@ def test_policy_cpu_keeps_reference(monkeypatch):
     calls = []
     monkeypatch.setattr(moe, "experts_dense", lambda *a, **k: calls.append(1))
     x, w13, w2, ids, w, off = _case(8, 4, 2, 16, 8, 0, 4, torch.float32, seed=1)
-    out = moe.experts_forward(x, w13, w2, ids, w, off)
+    out = moe.fused_experts(x, w13, w2, ids, w, off)
     assert out is not None and not calls
 
 
@@ -69,7 +69,7 @@ def test_model_logits_with_dense_experts(tiny_ckpt, monkeypatch):
         used.append(a[0].shape[0])
         return moe.experts_dense(*a)
 
-    monkeypatch.setattr(glm_moe_dsa, "experts_forward", dense)
+    monkeypatch.setattr(glm_moe_dsa, "fused_experts", dense)
     got = prompt_logits(model, ids, "auto", chunk=32, decode_from=60)
     assert used and min(used) == 1  # decode steps went through it
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
@@ -81,5 +81,5 @@ def test_dense_matches_grouped_cuda_bf16():
     x, w13, w2, ids, w, off = _case(64, 32, 8, 1024, 256, 32, 256, torch.bfloat16, seed=7)
     args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in (x, w13, w2, ids, w, off)]
     ref = moe.experts_ref(*args)
-    got = moe.experts_forward(*args)  # 64 tokens · 8 >= 2 · 32 experts: the dense form
+    got = moe.fused_experts(*args)  # 64 tokens · 8 >= 2 · 32 experts: the dense form
     torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)

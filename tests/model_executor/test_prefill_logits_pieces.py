@@ -17,7 +17,7 @@ def test_capped_logits_pieces_match_whole_runs(tiny_ckpt, monkeypatch, cache_dty
     ids = [(7 * i) % 500 + 3 for i in range(200)]  # 200 tokens > index_topk 32: scored
     whole = prompt_logits(model, ids, cache_dtype, chunk=96)
     calls = []
-    real = attn_layer.dispatch.indexer_logits
+    real = attn_layer.indexer_logits
 
     def spy(q, *a):
         calls.append((q.shape[0], a[-2].shape[0]))
@@ -25,7 +25,7 @@ def test_capped_logits_pieces_match_whole_runs(tiny_ckpt, monkeypatch, cache_dty
 
     # 4 bytes · 40 keys · 7 rows: pieces of a few rows, each scoring fewer keys than the run
     monkeypatch.setattr(attn_layer, "PREFILL_LOGITS_MAX_BYTES", 4 * 40 * 7)
-    monkeypatch.setattr(attn_layer.dispatch, "indexer_logits", spy)
+    monkeypatch.setattr(attn_layer, "indexer_logits", spy)
     pieces = prompt_logits(model, ids, cache_dtype, chunk=96)
     assert torch.equal(pieces, whole)
     assert max(r for r, _ in calls) < 96 and len({k for _, k in calls}) > 3
@@ -39,14 +39,14 @@ def test_attention_pieces_match_whole_chunk(tiny_ckpt, monkeypatch):
     monkeypatch.setattr(attn_layer, "PREFILL_ATTN_MAX_TOKENS", 1 << 20)
     whole = prompt_logits(model, ids, "auto", chunk=96)
     sizes = []
-    real = attn_layer.dispatch.sparse_mla_prefill
+    real = attn_layer.sparse_mla_prefill
 
     def spy(q, *a):
         sizes.append(q.shape[0])
         return real(q, *a)
 
     monkeypatch.setattr(attn_layer, "PREFILL_ATTN_MAX_TOKENS", 13)
-    monkeypatch.setattr(attn_layer.dispatch, "sparse_mla_prefill", spy)
+    monkeypatch.setattr(attn_layer, "sparse_mla_prefill", spy)
     pieces = prompt_logits(model, ids, "auto", chunk=96)
     torch.testing.assert_close(pieces, whole, rtol=1e-5, atol=1e-5)
     assert sizes and max(sizes) == 13 and min(sizes) < 13

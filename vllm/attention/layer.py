@@ -10,8 +10,8 @@ The model computes projections; this layer owns everything that touches the KV c
      `sparse_mla_force_mqa`) or the absorbed MQA form over the selected rows; decode tokens use the
      absorbed form over the paged cache.
 
-Where data lives across ranks is the business of ``meta.cp`` (None: one rank holds everything);
-see `vllm/distributed/cp_attention.py`.
+Where the rows live (this rank, DCP shards, a host pool) is the business of the layer's
+``kv_access`` (`vllm/attention/kv_access.py`), bound once at start-up by the model runner.
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from vllm.attention.kv_cache import (
-    quantize_indexer_fp8_ref,
-    read_indexer_cache_ref,
-    read_mla_cache_ref,
-)
+from vllm.attention.kv_access import IndexerQuery, KVAccess, LocalKVAccess
 from vllm.attention.metadata import MLAMetadata
-from vllm.attention.ops import dispatch
+from vllm.kernels.indexer import indexer_logits, indexer_topk
+from vllm.kernels.kv_cache import quantize_indexer_fp8
+from vllm.kernels.sparse_mla import sparse_mla_prefill
 
 
 @dataclass
@@ -37,53 +35,6 @@ class IndexerInputs:
     w: torch.Tensor  # [T, Hi] fp32 head weights, × Hi^-0.5 · D^-0.5
     k: torch.Tensor  # [T, D] roped and rotated key
 
-
-def context_dtype(cache: torch.Tensor) -> torch.dtype:
-    """Dtype of a prefill's temporary full context: bf16 on CUDA (what the MQA prefill kernel
-    reads), fp32 on CPU (the reference path, exact)."""
-    return torch.bfloat16 if cache.is_cuda else torch.float32
-
-
-class LocalContext:
-    """Single-rank data access: every token's KV is in this rank's cache."""
-
-    def gather_new_rows(self, x: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
-        return x
-
-    def prefill_context(
-        self, attn: SparseMLAAttention, meta: MLAMetadata, r: int, need_index: bool
-    ):
-        """Full context of request row r: (mla rows [S, mla_dim] fp32, indexer (keys, scales) or None)."""
-        s = meta.seq_lens_cpu[r]
-        pos = torch.arange(s, device=meta.positions.device)
-        slots = meta.slots_for(torch.full_like(pos, r), pos)
-        rows = read_mla_cache_ref(attn.kv_cache, slots, meta.layout, context_dtype(attn.kv_cache))
-        idx = read_indexer_cache_ref(attn.indexer_cache, slots, meta.layout) if need_index else None
-        return rows, idx
-
-    def decode_topk(self, attn, meta, iq, tok, reqs):
-        """Top-k positions for decode tokens ``tok`` (rows of this rank's tokens)."""
-        ctx = meta.seq_lens[meta.token_req[tok]]
-        logits = dispatch.indexer_logits_paged(
-            iq[0][tok],
-            iq[1][tok],
-            iq[2][tok],
-            attn.indexer_cache,
-            meta.layout,
-            meta.block_table if meta.idx_block_table is None else meta.idx_block_table,
-            meta.token_req[tok],
-            ctx,
-            max(meta.seq_lens_cpu[r] for r in reqs),
-        )
-        return dispatch.indexer_topk(logits, ctx, meta.index_topk)
-
-    def decode_attend(self, attn, meta, q_abs, tok, topk_pos):
-        slots = meta.slots_for(meta.token_req[tok].unsqueeze(1).expand_as(topk_pos), topk_pos)
-        out, _ = dispatch.sparse_mla_decode(q_abs, attn.kv_cache, slots, meta.layout, attn.scale)
-        return out
-
-
-LOCAL = LocalContext()
 
 # Prefill scores a run of queries against its keys as one [rows, keys] fp32 logits matrix; runs
 # are cut into row pieces so that matrix stays under this many bytes (2K queries at 1M keys would
@@ -117,8 +68,17 @@ class SparseMLAAttention(nn.Module):
         self.scale, self.has_indexer, self.force_mqa = scale, has_indexer, force_mqa
         self.w_uk: torch.Tensor | None = None  # [H, qk_nope, R]
         self.w_uv: torch.Tensor | None = None  # [H, v_dim, R]
-        self.kv_cache: torch.Tensor | None = None  # bound by the runner
+        # bound by the model runner at start-up
+        self.kv_cache: torch.Tensor | None = None
         self.indexer_cache: torch.Tensor | None = None
+        self.kv_access: KVAccess = LocalKVAccess()
+
+    def bind_kv(
+        self, kv_cache: torch.Tensor, indexer_cache: torch.Tensor | None, kv_access: KVAccess
+    ) -> None:
+        """The layer's caches (``indexer_cache`` None without an indexer) and how to reach
+        the KV rows (:mod:`vllm.attention.kv_access`)."""
+        self.kv_cache, self.indexer_cache, self.kv_access = kv_cache, indexer_cache, kv_access
 
     def set_kv_b(self, kv_b: torch.Tensor) -> None:
         """kv_b_proj weight [H·(qk_nope + v), R] -> absorbed W_UK, W_UV (fp32)."""
@@ -140,20 +100,16 @@ class SparseMLAAttention(nn.Module):
         """q_nope [T, H, nope], q_pe [T, H, rope] (roped), kv_c [T, R] (normed), k_pe [T, rope]
         (roped). Returns attention output [T, H, v_dim] in q's dtype and the top-k positions
         [T, index_topk] (−1 padded; rows of dense/short tokens are −1) for shared layers."""
-        cp = meta.cp or LOCAL
-        self._write(cp, kv_c, k_pe, idx, meta)
+        self.kv_access.write(self, kv_c, k_pe, idx.k if idx is not None else None, meta)
         iq = None
         if idx is not None:
             if meta.layout.is_fp8:
-                qv, qs = quantize_indexer_fp8_ref(idx.q)
+                qv, qs = quantize_indexer_fp8(idx.q)
                 # e4m3 values as they are: the fast kernels use FP8 tensor-core dots
-                iq = (qv, qs, idx.w.float())
+                iq = IndexerQuery(qv, qs, idx.w.float())
             else:
-                iq = (
-                    idx.q.float(),
-                    torch.ones(idx.q.shape[:2], device=idx.q.device),
-                    idx.w.float(),
-                )
+                ones = torch.ones(idx.q.shape[:2], device=idx.q.device)
+                iq = IndexerQuery(idx.q.float(), ones, idx.w.float())
         # in q's dtype: each row is computed in fp32 and rounded once, as a whole-batch fp32 buffer
         # cast at the end would be, without holding T × H × 512 fp32 values
         out = torch.zeros(
@@ -164,8 +120,8 @@ class SparseMLAAttention(nn.Module):
             topk = torch.full(
                 (q_nope.shape[0], meta.index_topk), -1, dtype=torch.int32, device=q_nope.device
             )
-        self._prefill(cp, meta, q_nope, q_pe, iq, topk, out)
-        self._decode(cp, meta, q_nope, q_pe, iq, topk, out)
+        self._prefill(meta, q_nope, q_pe, iq, topk, out)
+        self._decode(meta, q_nope, q_pe, iq, topk, out)
         return out, topk
 
     def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
@@ -174,18 +130,6 @@ class SparseMLAAttention(nn.Module):
             [torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk), q_pe.float()], -1
         )
 
-    def _write(self, cp, kv_c, k_pe, idx, meta):
-        kv_c = cp.gather_new_rows(kv_c, meta)
-        k_pe = cp.gather_new_rows(k_pe, meta)
-        dispatch.write_mla_cache(self.kv_cache, kv_c, k_pe, meta.slot_mapping, meta.layout)
-        if idx is not None:
-            dispatch.write_indexer_cache(
-                self.indexer_cache,
-                cp.gather_new_rows(idx.k, meta),
-                meta.slot_mapping if meta.idx_slot_mapping is None else meta.idx_slot_mapping,
-                meta.layout,
-            )
-
     def _needs_scoring(self, meta: MLAMetadata, pos: torch.Tensor) -> torch.Tensor:
         return pos + 1 > meta.index_topk
 
@@ -193,7 +137,7 @@ class SparseMLAAttention(nn.Module):
         ar = torch.arange(meta.index_topk, device=pos.device)
         return torch.where(ar.unsqueeze(0) <= pos.unsqueeze(1), ar, -1).to(torch.int32)
 
-    def _prefill(self, cp, meta, q_nope, q_pe, iq, topk, out):
+    def _prefill(self, meta, q_nope, q_pe, iq, topk, out):
         for r in range(meta.num_reqs):
             if not meta.is_prefill_cpu[r]:
                 continue
@@ -201,7 +145,7 @@ class SparseMLAAttention(nn.Module):
             dense = meta.use_dense_cpu[r] and not self.force_mqa
             need_index = iq is not None and not dense
             # collective under PCP×DCP: every rank calls it for every prefill request
-            rows, ikeys = cp.prefill_context(self, meta, r, need_index)
+            rows, ikeys = self.kv_access.prefill_context(self, meta, r, need_index)
             if hi == lo:
                 continue
             pos = meta.positions[lo:hi]
@@ -223,7 +167,7 @@ class SparseMLAAttention(nn.Module):
             # in pieces: the fp32 absorbed queries and outputs take ~0.4 MB per token at 64 heads
             for a in range(lo, hi, PREFILL_ATTN_MAX_TOKENS):
                 b = min(hi, a + PREFILL_ATTN_MAX_TOKENS)
-                o, _ = dispatch.sparse_mla_prefill(
+                o, _ = sparse_mla_prefill(
                     self._absorb(q_nope[a:b], q_pe[a:b]),
                     rows,
                     topk[a:b],
@@ -254,33 +198,29 @@ class SparseMLAAttention(nn.Module):
                 last2 = last if b2 == b or meta.positions_cpu is None else last - (b - b2)
                 pieces.append((a2, b2, last2))
         for a, b, last in pieces:
-            logits = dispatch.indexer_logits(
-                iq[0][lo + a : lo + b],
-                iq[1][lo + a : lo + b],
-                iq[2][lo + a : lo + b],
+            logits = indexer_logits(
+                iq.q[lo + a : lo + b],
+                iq.scale[lo + a : lo + b],
+                iq.w[lo + a : lo + b],
                 k[:last],
                 ks[:last],
             )
-            out[a:b] = dispatch.indexer_topk(logits, pos[a:b] + 1, meta.index_topk)
+            out[a:b] = indexer_topk(logits, pos[a:b] + 1, meta.index_topk)
         return out
 
-    def _decode(self, cp, meta, q_nope, q_pe, iq, topk, out):
-        dec = [r for r in range(meta.num_reqs) if not meta.is_prefill_cpu[r]]
-        if not dec:
+    def _decode(self, meta, q_nope, q_pe, iq, topk, out):
+        tok = meta.decode_tokens
+        if tok is None:  # no request on the decode path (a global fact: no rank calls below)
             return
-        q = meta.query_start_loc_cpu
-        tok = meta.extras.get("decode_tokens")
-        if tok is None:  # same for every layer of the step: build (and copy to the device) once
-            tok = torch.cat([torch.arange(q[r], q[r + 1]) for r in dec]).to(q_nope.device)
-            meta.extras["decode_tokens"] = tok
         # under DCP the gathered queries of other ranks are scored too: always call (collective)
         if iq is not None:
             pos = meta.positions[tok]
             sel = self._all_positions(meta, pos)
-            scored = cp.decode_topk(self, meta, iq, tok, dec)
+            scored = self.kv_access.decode_topk(self, meta, iq)
             sel = torch.where(self._needs_scoring(meta, pos).unsqueeze(1), scored, sel)
             topk[tok] = sel
-        o = cp.decode_attend(self, meta, self._absorb(q_nope[tok], q_pe[tok]), tok, topk[tok])
+        q_abs = self._absorb(q_nope[tok], q_pe[tok])
+        o = self.kv_access.decode_attend(self, meta, q_abs, topk[tok])
         out[tok] = torch.einsum("thr,hvr->thv", o, self.w_uv).to(out.dtype)
 
     def _dense_attend(self, q_nope, q_pe, rows, pos):

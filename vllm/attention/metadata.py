@@ -1,8 +1,8 @@
 """Per-step attention metadata: what one rank's attention layers need to know about the batch.
 
-Built by the model runner (and, for PCP/DCP, by `distributed/pcp_manager.py`) with tensor ops;
-host-side lists (`*_cpu`) are copies of scheduler data the runner already holds on the CPU, so
-reading them costs no device sync.
+Built by the model runner once per step with tensor ops; host-side lists (`*_cpu`) are copies of
+scheduler data the runner already holds on the CPU, so reading them costs no device sync.
+Features add their own typed part (`cp`, `hisparse`), None when the feature is off.
 """
 
 from __future__ import annotations
@@ -12,7 +12,35 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm.attention.kv_cache import KVCacheLayout
+from vllm.kv_cache_interface import KVCacheLayout
+
+
+@dataclass(frozen=True)
+class CPMetadata:
+    """Context parallelism of the step (SPEC §4-5): how new KV rows are gathered over PCP and how
+    the cache is split over DCP. Token p is stored on DCP rank (p // interleave) % dcp_size."""
+
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    interleave: int = 1
+    pcp_pad: int = 1  # tokens per PCP rank after padding (the all-gather of new KV rows)
+    decode_pad: int = 1  # decode tokens per rank after padding (the DCP gathers of queries)
+
+
+@dataclass
+class HiSparseMetadata:
+    """HiSparse's view of the step (SPEC §6): where each request's pages live."""
+
+    step: int  # LRU stamp of this step
+    req_slots: list[int]  # persistent slot of each request row (host)
+    req_slots_t: torch.Tensor  # [B] the same on the device
+    block_table_full: torch.Tensor  # [max_reqs, pages] device block per page (−1: host only)
+    idx_block_table: torch.Tensor  # [B, pages] indexer-key pages (always on the device)
+    idx_slot_mapping: torch.Tensor  # [T_kv] indexer slot of each new row, −1 = skip
+    # filled during the step, layer by layer: the slots resolved for each IndexShare group, and
+    # per layer the event its prefetched rows landed on
+    group_slots: dict[int, torch.Tensor] = field(default_factory=dict)
+    ready: dict[int, torch.cuda.Event] = field(default_factory=dict)
 
 
 @dataclass
@@ -31,17 +59,11 @@ class MLAMetadata:
     use_dense_cpu: list[bool]  # prefill request served by the dense (MHA-form) path
     # ---- new KV rows written this step (the PCP-gathered rows under PCP) -----------------------
     slot_mapping: torch.Tensor  # [T_kv] local slot per new row, −1 = not stored on this rank
-    # ---- parallel plumbing (None = single rank) --------------------------------------------------
-    cp: object | None = None  # distributed.cp_attention.CPAttention
-    dcp_size: int = 1
-    dcp_rank: int = 0
-    cp_interleave: int = 1
     positions_cpu: np.ndarray | None = None  # host copy of `positions` (prefill key ranges)
-    # HiSparse: indexer pages live in their own pool (None = same as block_table)
-    idx_block_table: torch.Tensor | None = None
-    idx_slot_mapping: torch.Tensor | None = None
-    block_table_full: torch.Tensor | None = None  # [max_reqs, pages] by request slot
-    extras: dict = field(default_factory=dict)
+    decode_tokens: torch.Tensor | None = None  # [T_dec] rows of this rank's decode tokens
+    # ---- features (None: off) -------------------------------------------------------------------
+    cp: CPMetadata | None = None
+    hisparse: HiSparseMetadata | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +72,10 @@ class MLAMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def decode_reqs(self) -> list[int]:
+        """Request rows that run the decode path this step."""
+        return [r for r in range(self.num_reqs) if not self.is_prefill_cpu[r]]
 
     def token_slices(self):
         """(request row, start, end) of this rank's query tokens, skipping empty requests."""
@@ -62,11 +88,27 @@ class MLAMetadata:
         """Local cache slot of (request row, position) pairs; −1 where this rank does not own the
         token (DCP) or pos < 0. Token p lives on DCP rank (p // I) % N at local offset
         (off // (I·N))·I + off % I of virtual block p // (B·N)."""
-        bs, n, i = self.layout.block_size, self.dcp_size, self.cp_interleave
+        cp = self.cp or CPMetadata()
+        bs, n, i = self.layout.block_size, cp.dcp_size, cp.interleave
         p = pos.long().clamp_min(0)
         vblock = self.block_table[req.long(), p // (bs * n)].long()
         off = p % (bs * n)
         local = (off // (i * n)) * i + off % i
         slot = vblock * bs + local
-        owned = (pos >= 0) & ((p // i) % n == self.dcp_rank) & (vblock >= 0)
+        owned = (pos >= 0) & ((p // i) % n == cp.dcp_rank) & (vblock >= 0)
         return torch.where(owned, slot, -1)
+
+
+def decode_token_rows(
+    query_start_loc: list[int], is_prefill: list[bool], device: torch.device
+) -> torch.Tensor | None:
+    """[T_dec] this rank's token rows of the requests on the decode path (None: no decode), built
+    once per step on the host and copied to the device."""
+    rows = [
+        np.arange(query_start_loc[r], query_start_loc[r + 1])
+        for r in range(len(is_prefill))
+        if not is_prefill[r]
+    ]
+    if not rows:
+        return None
+    return torch.from_numpy(np.concatenate(rows)).to(device)

@@ -119,6 +119,39 @@ class ParallelConfig:
                 "(DCP reuses TP ranks; with --prefill-context-parallel-size > 1 it may also span PCP ranks)"
             )
 
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the routed experts are split over with --enable-expert-parallel: DP × PCP × TP."""
+        if not self.enable_expert_parallel:
+            return 1
+        return (
+            self.data_parallel_size * self.prefill_context_parallel_size * self.tensor_parallel_size
+        )
+
+    def validate_for_model(self, arch: ModelArch) -> None:
+        """The model's heads, intermediates and experts split evenly across the requested ranks
+        (checked here, before any worker starts)."""
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        splits = [
+            ("attention heads", arch.num_attention_heads),
+            ("indexer heads", arch.index_n_heads),
+            ("dense MLP intermediate_size", arch.intermediate_size),
+            ("shared-expert intermediate size", arch.moe_intermediate_size * arch.n_shared_experts),
+        ]
+        if not self.enable_expert_parallel:  # routed experts are then TP-sharded like the MLPs
+            splits.append(("moe_intermediate_size", arch.moe_intermediate_size))
+        for what, n in splits:
+            if n % tp:
+                raise ValueError(
+                    f"--tensor-parallel-size {tp} does not divide the model's {n} {what}"
+                )
+        if arch.n_routed_experts % ep:
+            raise ValueError(
+                f"--enable-expert-parallel splits the {arch.n_routed_experts} routed experts over "
+                f"{ep} ranks (--data-parallel-size × --prefill-context-parallel-size × "
+                "--tensor-parallel-size), which does not divide them"
+            )
+
 
 @dataclass(frozen=True)
 class HiSparseConfig:
@@ -242,9 +275,11 @@ class VllmConfig:
 
     def validate(self) -> None:
         pc, sc, cc = self.parallel_config, self.scheduler_config, self.cache_config
-        from vllm.attention.kv_cache import normalize_cache_dtype
+        from vllm.kv_cache_interface import normalize_cache_dtype
 
         pc.validate()
+        pc.validate_for_model(self.model_config.arch)
+        self._check_devices()
         normalize_cache_dtype(cc.cache_dtype)
         if cc.block_size != BLOCK_SIZE:
             raise ValueError(
@@ -291,6 +326,17 @@ class VllmConfig:
                     f"{self.hot_buffer_min_rows} ((num_speculative_tokens + 1) × index_topk)"
                 )
         self._refuse_unlanded()
+
+    def _check_devices(self) -> None:
+        """One GPU per rank: more ranks than this machine's GPUs would share devices."""
+        if self.device_config.device != "cuda":
+            return
+        ranks, gpus = self.parallel_config.world_size_across_dp, torch.cuda.device_count()
+        if ranks > gpus:
+            raise ValueError(
+                f"{ranks} ranks (--data-parallel-size × --prefill-context-parallel-size × "
+                f"--tensor-parallel-size) need {ranks} GPUs; this machine has {gpus}"
+            )
 
     def _refuse_unlanded(self) -> None:
         """Flags whose features have not landed yet fail here, saying so; none is ignored."""

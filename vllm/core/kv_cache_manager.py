@@ -1,21 +1,98 @@
-"""Per-request block lists on top of the block pool.
+"""The scheduler's view of the KV cache: which blocks each request holds, and the prefix cache.
 
-Blocks here are scheduler blocks of `block_size` tokens; under DCP N a scheduler block is a
-"virtual" block of 64·N tokens whose id addresses one physical 64-token block on every DCP rank,
-so prefix caching hashes at that granularity.
+``KVCacheManager`` declares what the scheduler asks of any KV manager; ``DeviceKVCacheManager``
+keeps every block in device memory (the default); ``vllm.hisparse.manager.HiSparseKVManager``
+backs pages with a pinned host pool. Blocks here are scheduler blocks of `block_size` tokens;
+under DCP N a scheduler block is a "virtual" block of 64·N tokens whose id addresses one physical
+64-token block on every DCP rank, so prefix caching hashes at that granularity.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from vllm.core.block_pool import BlockPool, hash_block
+from vllm.core.messages import KVPageUpdate
 from vllm.core.request import Request
+from vllm.kv_cache_interface import cdiv
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class KVCacheManager(ABC):
+    """What the scheduler asks of a KV manager. ``pool`` is the device block pool."""
+
+    block_size: int
+    pool: BlockPool
+
+    @property
+    @abstractmethod
+    def capacity_tokens(self) -> int:
+        """Most tokens one request can hold."""
+
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of the device blocks in use."""
+
+    @abstractmethod
+    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
+        """Longest cached prefix (whole blocks, leaving at least one token to compute): its
+        blocks and its length in tokens."""
+
+    @abstractmethod
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed: list[int] | None = None
+    ) -> list[int] | None:
+        """Blocks for `num_new_tokens` more tokens (after `computed`, a cached prefix taken now).
+        Returns the new device block ids, or None (nothing changed) if the pools are short."""
+
+    @abstractmethod
+    def cache_full_blocks(self, req: Request, num_computed: int) -> None:
+        """After a step: publish the request's blocks that are now completely computed."""
+
+    @abstractmethod
+    def free(self, req: Request) -> None:
+        """Release everything the request holds."""
+
+    @abstractmethod
+    def blocks_of(self, req: Request) -> list[int]:
+        """The request's device block ids, in order (a copy)."""
+
+    def max_chunk_tokens(self) -> int | None:
+        """Largest prefill chunk the manager can place in one step (None: no limit)."""
+        return None
+
+    def worker_update(self, req: Request, is_new: bool) -> KVPageUpdate | None:
+        """What the workers must learn about where the request's pages live, beyond its block
+        ids (None: nothing)."""
+        return None
+
+    def take_prefix_cache_stats(self) -> tuple[int, int]:
+        """(queried tokens, hit tokens) of the prefix cache since the last call."""
+        pool = self.pool
+        out = (pool.stats_queries, pool.stats_hits)
+        pool.stats_queries = pool.stats_hits = 0
+        return out
+
+    def extra_stats(self, worker_stats: dict[str, float]) -> dict[str, float]:
+        """Manager-specific gauges for the metrics endpoint, given the workers' counters summed
+        since the last report."""
+        return {}
+
+    def _extend_hashes(self, req: Request, num_full: int) -> None:
+        """Chain-hash the request's full blocks up to num_full (kept on the request)."""
+        bs = self.block_size
+        while len(req.block_hashes) < num_full:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else None
+            req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
+
+    def _hashes(self, req: Request, num_full: int) -> list[bytes]:
+        self._extend_hashes(req, num_full)
+        return req.block_hashes[:num_full]
 
 
-class KVCacheManager:
+class DeviceKVCacheManager(KVCacheManager):
+    """Every block in device memory, with prefix caching by chained block hashes."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -30,18 +107,6 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
-
-    def _extend_hashes(self, req: Request, num_full: int) -> None:
-        """Chain-hash the request's full blocks up to num_full (kept on the request)."""
-        bs = self.block_size
-        while len(req.block_hashes) < num_full:
-            i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if i else None
-            req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
-
-    def _hashes(self, req: Request, num_full: int) -> list[bytes]:
-        self._extend_hashes(req, num_full)
-        return req.block_hashes[:num_full]
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Longest cached prefix (whole blocks), leaving at least one token to compute."""

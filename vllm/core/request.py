@@ -3,7 +3,7 @@ from __future__ import annotations
 import enum
 import time
 
-from vllm.engine.messages import EngineCoreRequest
+from vllm.core.messages import EngineCoreRequest
 
 
 class RequestStatus(enum.IntEnum):

@@ -11,21 +11,39 @@ from __future__ import annotations
 from collections import deque
 
 from vllm.config import VllmConfig
-from vllm.core.kv_cache_manager import KVCacheManager
-from vllm.core.request import Request, RequestStatus
-from vllm.engine.messages import (
+from vllm.core.kv_cache_manager import DeviceKVCacheManager, KVCacheManager
+from vllm.core.messages import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreRequest,
+    KVCachePlan,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
+from vllm.core.request import Request, RequestStatus
+
+
+def make_kv_manager(config: VllmConfig, plan: KVCachePlan) -> KVCacheManager:
+    """The KV manager of this engine, chosen once from the configuration."""
+    block_size, caching = config.scheduler_block_size, config.cache_config.enable_prefix_caching
+    if config.attention_config.hisparse is not None:
+        from vllm.hisparse.manager import HiSparseKVManager
+
+        return HiSparseKVManager(
+            plan.num_blocks,
+            plan.num_host_blocks,
+            plan.num_idx_blocks,
+            block_size,
+            config.hot_buffer_rows,
+            caching,
+        )
+    return DeviceKVCacheManager(plan.num_blocks, block_size, caching)
 
 
 class Scheduler:
-    def __init__(self, config: VllmConfig, num_blocks: int, kv_plan: dict | None = None):
+    def __init__(self, config: VllmConfig, plan: KVCachePlan):
         self.config = config
         sc = config.scheduler_config
         self.max_num_batched_tokens = sc.max_num_batched_tokens
@@ -33,28 +51,14 @@ class Scheduler:
         self.chunked_prefill = sc.enable_chunked_prefill
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.scheduler_block_size
-        caching = config.cache_config.enable_prefix_caching
-        if config.attention_config.hisparse is not None:
-            from vllm.hisparse.manager import HiSparseKVManager
-
-            plan = kv_plan or {}
-            self.kv = HiSparseKVManager(
-                num_blocks,
-                plan["num_host_blocks"],
-                plan["num_idx_blocks"],
-                self.block_size,
-                config.hot_buffer_rows,
-                caching,
-            )
-        else:
-            self.kv = KVCacheManager(num_blocks, self.block_size, caching)
+        self.kv = make_kv_manager(config, plan)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_ids: list[str] = []  # to tell the workers
         self._stuck: list[Request] = []  # requests that can never be allocated (reported as errors)
-        # HiSparse: a prefill chunk's pages must fit in the GPU pool next to the hot buffer
-        self.max_chunk = getattr(self.kv, "max_chunk_tokens", lambda: 1 << 62)()
+        # e.g. HiSparse: a prefill chunk's pages must fit in the GPU pool next to the hot buffer
+        self.max_chunk = self.kv.max_chunk_tokens() or 1 << 62
         self.step = 0
         self._stats = SchedulerStats()
         self._worker_stats: dict[str, float] = {}
@@ -160,9 +164,8 @@ class Scheduler:
 
         # messages are built after every allocation of the step: a later allocation may have
         # changed an earlier request's pages (HiSparse drops)
-        hs = getattr(self.kv, "worker_update", None)
         for req, is_new, new_blocks, start in updates:
-            extra = hs(req, is_new) if hs else None
+            extra = self.kv.worker_update(req, is_new)
             if is_new:
                 new_reqs.append(
                     NewRequestData(
@@ -287,28 +290,13 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         s = self._stats
-        pool = self.kv.pool
         s.num_running, s.num_waiting, s.kv_cache_usage = (
             len(self.running),
             len(self.waiting),
             self.kv.usage(),
         )
-        s.prefix_cache_queries, s.prefix_cache_hits = pool.stats_queries, pool.stats_hits
-        pool.stats_queries = pool.stats_hits = 0
-        ws = self._worker_stats
-        if hasattr(self.kv, "host_usage"):
-            q = ws.get("hisparse_hits", 0) + ws.get("hisparse_misses", 0)
-            s.extra = {
-                "hisparse_host_pool_usage_perc": self.kv.host_usage(),
-                "hisparse_hot_hit_rate": ws.get("hisparse_hits", 0) / q if q else 1.0,
-                "hisparse_h2d_bytes_per_step": ws.get("hisparse_h2d_bytes", 0),
-                "hisparse_pages_dropped_total": self.kv.stats_dropped,
-            }
-            s.prefix_cache_queries, s.prefix_cache_hits = (
-                self.kv.host.stats_queries,
-                self.kv.host.stats_hits,
-            )
-            self.kv.host.stats_queries = self.kv.host.stats_hits = 0
+        s.prefix_cache_queries, s.prefix_cache_hits = self.kv.take_prefix_cache_stats()
+        s.extra = self.kv.extra_stats(self._worker_stats)
         self._worker_stats = {}
         self._stats = SchedulerStats()
         return s

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from vllm.distributed.parallel_state import ParallelContext
-from vllm.model_executor.layers.moe import experts_forward
+from vllm.kernels.moe import fused_experts
 
 
 def ep_moe(
@@ -37,7 +37,7 @@ def ep_moe(
     recv_meta = ep.all_to_all(meta, rc, sc)
     r_ids = recv_meta[:, 0].long().unsqueeze(1)
     r_w = recv_meta[:, 1].float().unsqueeze(1)
-    y = experts_forward(
+    y = fused_experts(
         recv_x, experts.w13_weight, experts.w2_weight, r_ids, r_w, experts.expert_start
     )
     back = ep.all_to_all(y, sc, rc)

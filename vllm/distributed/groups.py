@@ -1,4 +1,5 @@
-"""Build every process group of the [DP, PP, PCP, TP] rank layout (TP fastest).
+"""Join the job's process group and build every process group of the [DP, PP, PCP, TP] rank
+layout (TP fastest).
 
 All ranks create all groups in the same order (torch.distributed requires it). DCP groups are
 consecutive runs of `dcp` ranks inside one replica's PCP×TP block, as upstream forms them: with
@@ -61,3 +62,16 @@ def build_groups(pc: ParallelConfig, global_rank: int, device: torch.device) -> 
         replica=mine["replica"],
         world=mine["world"],
     )
+
+
+def init_distributed(
+    config, global_rank: int, init_method: str, device: torch.device
+) -> ParallelContext:
+    """Join the job's process group and build this rank's groups."""
+    pc = config.parallel_config
+    world = pc.world_size_across_dp
+    if world == 1:
+        return ParallelContext.single()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, world_size=world, rank=global_rank)
+    return build_groups(pc, global_rank, device)

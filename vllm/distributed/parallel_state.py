@@ -127,6 +127,15 @@ class ParallelContext:
             world=g("world"),
         )
 
+    def expert_shard(self, num_experts: int) -> tuple[int, int]:
+        """(first expert, number of experts) of the routed experts this rank holds: all of them
+        without EP, else a contiguous 1/EP share (the split is validated at start-up:
+        ``ParallelConfig.validate_for_model``)."""
+        if self.ep is None:
+            return 0, num_experts
+        num_local = num_experts // self.ep.world_size
+        return self.ep.rank_in_group * num_local, num_local
+
     def min_over_world(self, n: int) -> int:
         """Smallest value of n over every rank (KV blocks: every rank must hold the same count)."""
         if self.world is None or self.world.world_size == 1:
@@ -138,18 +147,3 @@ class ParallelContext:
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def init_distributed(
-    config, global_rank: int, init_method: str, device: torch.device
-) -> ParallelContext:
-    """Join the job's process group and build this rank's groups."""
-    pc = config.parallel_config
-    world = pc.world_size_across_dp
-    if world == 1:
-        return ParallelContext.single()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, world_size=world, rank=global_rank)
-    from vllm.distributed.groups import build_groups
-
-    return build_groups(pc, global_rank, device)

@@ -5,24 +5,29 @@ and PCP rank r takes chunks r and 2N−1−r (the "V" pattern: one cheap early c
 late chunk each). Decode rows are *not* replicated: the j-th decode request of the step goes to
 rank j mod N, so every rank does 1/N of the decode MLP/MoE work too. Every rank pads its token
 list to the same length; padding rows write nothing (slot −1). New latent KV and indexer keys are
-all-gathered inside each attention layer before the cache write (`CPAttention.gather_new_rows`),
+all-gathered inside each attention layer before the cache write (`kv_access.gather_new_rows`),
 and after the last layer the hidden states are all-gathered and put back in batch order, so
 sampling runs identically on every rank.
 
 The planner is deterministic in the scheduler output, so every rank knows every other rank's
-share without communicating.
+share without communicating. It returns this rank's share of the step (:class:`RankStep`); the
+model runner builds the metadata and runs the model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from vllm.attention.kv_cache import KVCacheLayout
-from vllm.config import VllmConfig
+from vllm.attention.metadata import CPMetadata
+from vllm.config import ParallelConfig
 from vllm.distributed.parallel_state import ParallelContext
+
+if TYPE_CHECKING:
+    from vllm.worker.gpu.input_batch import StepInputs
 
 
 def v_chunks(n: int, pcp: int) -> list[tuple[int, int]]:
@@ -72,14 +77,22 @@ def shard_tokens(qsl: np.ndarray, is_prefill: np.ndarray, pcp: int) -> PCPShard:
     return PCPShard(per_rank, counts, pad, gathered, restore)
 
 
-def set_slot_mappings(meta, token_req, positions) -> None:
-    """Where this step's new rows go: MLA rows by the block table, indexer keys by the indexer
-    table when it differs (HiSparse keeps indexer pages in their own pool)."""
-    meta.slot_mapping = meta.slots_for(token_req, positions)
-    if meta.idx_block_table is not None:
-        bs = meta.layout.block_size
-        p = positions.long()
-        meta.idx_slot_mapping = meta.idx_block_table[token_req.long(), p // bs].long() * bs + p % bs
+@dataclass
+class RankStep:
+    """This rank's share of a step: the tokens it computes, and the new KV rows it writes."""
+
+    input_ids: torch.Tensor  # [T_rank]
+    positions: torch.Tensor  # [T_rank] int64
+    token_req: torch.Tensor  # [T_rank] batch row of each token
+    query_start_loc_cpu: list[int]  # [B+1] this rank's tokens of each request
+    positions_cpu: np.ndarray  # [T_rank] host copy of positions
+    # the new KV rows written this step, as (batch row, position); position −1: padding. Under
+    # PCP every rank's tokens, in gather order; else this rank's own
+    kv_token_req: torch.Tensor
+    kv_positions: torch.Tensor
+    cp: CPMetadata | None = None
+    restore: torch.Tensor | None = None  # [T] row of the PCP-gathered hidden states per token
+    pad: int = 0  # tokens per PCP rank after padding
 
 
 class SingleRankPlanner:
@@ -88,80 +101,93 @@ class SingleRankPlanner:
     def __init__(self, pc: ParallelContext):
         self.pc = pc
 
-    def forward(self, runner, inp) -> torch.Tensor:
-        meta = runner.metadata(inp, inp.positions, inp.token_req, inp.query_start_loc.tolist())
-        meta.positions_cpu = inp.positions_np
-        set_slot_mappings(meta, inp.token_req, inp.positions)
-        return runner.model(inp.input_ids, inp.positions, meta)
+    def shard(self, inp: StepInputs) -> RankStep:
+        return RankStep(
+            input_ids=inp.input_ids,
+            positions=inp.positions,
+            token_req=inp.token_req,
+            query_start_loc_cpu=inp.query_start_loc.tolist(),
+            positions_cpu=inp.positions_np,
+            kv_token_req=inp.token_req,
+            kv_positions=inp.positions,
+        )
+
+    def gather_hidden(self, hidden: torch.Tensor, step: RankStep) -> torch.Tensor:
+        """[T_rank, hidden] -> [T, hidden] in the batch's token order, on every rank."""
+        return hidden
+
+    def dummy_step(self, device: torch.device) -> RankStep | None:
+        """A step of one padding token and no requests, where the step's collectives must run
+        to match the other ranks (DP replicas sharing EP); None: nothing to keep in step with."""
+        return None
 
     def broadcast_sampled(self, sampled: torch.Tensor) -> torch.Tensor:
         return sampled
-
-    def dummy_forward(self, runner) -> None:
-        """Nothing to keep in step with."""
 
 
 class CPPlanner(SingleRankPlanner):
     """PCP token sharding and/or DCP KV sharding (and TP/EP, which need no token plan)."""
 
-    def __init__(self, config: VllmConfig, pc: ParallelContext, layout: KVCacheLayout):
+    def __init__(self, par: ParallelConfig, pc: ParallelContext):
         super().__init__(pc)
-        from vllm.distributed.cp_attention import CPAttention
-
-        par = config.parallel_config
         self.n = par.prefill_context_parallel_size
         self.rank = pc.pcp.rank_in_group
         self.dcp_size = par.decode_context_parallel_size
         self.interleave = par.cp_kv_cache_interleave_size
-        self.attn = CPAttention(pc, par.dcp_comm_backend, self.interleave)
 
-    def forward(self, runner, inp) -> torch.Tensor:
-        dev = inp.positions.device
+    def _cp(self, pcp_pad: int, decode_pad: int) -> CPMetadata:
+        return CPMetadata(
+            self.dcp_size, self.pc.dcp.rank_in_group, self.interleave, pcp_pad, decode_pad
+        )
+
+    def shard(self, inp: StepInputs) -> RankStep:
         if self.n == 1:
-            sh = None
-            mine = None
-            pos, tr, ids = inp.positions, inp.token_req, inp.input_ids
-            qsl = inp.query_start_loc.tolist()
-        else:
-            sh = shard_tokens(inp.query_start_loc, inp.is_prefill, self.n)
-            mine = torch.from_numpy(sh.per_rank[self.rank]).to(dev)
-            pos, tr, ids = inp.positions[mine], inp.token_req[mine], inp.input_ids[mine]
-            qsl = [0] + np.cumsum(sh.per_rank_counts[self.rank]).tolist()
-        meta = runner.metadata(inp, pos, tr, qsl)
-        meta.positions_cpu = (
-            inp.positions_np if sh is None else inp.positions_np[sh.per_rank[self.rank]]
+            step = super().shard(inp)
+            step.cp = self._cp(1, max(1, int(inp.num_scheduled[~inp.is_prefill].sum())))
+            return step
+        dev = inp.positions.device
+        sh = shard_tokens(inp.query_start_loc, inp.is_prefill, self.n)
+        mine = torch.from_numpy(sh.per_rank[self.rank]).to(dev)
+        g = torch.from_numpy(sh.gathered).to(dev)
+        gv = g.clamp_min(0)
+        decode_counts = sh.per_rank_counts[:, ~inp.is_prefill].sum(axis=1)
+        return RankStep(
+            input_ids=inp.input_ids[mine],
+            positions=inp.positions[mine],
+            token_req=inp.token_req[mine],
+            query_start_loc_cpu=[0] + np.cumsum(sh.per_rank_counts[self.rank]).tolist(),
+            positions_cpu=inp.positions_np[sh.per_rank[self.rank]],
+            kv_token_req=inp.token_req[gv],
+            kv_positions=torch.where(g >= 0, inp.positions[gv], -1),
+            cp=self._cp(sh.pad, max(1, int(decode_counts.max()))),
+            restore=torch.from_numpy(sh.restore).to(dev),
+            pad=sh.pad,
         )
-        meta.cp = meta.cp or self.attn
-        meta.dcp_size, meta.dcp_rank, meta.cp_interleave = (
-            self.dcp_size,
-            self.pc.dcp.rank_in_group,
-            self.interleave,
-        )
-        decode_counts = self._decode_counts(inp, sh)
-        meta.extras["decode_pad"] = max(1, int(decode_counts.max()))
-        if sh is None:
-            set_slot_mappings(meta, inp.token_req, inp.positions)
-        else:
-            g = torch.from_numpy(sh.gathered).to(dev)
-            gv = g.clamp_min(0)
-            meta.slot_mapping = torch.where(
-                g >= 0, meta.slots_for(inp.token_req[gv], inp.positions[gv]), -1
-            )
-            meta.extras["pcp_pad"] = sh.pad
-        hidden = runner.model(ids, pos, meta)
-        if sh is None:
+
+    def gather_hidden(self, hidden: torch.Tensor, step: RankStep) -> torch.Tensor:
+        if step.restore is None:
             return hidden
-        padded = hidden.new_zeros((sh.pad, hidden.shape[1]))
+        padded = hidden.new_zeros((step.pad, hidden.shape[1]))
         padded[: hidden.shape[0]] = hidden
         full = self.pc.pcp.all_gather(padded)  # [N·pad, hidden]
-        return full[torch.from_numpy(sh.restore).to(dev)]
+        return full[step.restore]
 
-    def _decode_counts(self, inp, sh: PCPShard | None) -> np.ndarray:
-        """Decode tokens held by each PCP rank (DCP pads its gathers to the largest)."""
-        dec = ~inp.is_prefill
-        if sh is None:
-            return np.array([int(inp.num_scheduled[dec].sum())])
-        return sh.per_rank_counts[:, dec].sum(axis=1)
+    def dummy_step(self, device: torch.device) -> RankStep:
+        """One padding token and no requests: the step's collectives (PCP gathers, TP reduces,
+        EP all-to-alls) run and match the other ranks; nothing is written."""
+        z = torch.zeros(1, dtype=torch.int64, device=device)
+        return RankStep(
+            input_ids=z,
+            positions=z,
+            token_req=z,
+            query_start_loc_cpu=[0],
+            positions_cpu=np.zeros(1, dtype=np.int64),
+            kv_token_req=torch.zeros(self.n, dtype=torch.int64, device=device),
+            kv_positions=torch.full((self.n,), -1, dtype=torch.int64, device=device),
+            cp=self._cp(1, 1),
+            restore=torch.zeros(1, dtype=torch.int64, device=device) if self.n > 1 else None,
+            pad=1,
+        )
 
     def broadcast_sampled(self, sampled: torch.Tensor) -> torch.Tensor:
         """Every rank of a replica continues from its first rank's tokens (no drift possible)."""
@@ -170,28 +196,8 @@ class CPPlanner(SingleRankPlanner):
             return sampled
         return rep.broadcast(sampled.contiguous(), src=0)
 
-    def dummy_forward(self, runner) -> None:
-        """One padding token and no requests: the step's collectives (PCP gathers, TP reduces,
-        EP all-to-alls) run and match the other ranks; nothing is written."""
-        dev = runner.device
-        pos = torch.zeros(1, dtype=torch.int64, device=dev)
-        meta = runner.empty_metadata(pos)
-        meta.cp = self.attn
-        meta.dcp_size, meta.dcp_rank, meta.cp_interleave = (
-            self.dcp_size,
-            self.pc.dcp.rank_in_group,
-            self.interleave,
-        )
-        meta.extras["decode_pad"] = 1
-        meta.extras["pcp_pad"] = 1
-        meta.slot_mapping = torch.full((self.n,), -1, dtype=torch.int64, device=dev)
-        hidden = runner.model(torch.zeros(1, dtype=torch.int64, device=dev), pos, meta)
-        if self.n > 1:
-            self.pc.pcp.all_gather(hidden)
 
-
-def make_cp_planner(config: VllmConfig, pc: ParallelContext, layout: KVCacheLayout):
-    par = config.parallel_config
+def make_cp_planner(par: ParallelConfig, pc: ParallelContext) -> SingleRankPlanner:
     if par.world_size_across_dp == 1:
         return SingleRankPlanner(pc)
-    return CPPlanner(config, pc, layout)
+    return CPPlanner(par, pc)

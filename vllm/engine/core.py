@@ -17,8 +17,9 @@ import msgspec
 import zmq
 
 from vllm.config import VllmConfig
+from vllm.core.messages import EngineCoreRequest, SchedulerOutput, encoder
 from vllm.core.scheduler import Scheduler
-from vllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, encoder
+from vllm.engine.messages import EngineCoreOutputs
 from vllm.utils import die_with_parent, init_logging, logger
 
 IDLE_POLL_MS = 100
@@ -33,7 +34,7 @@ class EngineCore:
         self.config = config
         self.dp_rank = dp_rank
         self.executor = MultiprocExecutor(config, dp_rank, dist_init)
-        self.scheduler = Scheduler(config, self.executor.num_blocks, self.executor.kv_plan)
+        self.scheduler = Scheduler(config, self.executor.kv_plan)
 
     def step(self, lockstep: bool = False) -> EngineCoreOutputs | None:
         """One model step. With `lockstep` (DP replicas sharing EP) the workers run a forward even

@@ -15,7 +15,8 @@ import msgspec
 import zmq
 
 from vllm.config import VllmConfig
-from vllm.engine.messages import EngineCoreOutputs, EngineCoreRequest, decoder, encoder
+from vllm.core.messages import EngineCoreRequest, decoder, encoder
+from vllm.engine.messages import EngineCoreOutputs
 from vllm.utils import (
     EngineDeadError,
     free_port,

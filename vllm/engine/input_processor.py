@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 
 from vllm.config import VllmConfig
-from vllm.engine.messages import EngineCoreRequest, SamplingOptions
+from vllm.core.messages import EngineCoreRequest, SamplingOptions
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizer import Tokenizer
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from vllm.engine.messages import EngineCoreOutput, TokenLogprobs
+from vllm.core.messages import EngineCoreOutput, TokenLogprobs
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.tokenizer import IncrementalDetokenizer, Tokenizer

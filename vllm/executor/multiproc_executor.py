@@ -13,7 +13,14 @@ import time
 import zmq
 
 from vllm.config import VllmConfig
-from vllm.engine.messages import ModelRunnerOutput, SchedulerOutput, WorkerMessage, decoder, encoder
+from vllm.core.messages import (
+    KVCachePlan,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerMessage,
+    decoder,
+    encoder,
+)
 from vllm.utils import EngineDeadError, ipc_addr, ipc_dir, send_nonblocking, stop_processes
 
 STARTUP_TIMEOUT_S = 1800.0
@@ -49,8 +56,14 @@ class MultiprocExecutor:
             self.procs.append(p)
             self.socks.append(sock)
         infos = self._collect("ready", self.world_size, STARTUP_TIMEOUT_S)
-        self.kv_plan = {k: min(m.info[k] for m in infos) for k in infos[0].info}
-        self.num_blocks = self.kv_plan["num_blocks"]
+        # every rank allocated the minimum over its replica's ranks; DP replicas may differ
+        plans = [m.kv_plan for m in infos]
+        self.kv_plan = KVCachePlan(
+            num_blocks=min(p.num_blocks for p in plans),
+            num_host_blocks=min(p.num_host_blocks for p in plans),
+            num_idx_blocks=min(p.num_idx_blocks for p in plans),
+        )
+        self.num_blocks = self.kv_plan.num_blocks
         self.dead: str | None = None
 
     def _check_alive(self) -> None:

@@ -16,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.core.block_pool import BlockPool
-from vllm.core.kv_cache_manager import KVCacheManager, cdiv
+from vllm.core.kv_cache_manager import KVCacheManager
+from vllm.core.messages import KVPageUpdate
 from vllm.core.request import Request
+from vllm.kv_cache_interface import cdiv
 
 
 @dataclass
@@ -50,10 +52,9 @@ class HiSparseKVManager(KVCacheManager):
         self.idx = BlockPool(num_idx_blocks, enable_caching=False)
         self.hot_blocks = cdiv(hot_rows, block_size)
         self.pages: dict[str, Pages] = {}
-        self.req_blocks = {}  # unused (base-class API)
         self.stats_dropped = 0
 
-    def max_chunk_tokens(self) -> int:
+    def max_chunk_tokens(self) -> int | None:
         """Largest prefill chunk whose pages fit in the GPU pool beside one hot-buffer lease."""
         pages = self.pool.num_blocks - self.hot_blocks - 1
         if pages < 1:
@@ -70,8 +71,20 @@ class HiSparseKVManager(KVCacheManager):
     def usage(self) -> float:
         return self.pool.usage()
 
-    def host_usage(self) -> float:
-        return self.host.usage()
+    def take_prefix_cache_stats(self) -> tuple[int, int]:
+        """The prefix cache is the host pool here."""
+        out = (self.host.stats_queries, self.host.stats_hits)
+        self.host.stats_queries = self.host.stats_hits = 0
+        return out
+
+    def extra_stats(self, worker_stats: dict[str, float]) -> dict[str, float]:
+        hits, misses = worker_stats.get("hisparse_hits", 0), worker_stats.get("hisparse_misses", 0)
+        return {
+            "hisparse_host_pool_usage_perc": self.host.usage(),
+            "hisparse_hot_hit_rate": hits / (hits + misses) if hits + misses else 1.0,
+            "hisparse_h2d_bytes_per_step": worker_stats.get("hisparse_h2d_bytes", 0),
+            "hisparse_pages_dropped_total": self.stats_dropped,
+        }
 
     # ---- prefix cache: host pages ------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
@@ -181,17 +194,17 @@ class HiSparseKVManager(KVCacheManager):
         return list(st.gpu) if st else []
 
     # ---- worker deltas ------------------------------------------------------------------------
-    def worker_update(self, req: Request, new: bool) -> dict:
+    def worker_update(self, req: Request, is_new: bool) -> KVPageUpdate:
         """What the workers must learn about this request's pages (all of it for a new request)."""
         st = self.pages[req.request_id]
-        lo = 0 if new else st.sent_pages
-        upd = {
-            "host": st.host[lo:],
-            "idx": st.idx[lo:],
-            "dropped": [] if new else st.dropped,
-            "restore": st.restore,
-            "hot": st.hot if (st.hot and (new or not st.hot_sent)) else [],
-        }
+        lo = 0 if is_new else st.sent_pages
+        upd = KVPageUpdate(
+            host=st.host[lo:],
+            idx=st.idx[lo:],
+            dropped=[] if is_new else st.dropped,
+            restore=st.restore,
+            hot=st.hot if (st.hot and (is_new or not st.hot_sent)) else [],
+        )
         st.sent_pages, st.dropped, st.restore = len(st.host), [], []
         st.hot_sent = bool(st.hot)
         return upd

@@ -1,86 +1,12 @@
-"""The HiSparse resolver: selected positions -> cache slots, fetching misses from host memory.
-
-For each decode token t (one per request) and each selected position p:
-  * resident: the page of p still has a GPU block  -> slot = block·64 + p % 64 (read in place);
-  * hit:      p is in the request's hot buffer      -> that hot row's slot; its LRU stamp refreshes;
-  * miss:     neither                               -> the least recently used hot row not hit by
-              this token is overwritten with p's row, copied from the host pool (every layer of
-              the IndexShare group at once), and becomes p's slot.
-Everything is tensor ops on the device: no host decision, no sync, fixed shapes (misses are masked,
-their no-op copies go to a trash slot), so it can run inside a CUDA graph.
-"""
+"""HiSparse row fetches: copy the resolver's missing rows from the pinned host pool into the GPU
+cache, on the current stream or ahead of time on a side stream (``prefetch``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class ResolveResult:
-    slots: torch.Tensor  # [T, K] GPU slots to read (−1 = no position)
-    src: torch.Tensor  # [T, K] host slots of rows to copy (valid where `miss`)
-    dest: torch.Tensor  # [T, K] GPU slots they go to (trash slot where not `miss`)
-    miss: torch.Tensor  # [T, K] bool
-    hits: torch.Tensor  # [] int64 hot-buffer hits
-    num_miss: torch.Tensor  # [] int64
-    num_resident: torch.Tensor  # [] int64
-
-
-def resolve(
-    positions: torch.Tensor,
-    req_slot: torch.Tensor,
-    page_table: torch.Tensor,
-    host_page_table: torch.Tensor,
-    hot_slots: torch.Tensor,
-    hot_pos: torch.Tensor,
-    hot_lru: torch.Tensor,
-    step: int,
-    trash_slot: int,
-    block_size: int = 64,
-) -> ResolveResult:
-    """positions [T, K] (−1 = none, one decode token per request); req_slot [T];
-    page_table/host_page_table [R, P] GPU / host block of each page (−1 = none);
-    hot_slots [R, H] GPU slot of each hot row; hot_pos / hot_lru [R, H + 1] (updated in place;
-    column H is a trash column that absorbs masked writes)."""
-    valid = positions >= 0
-    p = positions.clamp_min(0).long()
-    page, off = p // block_size, p % block_size
-    s = req_slot.long()
-    gblk = page_table[s.unsqueeze(1), page].long()
-    resident = valid & (gblk >= 0)
-    need = valid & ~resident
-    h_rows = hot_slots.shape[1]
-    hp = hot_pos[s, :h_rows]  # [T, H]
-    sorted_hp, order = torch.sort(hp, dim=1)
-    idx = torch.searchsorted(sorted_hp, p).clamp_max(hp.shape[1] - 1)
-    hit = need & (sorted_hp.gather(1, idx) == p)
-    hit_row = order.gather(1, idx)  # meaningful where hit
-    miss = need & ~hit
-    # victims: least recently used rows, never one this token hits
-    hit_count = torch.zeros_like(hp).scatter_add_(1, torch.where(hit, hit_row, 0), hit.long())
-    lru = hot_lru[s, :h_rows].masked_fill(hit_count > 0, torch.iinfo(hot_lru.dtype).max)
-    cand = torch.argsort(lru, dim=1, stable=True)
-    rank = (torch.cumsum(miss.long(), dim=1) - 1).clamp_min(0)
-    victim = cand.gather(1, rank)
-    hs = hot_slots[s]
-    dest = torch.where(miss, hs.gather(1, victim), trash_slot)
-    src = host_page_table[s.unsqueeze(1), page].long() * block_size + off
-    slots = torch.where(
-        resident, gblk * block_size + off, torch.where(hit, hs.gather(1, hit_row), dest)
-    )
-    slots = torch.where(valid, slots, -1)
-    # bookkeeping: new rows hold their positions; every used row gets this step's stamp. Unused
-    # entries write to the trash column H (no boolean indexing: no host sync, fixed shapes).
-    trash_col = hot_pos.shape[1] - 1
-    rows = torch.where(miss, victim, torch.where(hit, hit_row, trash_col))
-    r_idx = s.unsqueeze(1).expand_as(rows)
-    hot_pos[r_idx, torch.where(miss, victim, trash_col)] = torch.where(miss, p, -1)
-    hot_lru[r_idx, rows] = step
-    return ResolveResult(
-        slots, torch.where(miss, src, 0), dest, miss, hit.sum(), miss.sum(), resident.sum()
-    )
+from vllm.kernels.hisparse_resolve import ResolveResult
+from vllm.kernels.row_copy import masked_row_copy
 
 
 def apply_copies(
@@ -91,14 +17,7 @@ def apply_copies(
     caches' device (on CUDA: device views of pinned memory, see worker.device_view)."""
     for gpu, host in zip(gpu_caches, host_pools, strict=True):
         # on CUDA `host` is a device view of pinned memory: only missing rows cross PCIe
-        if gpu.is_cuda:
-            from vllm.kernels.row_copy import masked_row_copy
-
-            masked_row_copy(gpu, host, res.dest, res.src, res.miss)
-        else:
-            from vllm.kernels.row_copy import masked_row_copy_ref
-
-            masked_row_copy_ref(gpu, host, res.dest, res.src, res.miss)
+        masked_row_copy(gpu, host, res.dest, res.src, res.miss)
 
 
 def prefetch(

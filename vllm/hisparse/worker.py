@@ -1,5 +1,6 @@
-"""Worker side of HiSparse: device page tables, the host pool, page backups, and the attention
-data access (`HiSparseContext`) that the layers use through `meta.cp`.
+"""Worker side of HiSparse: device page tables, the host pool, page backups (``HiSparseWorker``,
+the runner's KV cache and step hooks), and how the layers reach offloaded rows
+(``HiSparseKVAccess``).
 
 Per request slot: `block_table` (the runner's) maps pages to GPU MLA blocks or −1; here
 `idx_table` maps pages to indexer blocks (always on GPU), `host_table` to host pages, and the hot
@@ -9,14 +10,27 @@ position each row holds) and `hot_lru` (last step it was used).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
-from vllm.attention.kv_cache import KVCacheLayout, read_indexer_cache_ref, read_mla_cache_ref
-from vllm.attention.layer import LocalContext, context_dtype
-from vllm.attention.metadata import MLAMetadata
-from vllm.attention.ops import dispatch
+from vllm.attention.kv_access import (
+    IndexerQuery,
+    KVAccess,
+    context_dtype,
+    local_decode_topk,
+    write_rows,
+)
+from vllm.attention.metadata import HiSparseMetadata, MLAMetadata
+from vllm.core.messages import CachedRequestData, KVCachePlan, KVPageUpdate, NewRequestData
 from vllm.hisparse.resolver import apply_copies, prefetch
+from vllm.kernels.hisparse_resolve import hisparse_resolve
+from vllm.kernels.kv_cache import read_indexer_cache, read_mla_cache
+from vllm.kernels.sparse_mla import sparse_mla_decode
+from vllm.kv_cache_interface import KVCacheLayout
+from vllm.worker.gpu.kv_cache import WorkerKVCache
+from vllm.worker.gpu.step_hooks import StepHooks
 
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -56,19 +70,25 @@ def _host_device_pointer(ptr: int) -> int:
     return ptr
 
 
-class HiSparseWorker:
+class HiSparseWorker(WorkerKVCache, StepHooks):
+    """This rank's HiSparse state: a device pool (resident pages and hot buffers), a pinned host
+    pool holding every completed page, the per-request page tables, and the step's backups."""
+
     def __init__(
         self,
-        model,
+        layers: list,
         layout: KVCacheLayout,
-        max_reqs: int,
+        block_table: torch.Tensor,
         max_pages: int,
         hot_rows: int,
+        host_pool_gib: float,
         device: torch.device,
+        num_blocks_override: int | None = None,
     ):
-        self.layout, self.device = layout, device
-        self.layers = model.attention_layers()
-        self.hot_rows = hot_rows
+        """``block_table``: the runner's [max_reqs, max_pages] device block per page (−1 once a
+        page is dropped), shared, not copied."""
+        super().__init__(layers, layout, 0, device, num_blocks_override)
+        self.block_table, self.hot_rows, self.host_pool_gib = block_table, hot_rows, host_pool_gib
         # IndexShare groups: a full layer and the shared layers that reuse its top-k
         self.group_of: list[int] = []
         self.groups: list[list[int]] = []
@@ -77,10 +97,7 @@ class HiSparseWorker:
                 self.groups.append([])
             self.groups[-1].append(i)
             self.group_of.append(len(self.groups) - 1)
-        for i, attn in enumerate(self.layers):
-            attn.hisparse_group = self.group_of[i]
-            attn.hisparse_index = i
-        g, r = len(self.groups), max_reqs
+        g, r = len(self.groups), block_table.shape[0]
         self.idx_table = torch.zeros(r, max_pages, dtype=torch.int32, device=device)
         self.host_table = torch.zeros(r, max_pages, dtype=torch.int64, device=device)
         self.host_np = np.zeros((r, max_pages), dtype=np.int64)
@@ -93,9 +110,10 @@ class HiSparseWorker:
         self.stats = torch.zeros(3, dtype=torch.int64, device=device)  # hits, misses, resident
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.backup_event = None
-        self.context = HiSparseContext(self)
+        self.step = 0
+        self.kv_access = HiSparseKVAccess(self)
 
-    # ---- memory ----------------------------------------------------------------------------------
+    # ---- memory (WorkerKVCache) --------------------------------------------------------------------
     def mla_bytes_per_block(self) -> int:
         return len(self.layers) * self.layout.mla_bytes_per_token * self.layout.block_size
 
@@ -106,58 +124,64 @@ class HiSparseWorker:
             * self.layout.block_size
         )
 
-    def allocate(self, num_gpu_blocks: int, num_host_blocks: int, num_idx_blocks: int) -> None:
-        """GPU MLA caches get one extra block: the trash target of masked copies."""
+    def plan(self, budget_bytes: int) -> KVCachePlan:
+        """Host pages from the pool size; indexer keys for every host page on the device; the
+        rest of the budget for device MLA pages (less one: the trash block of masked copies)."""
+        n_host = int(self.host_pool_gib * 2**30) // (
+            self.mla_bytes_per_block() + self.idx_bytes_per_block()
+        )
+        n_idx = n_host  # every token the host pool can hold keeps its indexer keys on the GPU
+        rest = budget_bytes - n_idx * self.idx_bytes_per_block()
+        n_gpu = self.num_blocks_override or rest // self.mla_bytes_per_block() - 1
+        return KVCachePlan(num_blocks=int(n_gpu), num_host_blocks=n_host, num_idx_blocks=n_idx)
+
+    def allocate(self, plan: KVCachePlan, kv_access: KVAccess) -> None:
+        """Device MLA caches get one extra block: the trash target of masked copies. Layers
+        reach their rows through ``self.kv_access`` whatever ``kv_access`` the runner offers
+        (HiSparse runs on one rank per replica: TP/DP/EP need nothing more)."""
         pin = self.device.type == "cuda"
-        self.trash_slot = num_gpu_blocks * self.layout.block_size
+        n_gpu, n_host, n_idx = plan.num_blocks, plan.num_host_blocks, plan.num_idx_blocks
+        self.trash_slot = n_gpu * self.layout.block_size
         self.host_mla, self.host_idx, self.host_mla_dev, self.host_idx_dev = [], [], [], []
         for attn in self.layers:
-            attn.kv_cache = self.layout.allocate_mla(num_gpu_blocks + 1, self.device)
-            attn.indexer_cache = (
-                self.layout.allocate_indexer(num_idx_blocks, self.device)
-                if attn.has_indexer
-                else None
-            )
-            h = self.layout.allocate_mla(num_host_blocks, "cpu", pin_memory=pin)
+            idx = self.layout.allocate_indexer(n_idx, self.device) if attn.has_indexer else None
+            attn.bind_kv(self.layout.allocate_mla(n_gpu + 1, self.device), idx, self.kv_access)
+            h = self.layout.allocate_mla(n_host, "cpu", pin_memory=pin)
             self.host_mla.append(h)
             self.host_mla_dev.append(device_view(h, self.device))
-            hi = (
-                torch.zeros(
-                    self.layout.indexer_cache_shape(num_host_blocks),
-                    dtype=self.layout.storage_dtype,
-                    pin_memory=pin,
-                )
-                if attn.has_indexer
-                else None
-            )
+            hi = None
+            if attn.has_indexer:
+                shape = self.layout.indexer_cache_shape(n_host)
+                hi = torch.zeros(shape, dtype=self.layout.storage_dtype, pin_memory=pin)
             self.host_idx.append(hi)
             self.host_idx_dev.append(device_view(hi, self.device) if hi is not None else None)
 
-    # ---- per-request tables ------------------------------------------------------------------
-    def on_add(self, slot: int, hs: dict) -> None:
+    # ---- per-request tables (StepHooks) ----------------------------------------------------------
+    def add_request(self, slot: int, req: NewRequestData) -> None:
         self.num_pages[slot] = 0
         self.hot_pos[:, slot] = -1
         self.hot_lru[:, slot] = 0
-        self._append(slot, hs)
-        self._restore(slot, hs.get("restore", []))
+        self._append(slot, req.kv_update)
+        self._restore(slot, req.kv_update.restore)
 
-    def on_update(self, slot: int, hs: dict) -> None:
-        self._append(slot, hs)
-        self._restore(slot, hs.get("restore", []))
+    def update_request(self, slot: int, req: CachedRequestData) -> None:
+        upd = req.kv_update
+        if upd.dropped:
+            self.block_table[slot, upd.dropped] = -1
+        self._append(slot, upd)
+        self._restore(slot, upd.restore)
 
-    def _append(self, slot: int, hs: dict) -> None:
-        n0, new = int(self.num_pages[slot]), len(hs["host"])
+    def _append(self, slot: int, upd: KVPageUpdate) -> None:
+        n0, new = int(self.num_pages[slot]), len(upd.host)
         if new:
-            self.host_np[slot, n0 : n0 + new] = hs["host"]
-            self.host_table[slot, n0 : n0 + new] = torch.tensor(hs["host"], dtype=torch.int64)
-            self.idx_table[slot, n0 : n0 + new] = torch.tensor(hs["idx"], dtype=torch.int32)
+            self.host_np[slot, n0 : n0 + new] = upd.host
+            self.host_table[slot, n0 : n0 + new] = torch.tensor(upd.host, dtype=torch.int64)
+            self.idx_table[slot, n0 : n0 + new] = torch.tensor(upd.idx, dtype=torch.int32)
             self.num_pages[slot] = n0 + new
-        if hs.get("hot"):
+        if upd.hot:
             bs = self.layout.block_size
-            rows = (torch.tensor(hs["hot"]).unsqueeze(1) * bs + torch.arange(bs)).flatten()[
-                : self.hot_rows
-            ]
-            self.hot_slots[slot] = rows.to(self.device)
+            rows = (torch.tensor(upd.hot).unsqueeze(1) * bs + torch.arange(bs)).flatten()
+            self.hot_slots[slot] = rows[: self.hot_rows].to(self.device)
             self.hot_pos[:, slot] = -1
 
     def _restore(self, slot: int, pages: list[int]) -> None:
@@ -170,10 +194,45 @@ class HiSparseWorker:
             if h is not None:
                 words(attn.indexer_cache)[dst] = words(h)[src]
 
-    # ---- page backups -------------------------------------------------------------------------------
-    def backup(
-        self, block_table: torch.Tensor, idx_np: np.ndarray, start: np.ndarray, seq_lens: np.ndarray
-    ) -> None:
+    # ---- the step (StepHooks) --------------------------------------------------------------------
+    def before_forward(self, inp) -> None:
+        """Blocks freed by drops may be reused this step: order after last step's backups."""
+        self.step += 1
+        if self.backup_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.backup_event)
+
+    def build_metadata(self, inp, meta: MLAMetadata) -> None:
+        bs = self.layout.block_size
+        idx_bt = self.idx_table[inp.idx_mapping]
+        pos = inp.positions.long()
+        meta.hisparse = HiSparseMetadata(
+            step=self.step,
+            req_slots=inp.idx_np.tolist(),
+            req_slots_t=inp.idx_mapping,
+            block_table_full=self.block_table,
+            idx_block_table=idx_bt,
+            idx_slot_mapping=idx_bt[inp.token_req.long(), pos // bs].long() * bs + pos % bs,
+        )
+
+    def after_forward(self, inp) -> None:
+        self.backup(inp.idx_np, inp.start, inp.seq_lens)
+
+    def device_stats(self) -> dict[str, torch.Tensor]:
+        s = self.stats.clone()
+        self.stats.zero_()
+        return {"hisparse": s}
+
+    def host_stats(self, host: dict[str, torch.Tensor]) -> dict[str, float]:
+        hits, misses, resident = host["hisparse"].tolist()
+        return {
+            "hisparse_hits": hits,
+            "hisparse_misses": misses,
+            "hisparse_resident": resident,
+            "hisparse_h2d_bytes": misses * self.layout.mla_bytes_per_token,
+        }
+
+    # ---- page backups ----------------------------------------------------------------------------
+    def backup(self, idx_np: np.ndarray, start: np.ndarray, seq_lens: np.ndarray) -> None:
         """Copy pages completed this step (MLA rows of every layer + indexer keys) to the host."""
         bs = self.layout.block_size
         pages, slots = [], []
@@ -186,7 +245,7 @@ class HiSparseWorker:
             return
         s_t = torch.tensor(slots, device=self.device)
         p_t = torch.tensor(pages, device=self.device)
-        gpu = block_table[s_t, p_t].long()
+        gpu = self.block_table[s_t, p_t].long()
         idx = self.idx_table[s_t, p_t].long()
         host = torch.from_numpy(self.host_np[slots, pages]).to(self.device)
         stream = self.copy_stream
@@ -195,7 +254,7 @@ class HiSparseWorker:
             for t in (gpu, idx, host):
                 t.record_stream(stream)
         # the GPU writes straight into pinned host memory (device views): asynchronous, no sync
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for i, attn in enumerate(self.layers):
                 words(self.host_mla_dev[i]).index_copy_(0, host, words(attn.kv_cache)[gpu])
                 if attn.has_indexer:
@@ -204,30 +263,27 @@ class HiSparseWorker:
             self.backup_event = torch.cuda.Event()
             self.backup_event.record(stream)
 
-    def before_step(self) -> None:
-        """Blocks freed by drops may be reused this step: order after last step's backups."""
-        if self.backup_event is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.backup_event)
 
-    def take_stats(self) -> torch.Tensor:
-        s = self.stats.clone()
-        self.stats.zero_()
-        return s
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-class HiSparseContext(LocalContext):
-    """Attention data access with offloaded pages (single rank; TP/DP/EP need nothing more)."""
+class HiSparseKVAccess(KVAccess):
+    """Attention data access with offloaded pages (one rank holds every page of its requests):
+    new rows go to the device pool (indexer keys to their own pool), a prefill's context reads
+    resident pages in place and dropped ones from the host pool, decode resolves each selected
+    position to a resident row, a hot-buffer row, or a row fetched from host memory."""
 
     def __init__(self, hs: HiSparseWorker):
         self.hs = hs
+
+    def write(self, attn, kv_c, k_pe, index_k, meta):
+        # no HiSparse part in a step without requests (a DP dummy step): every slot is −1 there
+        hm = meta.hisparse
+        write_rows(
+            attn,
+            kv_c,
+            k_pe,
+            index_k,
+            meta,
+            meta.slot_mapping if hm is None else hm.idx_slot_mapping,
+        )
 
     def prefill_context(self, attn, meta: MLAMetadata, r: int, need_index: bool):
         """Full context of request row r: resident pages read in place, dropped ones from host."""
@@ -235,68 +291,70 @@ class HiSparseContext(LocalContext):
         bs = meta.layout.block_size
         dev = meta.positions.device
         pos = torch.arange(s, device=dev)
-        slot = meta.extras["req_slots"][r]
+        slot = meta.hisparse.req_slots[r]
         gblk = meta.block_table[r, pos // bs].long()
         on_gpu = gblk >= 0
         cache = words(attn.kv_cache.view(-1, attn.kv_cache.shape[-1]))
         raw_g = cache[(gblk * bs + pos % bs).clamp_min(0)]
-        i = attn.hisparse_index
-        host = self.hs.host_mla_dev[i]
+        host = self.hs.host_mla_dev[attn.layer_idx]
         hslot = self.hs.host_table[slot, pos // bs] * bs + pos % bs
         # rows resident on the GPU all read one host row instead of their own (no sync to skip
         # them; the link then carries only the dropped rows)
         hslot = torch.where(on_gpu, hslot[:1], hslot)
         raw_h = words(host.view(-1, host.shape[-1]))[hslot]
         raw = torch.where(on_gpu.unsqueeze(1), raw_g, raw_h).view(attn.kv_cache.dtype)
-        rows = read_mla_cache_ref(raw.unsqueeze(0), pos, meta.layout, context_dtype(attn.kv_cache))
+        rows = read_mla_cache(raw.unsqueeze(0), pos, meta.layout, context_dtype(attn.kv_cache))
         idx = None
         if need_index:
             islots = self.hs.idx_table[slot, pos // bs].long() * bs + pos % bs
-            idx = read_indexer_cache_ref(attn.indexer_cache, islots, meta.layout)
+            idx = read_indexer_cache(attn.indexer_cache, islots, meta.layout)
         return rows, idx
 
-    def decode_attend(self, attn, meta: MLAMetadata, q_abs, tok, topk_pos):
-        hs = self.hs
-        g = attn.hisparse_group
-        key = ("hisparse_slots", g)
-        ready = ("hisparse_ready", attn.hisparse_index)
-        if attn.has_indexer or key not in meta.extras:
-            req_slot = meta.extras["req_slots_t"][meta.token_req[tok]]
-            res = dispatch.hisparse_resolve(
-                topk_pos,
-                req_slot,
-                meta.block_table_full,
-                hs.host_table,
-                hs.hot_slots,
-                hs.hot_pos[g],
-                hs.hot_lru[g],
-                meta.extras["step"],
-                hs.trash_slot,
-                meta.layout.block_size,
-            )
-            group = hs.groups[g]
-            me = attn.hisparse_index
-            # this layer's missing rows now; the shared layers' on the copy stream, so that the
-            # PCIe-bound fetch overlaps this layer's attention and MLP (each shared layer waits
-            # for its own rows only)
-            apply_copies(res, [hs.layers[me].kv_cache], [hs.host_mla_dev[me]])
-            rest = [i for i in group if i != me]
-            if rest:
-                events = prefetch(
-                    res,
-                    [hs.layers[i].kv_cache for i in rest],
-                    [hs.host_mla_dev[i] for i in rest],
-                    hs.copy_stream,
-                )
-                for i, ev in zip(rest, events, strict=True):
-                    meta.extras[("hisparse_ready", i)] = ev
-            hs.stats += torch.stack([res.hits, res.num_miss * len(group), res.num_resident])
-            meta.extras[key] = res.slots
+    def decode_topk(self, attn, meta: MLAMetadata, iq: IndexerQuery):
+        return local_decode_topk(attn, meta, iq, meta.hisparse.idx_block_table)
+
+    def decode_attend(self, attn, meta: MLAMetadata, q_abs, topk_pos):
+        hs, hm = self.hs, meta.hisparse
+        me = attn.layer_idx
+        g = hs.group_of[me]
+        if attn.has_indexer or g not in hm.group_slots:
+            self._resolve(meta, g, me, topk_pos)
         else:
-            ev = meta.extras.pop(ready, None)
+            ev = hm.ready.pop(me, None)
             if ev is not None:
                 torch.cuda.current_stream(q_abs.device).wait_event(ev)
-        out, _ = dispatch.sparse_mla_decode(
-            q_abs, attn.kv_cache, meta.extras[key], meta.layout, attn.scale
-        )
+        out, _ = sparse_mla_decode(q_abs, attn.kv_cache, hm.group_slots[g], meta.layout, attn.scale)
         return out
+
+    def _resolve(self, meta: MLAMetadata, g: int, me: int, topk_pos: torch.Tensor) -> None:
+        """Map the group's selected positions to slots; fetch this layer's missing rows now and
+        the group's shared layers' on the copy stream, so that the PCIe-bound fetch overlaps this
+        layer's attention and MLP (each shared layer waits for its own rows only)."""
+        hs, hm = self.hs, meta.hisparse
+        req_slot = hm.req_slots_t[meta.token_req[meta.decode_tokens]]
+        res = hisparse_resolve(
+            topk_pos,
+            req_slot,
+            hm.block_table_full,
+            hs.host_table,
+            hs.hot_slots,
+            hs.hot_pos[g],
+            hs.hot_lru[g],
+            hm.step,
+            hs.trash_slot,
+            meta.layout.block_size,
+        )
+        group = hs.groups[g]
+        apply_copies(res, [hs.layers[me].kv_cache], [hs.host_mla_dev[me]])
+        rest = [i for i in group if i != me]
+        if rest:
+            events = prefetch(
+                res,
+                [hs.layers[i].kv_cache for i in rest],
+                [hs.host_mla_dev[i] for i in rest],
+                hs.copy_stream,
+            )
+            for i, ev in zip(rest, events, strict=True):
+                hm.ready[i] = ev
+        hs.stats += torch.stack([res.hits, res.num_miss * len(group), res.num_resident])
+        hm.group_slots[g] = res.slots

@@ -1,19 +1,53 @@
-"""Triton kernels for the sparse-MLA path on Hopper (SPEC §3, §10; issue 5).
+"""The ops of the sparse-MLA path: one module per op, each holding its public function (the
+docstring is the spec), the one place that picks the implementation for a call, the plain-torch
+reference (``<op>_ref``) that defines the semantics, and the cost model (``<op>_cost``):
 
-One module per op, each with a public wrapper whose docstring is the spec, a private
-``_..._kernel``, the plain-torch reference it must match and a ``..._cost(shape) -> (flops, bytes)``:
+  * ``kv_cache``          quantise + scatter new rows into the fp8_ds_mla / indexer caches; reads
+  * ``sparse_mla``        sparse-MLA attention, MQA form (decode over the paged cache, prefill
+                          over a flat context)
+  * ``merge_attn``        LSE merge of partial attentions (DCP combine, split-K combine)
+  * ``indexer``           lightning-indexer scores, top-k selection, the DCP top-k merge
+  * ``hisparse_resolve``  HiSparse: selected positions -> cache slots, hot-buffer LRU
+  * ``moe``               routed SwiGLU experts
 
-  * ``kv_write``           quantise + scatter new rows into the fp8_ds_mla / indexer caches
-  * ``sparse_mla_fwd``     the one sparse-MLA attention kernel (MQA: a KV row serves every head)
-  * ``sparse_mla_decode``  paged decode over the fp8_ds_mla or bf16 cache (split-K + merge)
-  * ``sparse_mla_prefill`` MQA prefill over a flat bf16/fp32 context
-  * ``merge_attn``         LSE merge of partial attentions (DCP combine, split-K combine)
-  * ``indexer_logits``     lightning-indexer scores (prefill over flat keys, decode over pages)
-  * ``topk``               exact top-k selection by radix select (score desc, position asc)
-  * ``moe_grouped``        routed experts as two grouped GEMMs, no host sync (opt-in)
-
-Nothing outside ``vllm/attention/ops/dispatch.py`` should import these modules: it decides when the
-fast kernels run (CUDA tensors) and when the references do (CPU, VLLM_USE_REF_KERNELS=1). The one
-exception is ``moe_grouped``, which ``vllm/model_executor/layers/moe.py`` imports when
-VLLM_MOE_BACKEND=grouped. Importing this package does not import Triton; the op modules do.
+Implementations: Triton kernels in ``vllm/kernels/triton/`` (any CUDA GPU, and the Triton CPU
+interpreter in tests), the Gluon warp-specialised kernel for Hopper (``sparse_mla_ws``), and the
+CUDA C++ FP8 decode kernel for Hopper built ahead of time into ``vllm._C`` (``csrc/``, wrapped by
+``sparse_mla_cuda``). CUDA tensors take the kernels; CPU tensors, and every tensor when
+``VLLM_USE_REF_KERNELS=1`` (a debugging switch: the whole model on the references), take the
+references. Importing this package or an op module does not import Triton: an op imports its
+implementation on its first CUDA call. Nothing here imports from the floors above (attention,
+model, engine); shapes and byte layouts come from ``vllm.kv_cache_interface``.
 """
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+_MODULES: dict[str, ModuleType | None] = {}
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Whether an op on ``t`` runs a compiled kernel (CUDA tensors) or its reference."""
+    return t.is_cuda and os.environ.get("VLLM_USE_REF_KERNELS", "0") != "1"
+
+
+def kernel_module(name: str, t: torch.Tensor, supported: bool = True) -> ModuleType | None:
+    """``vllm.kernels.<name>`` (imported once) when ``t`` takes the kernel path and the call is
+    ``supported`` by it; None otherwise, and where Triton is not installed."""
+    if not (supported and use_kernels(t)):
+        return None
+    if name not in _MODULES:
+        try:
+            _MODULES[name] = importlib.import_module(f"vllm.kernels.{name}")
+        except ImportError:  # no Triton: the references everywhere
+            _MODULES[name] = None
+    return _MODULES[name]
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0

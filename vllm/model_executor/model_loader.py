@@ -19,7 +19,7 @@ from safetensors import safe_open
 from vllm.model_executor.layers.linear import (
     FP8_DTYPE,
     Linear,
-    dequant_block_fp8_ref,
+    dequant_block_fp8,
     shard_cols,
     shard_rows,
 )
@@ -140,11 +140,11 @@ class _Loader:
                 self.params[target] = module.weight
             else:
                 if scale is not None:
-                    t = dequant_block_fp8_ref(t, scale, self.arch.fp8_block_size, torch.float32)
+                    t = dequant_block_fp8(t, scale, self.arch.fp8_block_size, torch.float32)
                 param.data.copy_(module.shard_full(t).to(param.dtype))
         else:
             if scale is not None:
-                t = dequant_block_fp8_ref(t, scale, self.arch.fp8_block_size, torch.float32)
+                t = dequant_block_fp8(t, scale, self.arch.fp8_block_size, torch.float32)
             if tuple(t.shape) != tuple(param.shape):
                 raise CheckpointError(
                     f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(param.shape)}"
@@ -176,7 +176,7 @@ class _Loader:
             return  # another EP rank's expert
         t, scale = self._read(name)
         if scale is not None:
-            t = dequant_block_fp8_ref(t, scale, self.arch.fp8_block_size, torch.float32)
+            t = dequant_block_fp8(t, scale, self.arch.fp8_block_size, torch.float32)
         a = self.arch
         inter_full, h = a.moe_intermediate_size, a.hidden_size
         expect = (h, inter_full) if kind == "down_proj" else (inter_full, h)

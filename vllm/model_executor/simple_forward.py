@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm.attention.kv_cache import KVCacheLayout, cdiv
-from vllm.attention.metadata import MLAMetadata
+from vllm.attention.kv_access import LocalKVAccess
+from vllm.attention.metadata import MLAMetadata, decode_token_rows
+from vllm.kv_cache_interface import KVCacheLayout, cdiv
 
 
 class SimpleKV:
@@ -20,10 +21,8 @@ class SimpleKV:
         n = self.blocks_per_req * num_reqs
         self.block_table = torch.arange(n, dtype=torch.int32, device=device).view(num_reqs, -1)
         for attn in model.attention_layers():
-            attn.kv_cache = self.layout.allocate_mla(n, device)
-            attn.indexer_cache = (
-                self.layout.allocate_indexer(n, device) if attn.has_indexer else None
-            )
+            idx = self.layout.allocate_indexer(n, device) if attn.has_indexer else None
+            attn.bind_kv(self.layout.allocate_mla(n, device), idx, LocalKVAccess())
         self.index_topk = arch.index_topk
 
     def metadata(
@@ -59,6 +58,7 @@ class SimpleKV:
             use_dense_cpu=dense,
             slot_mapping=torch.zeros(0, dtype=torch.long, device=dev),
             positions_cpu=torch.cat(positions).numpy(),  # as the runner passes it
+            decode_tokens=decode_token_rows(qsl, prefill, dev),
         )
         meta.slot_mapping = meta.slots_for(tr, pos)
         return meta, pos

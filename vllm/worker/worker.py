@@ -7,11 +7,12 @@ import os
 import signal
 import traceback
 
+import msgspec
 import torch
 import zmq
 
 from vllm.config import VllmConfig
-from vllm.engine.messages import SchedulerOutput, WorkerMessage, decoder, encoder
+from vllm.core.messages import KVCachePlan, SchedulerOutput, WorkerMessage, decoder, encoder
 from vllm.utils import die_with_parent, init_logging, logger
 
 ACTIVATION_RESERVE_GIB = float(os.environ.get("VLLM_CUDA_ACTIVATION_RESERVE_GIB", "4"))
@@ -24,7 +25,7 @@ def _device(config: VllmConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _kv_plan(config: VllmConfig, runner, device: torch.device) -> dict:
+def _kv_plan(config: VllmConfig, runner, device: torch.device) -> KVCachePlan:
     cc = config.cache_config
     if cc.kv_cache_memory_bytes is not None:
         budget = cc.kv_cache_memory_bytes
@@ -36,7 +37,7 @@ def _kv_plan(config: VllmConfig, runner, device: torch.device) -> dict:
         reserve = runner.activation_bytes() + ACTIVATION_RESERVE_GIB * 2**30
         budget = int(total * cc.gpu_memory_utilization - used - reserve)
     plan = runner.plan_kv(budget)
-    if plan["num_blocks"] < 1:
+    if plan.num_blocks < 1:
         raise RuntimeError(
             f"no room for the KV cache: {budget} bytes available, one block needs {runner.kv_bytes_per_block()} "
             "(raise --gpu-memory-utilization or --kv-cache-memory-bytes, or lower "
@@ -69,7 +70,7 @@ def worker_main(
 
 
 def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
-    from vllm.distributed.parallel_state import init_distributed
+    from vllm.distributed.groups import init_distributed
     from vllm.model_executor.model_loader import build_model
     from vllm.worker.gpu.model_runner import ModelRunner
 
@@ -91,11 +92,13 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
         progress=rank_in_replica == 0 and os.environ.get("VLLM_NO_PROGRESS", "0") != "1",
     )
     runner = ModelRunner(config, model, pc, device)
-    plan = {k: pc.min_over_world(v) for k, v in _kv_plan(config, runner, device).items()}
-    runner.initialize_kv_cache(**plan)
+    plan = _kv_plan(config, runner, device)
+    # every rank of the replica allocates the same number of blocks of each pool
+    plan = KVCachePlan(*(pc.min_over_world(n) for n in msgspec.structs.astuple(plan)))
+    runner.initialize_kv_cache(plan)
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
-    out.send(enc.encode(WorkerMessage(rank=global_rank, kind="ready", info=plan)))
+    out.send(enc.encode(WorkerMessage(rank=global_rank, kind="ready", kv_plan=plan)))
     dec = decoder(SchedulerOutput)
     driver = rank_in_replica == 0
     prof = _StepProfiler(global_rank)

@@ -65,12 +65,12 @@ def parse_serve_config(name: str, command: str, num_gpus: int | None = None) -> 
                 f"configuration {name!r}: leave out {flag}; the runner picks a free port on "
                 "127.0.0.1 for every level"
             )
-    from vllm.entrypoints.cli.main import build_parser
+    from vllm.entrypoints.openai.cli_args import make_serve_parser
 
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            ns = build_parser().parse_args(["serve", *args])
+            ns = make_serve_parser().parse_args(args)
     except SystemExit:
         msg = err.getvalue().strip().splitlines()
         detail = msg[-1] if msg else "invalid arguments"

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from vllm.engine.messages import SchedulerOutput
+from vllm.core.messages import SchedulerOutput
 
 
 class KVConnectorBase:

@@ -12,23 +12,14 @@ import sys
 
 
 def _serve_parser(sub) -> None:
-    from vllm.engine.arg_utils import DEFAULT_MODEL, add_engine_args
-    from vllm.entrypoints.openai.api_server import add_server_args
+    from vllm.entrypoints.openai.cli_args import add_serve_args
 
     p = sub.add_parser(
         "serve",
         help="start the OpenAI-compatible server",
         description="Serve a GLM-5.3-family checkpoint over the OpenAI API.",
     )
-    p.add_argument(
-        "model",
-        nargs="?",
-        default=DEFAULT_MODEL,
-        help=f"HF checkpoint folder (default: {DEFAULT_MODEL}, the built-in tiny checkpoint)",
-    )
-    p.add_argument("--model", dest="model_flag", default=None, help="same as the positional MODEL")
-    add_engine_args(p)
-    add_server_args(p)
+    add_serve_args(p)
     p.set_defaults(func=_serve)
 
 

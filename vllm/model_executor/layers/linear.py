@@ -14,7 +14,7 @@ from torch import nn
 FP8_DTYPE = torch.float8_e4m3fn
 
 
-def dequant_block_fp8_ref(
+def dequant_block_fp8(
     w: torch.Tensor,
     scale_inv: torch.Tensor,
     block: tuple[int, int],
@@ -27,10 +27,10 @@ def dequant_block_fp8_ref(
     return (w.float() * s).to(dtype)
 
 
-def quant_block_fp8_ref(
+def quant_block_fp8(
     w: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`dequant_block_fp8_ref` with scale = tile amax / 448 (writes FP8 checkpoints)."""
+    """Inverse of :func:`dequant_block_fp8` with scale = tile amax / 448 (writes FP8 checkpoints)."""
     n, k = w.shape
     bn, bk = block
     gn, gk = -(-n // bn), -(-k // bk)
@@ -115,7 +115,7 @@ class Linear(nn.Module):
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.is_fp8:
-            return dequant_block_fp8_ref(self.weight, self.weight_scale_inv, self.block, dtype)
+            return dequant_block_fp8(self.weight, self.weight_scale_inv, self.block, dtype)
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

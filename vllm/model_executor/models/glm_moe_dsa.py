@@ -14,12 +14,13 @@ from torch import nn
 
 from vllm.attention.layer import IndexerInputs, SparseMLAAttention
 from vllm.attention.metadata import MLAMetadata
-from vllm.attention.ops.hadamard import hadamard_ref
 from vllm.config.arch import ModelArch
 from vllm.distributed.parallel_state import ParallelContext
+from vllm.kernels.moe import fused_experts
+from vllm.model_executor.layers.hadamard import hadamard_transform
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import Linear
-from vllm.model_executor.layers.moe import experts_forward, route_ref
+from vllm.model_executor.layers.moe import route_tokens
 from vllm.model_executor.layers.rotary import apply_rope, rope_cos_sin
 
 
@@ -70,11 +71,11 @@ class Indexer(nn.Module):
             dim=-1,
         )
         w = self.weights_proj(x.float()) * self.w_scale  # [T, Hi_local]
-        q = hadamard_ref(q)
+        q = hadamard_transform(q)
         # every TP rank scores with all indexer heads (the indexer's work is not split by TP)
         q = self.tp.all_gather(q, dim=1)
         w = self.tp.all_gather(w, dim=1)
-        return IndexerInputs(q=q, w=w, k=hadamard_ref(k))
+        return IndexerInputs(q=q, w=w, k=hadamard_transform(k))
 
 
 class MLAAttention(nn.Module):
@@ -197,7 +198,7 @@ class Router(nn.Module):
     def forward(self, x):
         a = self.arch
         logits = nn.functional.linear(x.float(), self.weight.float())
-        return route_ref(
+        return route_tokens(
             logits,
             self.e_score_correction_bias,
             a.num_experts_per_tok,
@@ -214,23 +215,13 @@ class Experts(nn.Module):
 
     def __init__(self, arch: ModelArch, pc: ParallelContext, dtype: torch.dtype):
         super().__init__()
-        e, inter, h = arch.n_routed_experts, arch.moe_intermediate_size, arch.hidden_size
+        inter, h = arch.moe_intermediate_size, arch.hidden_size
         self.ep, self.pc = pc.ep, pc
-        if self.ep is not None:
-            if e % self.ep.world_size:
-                raise ValueError(
-                    f"{e} routed experts do not split across {self.ep.world_size} EP ranks"
-                )
-            self.num_local = e // self.ep.world_size
-            self.expert_start = self.ep.rank_in_group * self.num_local
+        self.expert_start, self.num_local = pc.expert_shard(arch.n_routed_experts)
+        if self.ep is not None:  # whole experts, full width
             self.tp_size, self.tp_rank = 1, 0
-        else:
-            self.num_local, self.expert_start = e, 0
+        else:  # every expert, TP-sharded intermediates
             self.tp_size, self.tp_rank = pc.tp.world_size, pc.tp.rank_in_group
-            if inter % self.tp_size:
-                raise ValueError(
-                    f"moe_intermediate_size {inter} does not split across TP {self.tp_size}"
-                )
             inter //= self.tp_size
         self.inter = inter
         self.w13_weight = nn.Parameter(
@@ -250,7 +241,7 @@ class Experts(nn.Module):
         return self._local(x, weights, ids)
 
     def _local(self, x, weights, ids):
-        return experts_forward(x, self.w13_weight, self.w2_weight, ids, weights, self.expert_start)
+        return fused_experts(x, self.w13_weight, self.w2_weight, ids, weights, self.expert_start)
 
 
 class MoE(nn.Module):

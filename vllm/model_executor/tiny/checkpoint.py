@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from vllm.config.arch import GLM_5_3, ModelArch
-from vllm.model_executor.layers.linear import quant_block_fp8_ref
+from vllm.model_executor.layers.linear import quant_block_fp8
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 
@@ -225,7 +225,7 @@ def write_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
         if fp8 and name.endswith(_FP8_SUFFIXES):
-            q, s = quant_block_fp8_ref(t)
+            q, s = quant_block_fp8(t)
             tensors[name], tensors[name[: -len("weight")] + "weight_scale_inv"] = q, s
         elif name.endswith(("e_score_correction_bias", "mlp.gate.weight", "weights_proj.weight")):
             tensors[name] = t.float().contiguous()

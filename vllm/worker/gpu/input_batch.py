@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm.engine.messages import SchedulerOutput
+from vllm.core.messages import SchedulerOutput
 from vllm.worker.gpu.states import RequestStates
 
 

@@ -1,10 +1,12 @@
 """Model Runner V2.
 
 What belongs here: what every model step needs — applying the scheduler's changes to the
-persistent request state, building the step's inputs, running the model, sampling, and handing
-back sampled tokens with exactly one device→host sync. What does not: model math (model files),
-where tokens and KV live across ranks (`distributed/pcp_manager.py` behind `self.cp`), moving KV
-to or from other engines (the KV connector, a no-op unless configured).
+persistent request state, building the step's inputs and attention metadata, running the model,
+sampling, and handing back sampled tokens with exactly one device→host sync. What does not: model
+math (model files), where tokens and KV live across ranks (the token planner,
+`distributed/pcp_manager.py`, and the layers' KV access, chosen once at start-up), features with
+state beside the model (their `StepHooks`, e.g. HiSparse), moving KV to or from other engines (the
+KV connector, a no-op unless configured).
 """
 
 from __future__ import annotations
@@ -12,15 +14,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.attention.kv_cache import KVCacheLayout, cdiv, kv_bytes_per_token
-from vllm.attention.metadata import MLAMetadata
+from vllm.attention.kv_access import KVAccess, LocalKVAccess
+from vllm.attention.metadata import MLAMetadata, decode_token_rows
 from vllm.config import VllmConfig
+from vllm.core.messages import KVCachePlan, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector
 from vllm.distributed.parallel_state import ParallelContext
-from vllm.engine.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from vllm.distributed.pcp_manager import RankStep, make_cp_planner
+from vllm.kv_cache_interface import KVCacheLayout, cdiv, kv_bytes_per_token
 from vllm.worker.gpu.input_batch import StepInputs, build_step_inputs
+from vllm.worker.gpu.kv_cache import WorkerKVCache
 from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample
+from vllm.worker.gpu.staging import HostStaging
 from vllm.worker.gpu.states import RequestStates
+from vllm.worker.gpu.step_hooks import StepHooks
 
 
 class ModelRunner:
@@ -45,24 +52,40 @@ class ModelRunner:
         self.connector = connector or NoOpConnector()
         self.force_mqa = config.attention_config.sparse_mla_force_mqa
         self.num_blocks = 0
-        from vllm.distributed.pcp_manager import make_cp_planner
-
-        self.cp = make_cp_planner(config, pc, self.layout)
-        from vllm.worker.gpu.staging import HostStaging
-
+        self.planner = make_cp_planner(config.parallel_config, pc)
         self.staging = HostStaging(device)
-        self.hisparse = None
-        if config.attention_config.hisparse is not None:
+        self.kv_cache, self.hooks, self.kv_access = self._kv_features()
+
+    def _kv_features(self) -> tuple[WorkerKVCache, StepHooks, KVAccess]:
+        """Where this rank's KV lives, chosen once: the device cache (rows reached locally, or
+        across the DCP group), or HiSparse's device + host pools (also the step's hooks)."""
+        cfg = self.config
+        layers = self.model.attention_layers()
+        override = cfg.cache_config.num_gpu_blocks_override
+        hs_cfg = cfg.attention_config.hisparse
+        if hs_cfg is not None:
             from vllm.hisparse.worker import HiSparseWorker
 
-            self.hisparse = HiSparseWorker(
-                model,
+            hs = HiSparseWorker(
+                layers,
                 self.layout,
-                config.scheduler_config.max_num_seqs,
+                self.states.block_table,
                 self.max_blocks_per_req,
-                config.hot_buffer_rows,
-                device,
+                cfg.hot_buffer_rows,
+                hs_cfg.host_pool_gib,
+                self.device,
+                override,
             )
+            return hs, hs, hs.kv_access
+        par = cfg.parallel_config
+        if par.decode_context_parallel_size > 1:
+            from vllm.distributed.cp_attention import DCPKVAccess
+
+            access = DCPKVAccess(self.pc, par.dcp_comm_backend, par.cp_kv_cache_interleave_size)
+        else:
+            access = LocalKVAccess(self.pc.pcp)
+        kv = WorkerKVCache(layers, self.layout, self.kv_bytes_per_block(), self.device, override)
+        return kv, StepHooks(), access
 
     # ---- KV cache ------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -85,36 +108,13 @@ class ModelRunner:
             pcp_size=self.pc.pcp.world_size,
         )
 
-    def plan_kv(self, budget_bytes: int) -> dict:
+    def plan_kv(self, budget_bytes: int) -> KVCachePlan:
         """Blocks per pool for a KV budget (bytes of device memory on this rank)."""
-        cc = self.config.cache_config
-        if self.hisparse is None:
-            n = cc.num_gpu_blocks_override or budget_bytes // self.kv_bytes_per_block()
-            return {"num_blocks": int(n)}
-        hs = self.hisparse
-        host_gib = self.config.attention_config.hisparse.host_pool_gib
-        n_host = int(host_gib * 2**30) // (hs.mla_bytes_per_block() + hs.idx_bytes_per_block())
-        n_idx = n_host  # every token the host pool can hold keeps its indexer keys on the GPU
-        rest = budget_bytes - n_idx * hs.idx_bytes_per_block()
-        n_gpu = cc.num_gpu_blocks_override or rest // hs.mla_bytes_per_block() - 1
-        return {
-            "num_blocks": int(n_gpu),
-            "num_host_blocks": int(n_host),
-            "num_idx_blocks": int(n_idx),
-        }
+        return self.kv_cache.plan(budget_bytes)
 
-    def initialize_kv_cache(
-        self, num_blocks: int, num_host_blocks: int = 0, num_idx_blocks: int = 0
-    ) -> None:
-        self.num_blocks = num_blocks
-        if self.hisparse is not None:
-            self.hisparse.allocate(num_blocks, num_host_blocks, num_idx_blocks)
-            return
-        for attn in self.model.attention_layers():
-            attn.kv_cache = self.layout.allocate_mla(num_blocks, self.device)
-            attn.indexer_cache = (
-                self.layout.allocate_indexer(num_blocks, self.device) if attn.has_indexer else None
-            )
+    def initialize_kv_cache(self, plan: KVCachePlan) -> None:
+        self.num_blocks = plan.num_blocks
+        self.kv_cache.allocate(plan, self.kv_access)
 
     # ---- one step ------------------------------------------------------------------------------
     def update_states(self, so: SchedulerOutput) -> dict[str, int]:
@@ -124,16 +124,11 @@ class ModelRunner:
         for r in so.new_reqs:
             slot = self.states.add(r, self.eos_ids)
             start_of[r.req_id] = r.num_computed_tokens
-            if r.hs is not None:
-                self.hisparse.on_add(slot, r.hs)
+            self.hooks.add_request(slot, r)
         self.states.append_blocks([(c.req_id, c.new_block_ids) for c in so.cached_reqs])
         for c in so.cached_reqs:
             start_of[c.req_id] = c.num_computed_tokens
-            if c.hs is not None:
-                slot = self.states.slot_of[c.req_id]
-                if c.hs["dropped"]:
-                    self.states.block_table[slot, c.hs["dropped"]] = -1
-                self.hisparse.on_update(slot, c.hs)
+            self.hooks.update_request(self.states.slot_of[c.req_id], c)
         return start_of
 
     @torch.inference_mode()
@@ -141,21 +136,31 @@ class ModelRunner:
         start_of = self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
             if so.dummy:
-                self.cp.dummy_forward(self)
+                self._dummy_step()
             return ModelRunnerOutput(step=so.step)
         inp = build_step_inputs(so, self.states, self.device, start_of, self.staging)
-        self.step = so.step
         self.connector.start_load_kv(so)
-        if self.hisparse is not None:
-            self.hisparse.before_step()
-        hidden = self.cp.forward(self, inp)  # [T, hidden] in the batch's token order, on every rank
-        if self.hisparse is not None:
-            self.hisparse.backup(self.states.block_table, inp.idx_np, inp.start, inp.seq_lens)
+        self.hooks.before_forward(inp)
+        step, meta = self.prepare(inp)
+        hidden = self.forward(step, meta)
+        self.hooks.after_forward(inp)
         self.connector.wait_for_save()
         return self._sample(inp, hidden, so.step)
 
-    def metadata(self, inp: StepInputs, positions, token_req, qsl_local: list[int]) -> MLAMetadata:
-        """Attention metadata for this rank's query tokens (positions/token_req/qsl_local)."""
+    def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
+        """This rank's share of the step and its attention metadata."""
+        step = self.planner.shard(inp)
+        meta = self.metadata(inp, step)
+        self.hooks.build_metadata(inp, meta)
+        return step, meta
+
+    def forward(self, step: RankStep, meta: MLAMetadata) -> torch.Tensor:
+        """The model over this rank's tokens -> [T, hidden] for every token, in batch order."""
+        hidden = self.model(step.input_ids, step.positions, meta)
+        return self.planner.gather_hidden(hidden, step)
+
+    def metadata(self, inp: StepInputs, step: RankStep) -> MLAMetadata:
+        """Attention metadata for this rank's share of the step."""
         topk = self.arch.index_topk
         seq_lens = inp.seq_lens.tolist()
         is_prefill = inp.is_prefill.tolist()
@@ -166,42 +171,43 @@ class ModelRunner:
         meta = MLAMetadata(
             layout=self.layout,
             index_topk=topk,
-            positions=positions,
-            token_req=token_req,
-            query_start_loc_cpu=qsl_local,
+            positions=step.positions,
+            token_req=step.token_req,
+            query_start_loc_cpu=step.query_start_loc_cpu,
             seq_lens=self.staging.to_device(inp.seq_lens),
             seq_lens_cpu=seq_lens,
             block_table=self.states.block_table[inp.idx_mapping],
             is_prefill_cpu=is_prefill,
             use_dense_cpu=dense,
             slot_mapping=torch.empty(0, dtype=torch.long, device=self.device),
+            positions_cpu=step.positions_cpu,
+            decode_tokens=decode_token_rows(step.query_start_loc_cpu, is_prefill, self.device),
+            cp=step.cp,
         )
-        if self.hisparse is not None:
-            hs = self.hisparse
-            meta.cp = hs.context
-            meta.idx_block_table = hs.idx_table[inp.idx_mapping]
-            meta.block_table_full = self.states.block_table
-            meta.extras.update(
-                step=self.step, req_slots=inp.idx_np.tolist(), req_slots_t=inp.idx_mapping
-            )
+        meta.slot_mapping = meta.slots_for(step.kv_token_req, step.kv_positions)
         return meta
 
-    def empty_metadata(self, positions) -> MLAMetadata:
-        """Metadata for a step with no requests (DP dummy steps)."""
+    def _dummy_step(self) -> None:
+        """DP replicas sharing EP: a step with no requests whose collectives match the others'."""
+        step = self.planner.dummy_step(self.device)
+        if step is None:
+            return
         z = torch.zeros(0, dtype=torch.int64, device=self.device)
-        return MLAMetadata(
+        meta = MLAMetadata(
             layout=self.layout,
             index_topk=self.arch.index_topk,
-            positions=positions,
-            token_req=torch.zeros_like(positions),
-            query_start_loc_cpu=[0],
+            positions=step.positions,
+            token_req=step.token_req,
+            query_start_loc_cpu=step.query_start_loc_cpu,
             seq_lens=z,
             seq_lens_cpu=[],
             block_table=self.states.block_table[:0],
             is_prefill_cpu=[],
             use_dense_cpu=[],
-            slot_mapping=z,
+            slot_mapping=torch.full_like(step.kv_positions, -1),
+            cp=step.cp,
         )
+        self.planner.gather_hidden(self.model(step.input_ids, step.positions, meta), step)
 
     # ---- sampling --------------------------------------------------------------------------------
     def _sampling_batch(self, inp: StepInputs, rows: np.ndarray) -> SamplingBatch:
@@ -242,13 +248,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last])
             sb = self._sampling_batch(inp, rows)
             sampled, lp = sample(logits, sb)
-            sampled = self.cp.broadcast_sampled(sampled)
+            sampled = self.planner.broadcast_sampled(sampled)
             st.last_sampled[inp.idx_mapping[self.staging.to_device(rows)]] = sampled
             host["sampled"] = sampled
             if lp is not None:
                 host.update(lp_chosen=lp[0], lp_rank=lp[1], lp_ids=lp[2], lp_vals=lp[3])
-        if self.hisparse is not None:
-            host["hisparse"] = self.hisparse.take_stats()
+        host.update(self.hooks.device_stats())
         plp_plan = self._prompt_logprob_plan(inp)
         if plp_plan:
             tok_rows = np.concatenate([r for _, r, _, _ in plp_plan])
@@ -275,16 +280,7 @@ class ModelRunner:
 
     def _build_output(self, inp, rows, h, plp_plan, step) -> ModelRunnerOutput:
         st = self.states
-        out = ModelRunnerOutput(step=step)
-        if "hisparse" in h:
-            hits, misses, resident = h["hisparse"].tolist()
-            row = self.layout.mla_bytes_per_token
-            out.stats = {
-                "hisparse_hits": hits,
-                "hisparse_misses": misses,
-                "hisparse_resident": resident,
-                "hisparse_h2d_bytes": misses * row,
-            }
+        out = ModelRunnerOutput(step=step, stats=self.hooks.host_stats(h))
         if len(rows):
             sampled = h["sampled"].tolist()
             for i, b in enumerate(rows.tolist()):

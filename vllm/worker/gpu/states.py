@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.engine.messages import NewRequestData
+from vllm.core.messages import NewRequestData
 
 
 class RequestStates:

@@ -1,7 +1,8 @@
-"""KV cache writes: quantise new latent rows / indexer keys and scatter them by slot mapping.
+"""KV cache writes in Triton: quantise new latent rows / indexer keys and scatter them by slot mapping.
 
-Byte-exact with :func:`write_mla_cache_ref` and :func:`write_indexer_cache_ref` (the layouts are in
-``vllm/attention/kv_cache.py``, SPEC §3) run on the same device. The references divide a tensor by
+The spec is :mod:`vllm.kernels.kv_cache`; byte-exact with ``write_mla_cache_ref`` and
+``write_indexer_cache_ref`` there (the layouts are in ``vllm/kv_cache_interface.py``, SPEC §3)
+run on the same device. The references divide a tensor by
 the Python scalar 448; torch on CUDA computes that as a multiply by the fp32 reciprocal (one ulp
 away from a true division for some inputs), on CPU as a true division: the kernels do the same
 (``RECIP_DIV``) so the bytes match on either. Memory-bound: each new row read once, written once.
@@ -13,29 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.attention.kv_cache import (
-    INDEXER_AMAX_FLOOR,
-    MLA_AMAX_FLOOR,
-    MLA_TILE,
-    KVCacheLayout,
-    write_indexer_cache_ref,
-    write_mla_cache_ref,
-)
-from vllm.kernels.triton_utils import (
+from vllm.kernels.triton.utils import (
     bf16_bits,
     check_cuda_or_interpreter,
     e4m3_bits,
     interpreting,
     next_pow2,
 )
+from vllm.kv_cache_interface import INDEXER_AMAX_FLOOR, MLA_AMAX_FLOOR, MLA_TILE, KVCacheLayout
 
-__all__ = [
-    "write_mla_cache",
-    "write_indexer_cache",
-    "write_mla_cache_ref",
-    "write_indexer_cache_ref",
-    "kv_write_cost",
-]
+__all__ = ["write_mla_cache", "write_indexer_cache"]
 
 if not interpreting():
     from triton.language.extra import libdevice
@@ -185,7 +173,7 @@ def write_mla_cache(
     (bytes 0..R-1 e4m3 values, then R/128 fp32 scales = max(amax, 1e-4)/448 per 128-value tile,
     then ``rope`` bf16 values) or [NB, block_size, R + rope] in the model dtype for ``auto``.
     kv_c: [N, R] float; k_pe: [N, rope] float (RoPE applied); slot_mapping: [N] int, global slot =
-    block * block_size + offset, −1 = skip the row. Byte-exact with :func:`write_mla_cache_ref`.
+    block * block_size + offset, −1 = skip the row. Byte-exact with ``write_mla_cache_ref``.
     """
     n = kv_c.shape[0]
     if kv_c.shape != (n, layout.kv_lora_rank) or k_pe.shape != (n, layout.rope_dim):
@@ -230,7 +218,7 @@ def write_indexer_cache(
     k: [N, D] float (RoPE + Hadamard applied); slot_mapping: [N] int, −1 = skip. FP8 layout:
     uint8 [NB, block_size·(D+4)], per page all block_size×D e4m3 values first, then block_size
     fp32 scales, each the smallest power of two >= max(amax, 1e-4)/448. Otherwise
-    [NB, block_size, D] in the model dtype. Byte-exact with :func:`write_indexer_cache_ref`.
+    [NB, block_size, D] in the model dtype. Byte-exact with ``write_indexer_cache_ref``.
     """
     n, d = k.shape
     if d != layout.index_head_dim or slot_mapping.shape != (n,):
@@ -258,11 +246,3 @@ def write_indexer_cache(
         k, slot_mapping, flat, n, k.stride(0), d, 0,
         D=d, BLOCK_D=next_pow2(d), BLOCK_R=block_r, num_warps=4,
     )  # fmt: skip
-
-
-def kv_write_cost(
-    num_rows: int, in_bytes_per_row: int, cache_bytes_per_row: int
-) -> tuple[int, int]:
-    """(flops, bytes) of a cache write: no matrix work; each new row read once, its slot read
-    (8 B) and its cache row written once."""
-    return 0, num_rows * (in_bytes_per_row + 8 + cache_bytes_per_row)

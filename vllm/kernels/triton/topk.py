@@ -1,4 +1,4 @@
-"""Exact top-k selection over indexer logits: sampled pivot, one streaming pass, small select.
+"""Exact top-k selection over indexer logits in Triton (spec: :mod:`vllm.kernels.indexer`): sampled pivot, one streaming pass, small select.
 
 Scores are compared as order-preserving int32 keys (−0.0 folded onto +0.0; positions at or past
 the row's limit below every score). Four launches:
@@ -43,10 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.attention.ops.indexer import topk_ref
-from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, next_pow2, record
 
-__all__ = ["indexer_topk", "topk_ref", "topk_cost", "topk_stages", "topk_launch_config"]
+__all__ = ["indexer_topk", "topk_stages", "topk_launch_config"]
 
 INT32_MIN = -2147483648
 MAX_SAMPLE = 16384  # pivot sample held in registers (16 warps × 32 per thread)
@@ -483,7 +482,7 @@ def indexer_topk(
     logits: [T, S] fp32 (no NaN); limit: [T] int, positions >= limit[t] are not eligible (the
     causal limit); topk: k. Returns int32 [T, topk]: the min(topk, limit[t], S) eligible positions
     with the largest scores — ties go to the lower position — then −1. The same set per row as
-    :func:`topk_ref`, but the order of the positions within a row is unspecified (deterministic
+    ``topk_ref``, but the order of the positions within a row is unspecified (deterministic
     for a given configuration); callers that need score order sort them.
 
     Tuning (the set never depends on it): ``chunk``/``num_warps``: the streaming pass's tile per
@@ -547,8 +546,8 @@ def topk_launch_config(
     # the margin needs e = k / stride >~ 32 sample hits above the k-th score (see the top): one
     # score in 32 (runs of 8 adjacent scores: a 32-byte sector per 8 samples instead of one per
     # sample); one sector per sampled score (sample_run 1): one score in 32 up to 64K columns
-    # and in 64 beyond, where the larger sample's cost outweighed its tighter pivot
-    # (BENCHMARKS.md, fourth and seventh sessions)
+    # and in 64 beyond, where the larger sample's cost outweighed its tighter pivot (measured
+    # on an H200: docs/design/topk.md)
     stride = 32 if sample_run > 1 or s <= 65536 else 64
     sample_stride = sample_stride or max(1, min(stride, next_pow2(topk) // 32))
     sample_pad = max(min(next_pow2(triton.cdiv(s, sample_stride)), MAX_SAMPLE), sample_run)
@@ -631,10 +630,3 @@ def topk_stages(logits, limit, topk, *args, **kwargs):
         record("topk_fallback", k)
 
     return out, [pivot_launch, collect_launch, finish_launch], count
-
-
-def topk_cost(num_rows: int, num_cols: int, topk: int = 2048, causal: bool = False):
-    """(flops, bytes): no matrix work; the eligible logits read once from HBM, the indices written.
-    ``causal``: the rows are the last num_rows queries of a num_cols context (limits S−T+1..S)."""
-    eligible = num_rows * num_cols - (num_rows * (num_rows - 1) // 2 if causal else 0)
-    return 0, eligible * 4 + num_rows * (topk * 4 + 4)

@@ -1,4 +1,5 @@
-"""Routed SwiGLU experts as two grouped GEMMs, with no host synchronisation.
+"""Routed SwiGLU experts as two grouped GEMMs in Triton, with no host synchronisation (spec:
+:mod:`vllm.kernels.moe`).
 
     experts_grouped(x, w13, w2, ids, weights, expert_offset) == experts_ref(...)
 
@@ -32,10 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton_utils import check_cuda_or_interpreter, interpreting, record
-from vllm.model_executor.layers.moe import experts_ref
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting, record
 
-__all__ = ["experts_grouped", "experts_ref", "moe_grouped_cost", "sort_pairs_by_expert", "TUNE"]
+__all__ = ["experts_grouped", "sort_pairs_by_expert", "TUNE"]
 
 # decided once, when the kernel is defined (Triton binds to the interpreter at import)
 _UPCAST = interpreting()
@@ -194,33 +194,3 @@ def experts_grouped(
     route_w = weights.reshape(-1).float().contiguous()  # [P]
     _grouped_gemm(act, w2, out, sorted_pairs, block_expert, route_w, 1, cfg)
     return out.view(t, top_k, h).sum(1).to(x.dtype)
-
-
-def moe_grouped_cost(
-    num_tokens: int,
-    top_k: int,
-    num_local_experts: int,
-    hidden: int,
-    inter: int,
-    num_valid_pairs: int | None = None,
-    num_experts_hit: int | None = None,
-    elem_bytes: int = 2,
-) -> tuple[int, int]:
-    """(flops, bytes) of :func:`experts_grouped`. Flops: the valid pairs' three [H, I] products
-    (padding slots not counted). Bytes: each chosen expert's weights once (at most E_loc and the
-    number of valid pairs; read once per block, which is once for decode batches) plus the
-    activations: x rows per pair, gate/up and SiLU·up written and read back, the fp32 [P, H]
-    partial sums written and read back, the output written. Defaults: every pair local."""
-    pairs = num_tokens * top_k
-    valid = pairs if num_valid_pairs is None else num_valid_pairs
-    hit = min(num_local_experts, valid) if num_experts_hit is None else num_experts_hit
-    flops = 2 * valid * 3 * inter * hidden
-    weights = hit * 3 * inter * hidden * elem_bytes
-    acts = (
-        valid * hidden * elem_bytes  # x rows gathered by GEMM 1
-        + 2 * valid * 2 * inter * elem_bytes  # gate/up: written, read by the activation
-        + 2 * valid * inter * elem_bytes  # SiLU·up: written, read by GEMM 2
-        + 2 * pairs * hidden * 4  # fp32 partial sums: zeroed/written, summed over k
-        + num_tokens * hidden * elem_bytes  # output
-    )
-    return flops, weights + acts

@@ -18,7 +18,7 @@ def _hadamard_matrix(d: int, device_str: str) -> torch.Tensor:
     return (h * d**-0.5).to(device_str)
 
 
-def hadamard_ref(x: torch.Tensor) -> torch.Tensor:
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """x [..., D] -> x · H_D / sqrt(D) in fp32, cast back to x.dtype (Sylvester order)."""
     h = _hadamard_matrix(x.shape[-1], str(x.device))
     return (x.float() @ h).to(x.dtype)

@@ -1,4 +1,4 @@
-"""Lightning-indexer scores (DSA, SPEC §2):
+"""Lightning-indexer scores in Triton (spec: :mod:`vllm.kernels.indexer`; DSA, SPEC §2):
 
     logit[t, s] = k_scale[s] · Σ_h w[t,h] · q_scale[t,h] · ReLU(q[t,h,:] · k[s,:])
 
@@ -21,17 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.attention.kv_cache import FP8_DTYPE, KVCacheLayout
-from vllm.attention.ops.indexer import indexer_logits_cost, indexer_logits_ref
-from vllm.kernels.triton_utils import check_cuda_or_interpreter, next_pow2, record
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, next_pow2, record
+from vllm.kv_cache_interface import FP8_DTYPE, KVCacheLayout
 
-__all__ = [
-    "indexer_logits",
-    "indexer_logits_paged",
-    "indexer_logits_ref",
-    "indexer_logits_cost",
-    "indexer_logits_paged_cost",
-]
+__all__ = ["indexer_logits", "indexer_logits_paged"]
 
 
 @triton.jit
@@ -175,7 +168,7 @@ def indexer_logits(
 
     q: [T, H, D] e4m3 (``torch.float8_e4m3fn``) or float; q_scale, w: [T, H] float (w already
     × H^-0.5 · D^-0.5); k: [S, D] e4m3 or float; k_scale: [S] float. D a power of two (128).
-    Returns logits [T, S] fp32 — :func:`indexer_logits_ref`.
+    Returns logits [T, S] fp32 — ``indexer_logits_ref``.
     """
     t, h, d = q.shape
     s = k.shape[0]
@@ -189,7 +182,7 @@ def indexer_logits(
     out = torch.empty(t, s, dtype=torch.float32, device=q.device)
     if t == 0 or s == 0:
         return out
-    if num_stages is None:  # measured on H200 (BENCHMARKS.md); fp32 tiles need the shallower pipe
+    if num_stages is None:  # measured on an H200; fp32 tiles need the shallower pipe
         num_stages = 3 if (q8 and k8) else 2
     n_s = triton.cdiv(s, block_s)
     k = _indexer_logits_kernel[(triton.cdiv(t, block_t) * n_s,)](
@@ -243,12 +236,3 @@ def indexer_logits_paged(
         Q_FP8=q8, K_FP8=layout.is_fp8, num_warps=num_warps,
     )  # fmt: skip
     return out
-
-
-def indexer_logits_paged_cost(
-    num_q: int, ctx: int, heads: int = 32, dim: int = 128, key_bytes: int = 132
-) -> tuple[int, int]:
-    """(flops, bytes) of decode scoring: every token reads its request's ctx keys (+scales)."""
-    flops = 2 * num_q * ctx * heads * (dim + 1)
-    nbytes = num_q * (heads * (dim + 8) + ctx * (key_bytes + 4))
-    return flops, nbytes

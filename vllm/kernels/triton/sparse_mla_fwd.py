@@ -1,4 +1,5 @@
-"""The sparse-MLA attention kernel shared by decode (paged cache) and MQA prefill (flat context).
+"""Sparse-MLA attention in Triton (spec: :mod:`vllm.kernels.sparse_mla`), for decode (paged cache)
+and MQA prefill (flat context) on any CUDA GPU, and in the CPU interpreter in tests.
 
 One program owns one query token, a block of its heads and a slice of its top-k list. It gathers
 BLOCK_N selected KV rows at a time, dequantises them once (fp8_ds_mla) and uses each row for every
@@ -13,21 +14,15 @@ selected row once per program and writes only out and lse.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton_utils import (
-    check_cuda_or_interpreter,
-    dot_dtype,
-    interpreting,
-    next_pow2,
-    record,
-)
+from vllm.kernels.merge_attn import merge_attn_states
+from vllm.kernels.sparse_mla import RowFormat, num_splits
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, dot_dtype, next_pow2, record
 
 LOG2E = 1.4426950408889634
 
@@ -39,20 +34,6 @@ class SparseMLAConfig:
     num_warps: int
     num_stages: int
     num_splits: int  # slices of the top-k list per token (1 = no merge pass)
-
-
-@dataclass(frozen=True)
-class RowFormat:
-    """How one KV row is stored. FP8: ``kv_lora`` e4m3 bytes | kv_lora/128 fp32 scales | ``rope``
-    bf16 (fp8_ds_mla). Otherwise ``kv_lora + rope`` values of the tensor's dtype."""
-
-    kv_lora: int
-    rope: int
-    is_fp8: bool
-
-    @property
-    def row_bytes(self) -> int:
-        return self.kv_lora + 4 * (self.kv_lora // 128) + 2 * self.rope
 
 
 @triton.jit
@@ -84,7 +65,6 @@ def _sparse_mla_fwd_kernel(
     IS_FP8: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     TILE: tl.constexpr,  # values per fp32 scale in an FP8 row
-    INT_DEQUANT: tl.constexpr,  # FP8 -> fp32 by integer bit moves instead of cvt instructions
     DOT_DTYPE: tl.constexpr,
 ):
     NT: tl.constexpr = D_NOPE // TILE
@@ -114,19 +94,11 @@ def _sparse_mla_fwd_kernel(
         if IS_FP8:
             row = kv_ptr + rid.to(tl.int64) * ROW_BYTES  # [BLOCK_N] row starts (bytes)
             raw = tl.load(row[:, None] + dn[None, :], mask=valid[:, None], other=0)
-            if INT_DEQUANT:
-                # e4m3 bits moved into an fp32 (sign; exponent+mantissa at bit 20) read as
-                # value · 2^-120, subnormals included; the 2^120 rides on the tile scale
-                b = raw.to(tl.int32)
-                vals = (((b & 0x80) << 24) | ((b & 0x7F) << 20)).to(tl.float32, bitcast=True)
-            else:
-                vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             sc_ptr = (row + D_NOPE).to(tl.pointer_type(tl.float32))
             sc = tl.load(
                 sc_ptr[:, None] + tl.arange(0, NT)[None, :], mask=valid[:, None], other=0.0
             )
-            if INT_DEQUANT:
-                sc = sc * 1.329227995784916e36  # 2^120
             kv3 = tl.reshape(vals, (BLOCK_N, NT, TILE)) * sc[:, :, None]
             kv_nope = tl.reshape(kv3, (BLOCK_N, D_NOPE)).to(DOT_DTYPE)  # [BLOCK_N, D_NOPE]
             rope_ptr = (row + D_NOPE + 4 * NT).to(tl.pointer_type(tl.bfloat16))
@@ -161,24 +133,16 @@ def _sparse_mla_fwd_kernel(
     tl.store(lse_ptr + split * stride_ls + t * stride_lt + heads, lse, mask=hmask)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def default_config(
-    num_tokens: int, num_heads: int, topk: int, is_fp8: bool, device: torch.device
+    num_tokens: int, num_heads: int, topk: int, device: torch.device
 ) -> SparseMLAConfig:
-    """Tiles measured on one H200 (BENCHMARKS.md): 64 heads per program, split-K only when the
-    batch leaves SMs idle."""
+    """Tiles measured on one H200: 64 heads per program, split-K only when the batch leaves SMs
+    idle (:func:`vllm.kernels.sparse_mla.num_splits`)."""
     block_h = min(64, max(16, next_pow2(num_heads)))
-    block_n = 64
     num_warps = 8 if block_h == 64 else 4
-    base = max(1, num_tokens * triton.cdiv(num_heads, block_h))
-    splits = max(1, min(round(_num_sms(device) / base), topk // (4 * block_n)))
-    return SparseMLAConfig(block_h, block_n, num_warps, 2, splits)
+    return SparseMLAConfig(
+        block_h, 64, num_warps, 2, num_splits(num_tokens, num_heads, topk, device)
+    )
 
 
 def sparse_mla_fwd(
@@ -189,19 +153,11 @@ def sparse_mla_fwd(
     sm_scale: float,
     out_dtype: torch.dtype = torch.float32,
     config: SparseMLAConfig | None = None,
-    int_dequant: bool = False,
-    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, kv_lora + rope]; kv_rows: FP8 uint8 [num_rows, row_bytes] or float
     [num_rows, >= kv_lora + rope] (last dim contiguous); indices [T, K] int32 rows (−1 none).
     Returns out [T, H, kv_lora] ``out_dtype`` and lse [T, H] fp32 (natural log; −inf, zeros
-    when a token has no valid row).
-
-    ``kernel``: "triton" (this module's kernel), "ws" (the warp-specialised Gluon kernel of
-    :mod:`vllm.kernels.sparse_mla_ws`, Hopper and GLM-5.3 dims only), "cuda" (the CUDA C++ FP8
-    decode kernel of :mod:`vllm.kernels.sparse_mla_cuda`, fp8_ds_mla rows on Hopper) or None =
-    the environment's ``VLLM_SPARSE_MLA_KERNEL``, else "cuda" for FP8 calls of more than 32 heads
-    on sm_90 (``_use_cuda``), "ws" where it applies and "triton" elsewhere."""
+    when a token has no valid row)."""
     t, h, d = q.shape
     if d != fmt.kv_lora + fmt.rope or indices.dim() != 2 or indices.shape[0] != t:
         raise ValueError(f"q {tuple(q.shape)} / indices {tuple(indices.shape)} / {fmt} mismatch")
@@ -215,28 +171,10 @@ def sparse_mla_fwd(
     if indices.dtype != torch.int32 or indices.stride(-1) != 1:
         indices = indices.to(torch.int32).contiguous()
     k = indices.shape[1]
-    cfg = config or default_config(t, h, k, fmt.is_fp8, q.device)
+    cfg = config or default_config(t, h, k, q.device)
     nhb = triton.cdiv(h, cfg.block_h)
     k_per_split = triton.cdiv(triton.cdiv(max(k, 1), cfg.num_splits), cfg.block_n) * cfg.block_n
     splits = max(1, triton.cdiv(k, k_per_split))
-    fast = None
-    if t and _use_cuda(kernel, q, kv_rows, fmt, int_dequant):
-        from vllm.kernels.sparse_mla_cuda import sparse_mla_fp8_cuda
-
-        fast = sparse_mla_fp8_cuda(q, kv_rows, indices, sm_scale, out_dtype)  # its own grid
-    elif t and _use_ws(kernel, q, kv_rows, fmt, int_dequant):
-        from vllm.kernels.sparse_mla_ws import sparse_mla_ws
-
-        fast = sparse_mla_ws(
-            q, kv_rows, fmt.is_fp8, fmt.row_bytes, indices, sm_scale, out_dtype, cfg.num_splits
-        )
-    if fast is not None:  # [splits, ...] partials of a fast kernel
-        part_o, part_l = fast
-        if part_o.shape[0] == 1:
-            return part_o[0], part_l[0]
-        from vllm.kernels.merge_attn import merge_attn_states
-
-        return merge_attn_states(part_o, part_l, out_dtype=out_dtype)
     out = torch.empty(t, h, fmt.kv_lora, dtype=out_dtype, device=q.device)
     lse = torch.empty(t, h, dtype=torch.float32, device=q.device)
     if t == 0:
@@ -252,102 +190,12 @@ def sparse_mla_fwd(
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_l.stride(0), part_l.stride(1),
         NUM_HEAD_BLOCKS=nhb, D_NOPE=fmt.kv_lora, D_ROPE=fmt.rope, BLOCK_ROPE=max(16, next_pow2(fmt.rope)),
         BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IS_FP8=fmt.is_fp8, ROW_BYTES=fmt.row_bytes,
-        TILE=128, INT_DEQUANT=int_dequant, DOT_DTYPE=dot_dtype(q.device),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TILE=128, DOT_DTYPE=dot_dtype(q.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     record("sparse_mla_fwd", k)
     if splits > 1:
-        from vllm.kernels.merge_attn import merge_attn_states
-
-        o, lse = merge_attn_states(part_o, part_l, out_dtype=out_dtype)
-        return o, lse
+        return merge_attn_states(part_o, part_l, out_dtype=out_dtype)
     return out, lse
 
 
-WS_DEFAULT = True  # faster on the H200 in all but one measured row (BENCHMARKS.md, fifth session)
-
-
-# The CUDA C++ FP8 decode kernel takes FP8 decode calls with more than CUDA_DEFAULT_MIN_HEADS - 1
-# heads on sm_90 by default: at 64 heads it matched or beat the Gluon kernel at every measured
-# batch (BENCHMARKS.md, fourteenth and fifteenth sessions). It always computes 64 heads, so at 32
-# or fewer (TP >= 2) the Gluon kernel's smaller head blocks stay the default.
-CUDA_DEFAULT = True
-CUDA_DEFAULT_MIN_HEADS = 33
-
-
-def _kernel_choice(kernel: str | None) -> str | None:
-    kernel = kernel or os.environ.get("VLLM_SPARSE_MLA_KERNEL") or None
-    if kernel not in (None, "ws", "triton", "cuda"):
-        raise ValueError(f"kernel must be 'ws', 'cuda' or 'triton', got {kernel!r}")
-    return kernel
-
-
-def _use_cuda(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
-    """Whether the CUDA C++ kernel (:mod:`vllm.kernels.sparse_mla_cuda`, fp8_ds_mla rows on
-    sm_90) takes this call. ``kernel="cuda"`` where it cannot is a ValueError saying why;
-    ``VLLM_SPARSE_MLA_KERNEL=cuda`` selects it where it applies (FP8 decode) and leaves the
-    other calls (bf16 prefill, other GPUs) to the default kernels. With no choice made it takes
-    FP8 calls of more than 32 heads (``CUDA_DEFAULT``). Where nvcc is missing or the build
-    fails, the non-strict choices fall back to the Gluon kernel (the build error is logged
-    once)."""
-    strict = kernel == "cuda"
-    kernel = _kernel_choice(kernel)
-    if kernel not in (None, "cuda") or (kernel is None and not CUDA_DEFAULT):
-        return False
-    if kernel is None and q.shape[1] < CUDA_DEFAULT_MIN_HEADS:
-        return False
-    why = None
-    if not q.is_cuda or interpreting():
-        why = "needs a CUDA device (no interpreter)"
-    elif not fmt.is_fp8 or (fmt.kv_lora, fmt.rope) != (512, 64) or q.shape[1] > 64:
-        why = f"is built for fp8_ds_mla rows, kv_lora 512, rope 64, <= 64 heads (got {fmt})"
-    elif int_dequant:
-        why = "has no integer-dequant variant"
-    elif kv_rows.data_ptr() % 16 or kv_rows.stride(0) != fmt.row_bytes:
-        why = "needs contiguous 16-byte aligned rows (it bulk-copies whole rows)"
-    else:
-        from vllm.kernels.sparse_mla_cuda import build_error, is_available
-
-        why = is_available(q.device) or build_error(q.device)
-    if why is not None:
-        if strict:
-            raise ValueError(f"the CUDA sparse-MLA kernel {why}")
-        return False
-    return True
-
-
-def _use_ws(kernel, q, kv_rows, fmt: RowFormat, int_dequant: bool) -> bool:
-    """Whether the warp-specialised Gluon kernel takes this call (see ``sparse_mla_fwd``)."""
-    kernel = _kernel_choice(kernel)
-    if kernel == "triton":
-        return False
-    if kernel == "cuda":  # the environment's choice, for a call the CUDA kernel did not take
-        kernel = None
-    why = None
-    if not q.is_cuda or interpreting():
-        why = "needs a CUDA device (no interpreter)"
-    elif (fmt.kv_lora, fmt.rope) != (512, 64) or q.shape[1] > 64:
-        why = f"is built for kv_lora 512, rope 64, <= 64 heads (got {fmt}, {q.shape[1]} heads)"
-    elif int_dequant:
-        why = "has no integer-dequant variant"
-    elif not fmt.is_fp8 and kv_rows.dtype != torch.bfloat16:
-        why = f"reads bf16 or fp8_ds_mla rows, not {kv_rows.dtype}"
-    elif kv_rows.data_ptr() % 16 or kv_rows.stride(0) * kv_rows.element_size() % 16:
-        why = "needs 16-byte aligned rows (it copies them in 16-byte pieces)"
-    else:
-        from vllm.kernels.sparse_mla_ws import is_supported_device
-
-        if not is_supported_device(q.device.index or 0):
-            why = "needs an sm_90 (Hopper) GPU"
-    if why is not None:
-        if kernel == "ws":
-            raise ValueError(f"the warp-specialised sparse-MLA kernel {why}")
-        return False
-    return kernel == "ws" or WS_DEFAULT
-
-
-def sparse_mla_flops(num_tokens: int, num_heads: int, topk: int, d_qk: int, d_v: int) -> int:
-    return 2 * num_tokens * num_heads * topk * (d_qk + d_v)
-
-
-__all__ = ["sparse_mla_fwd", "SparseMLAConfig", "RowFormat", "default_config", "sparse_mla_flops"]
+__all__ = ["sparse_mla_fwd", "SparseMLAConfig", "default_config"]

@@ -1,1 +1,0 @@
-"""Plain-torch reference ops. Each defines the semantics that a fast kernel must reproduce."""

@@ -1,0 +1,143 @@
+"""Messages of the scheduler and the workers (msgspec structs, msgpack on the wire).
+
+front end ──EngineCoreRequest──▶ engine core ──SchedulerOutput──▶ workers
+front end ◀─EngineCoreOutput──── engine core ◀─ModelRunnerOutput── driver worker
+
+The scheduler takes requests and returns outputs in these types; the engine core wraps its
+outputs for the front end in ``vllm.engine.messages.EngineCoreOutputs``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingOptions(msgspec.Struct, omit_defaults=True):
+    """What the engine core and the device sampler need of a request's SamplingParams."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+class EngineCoreRequest(msgspec.Struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+    kv_transfer_params: dict | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One position: the chosen token's logprob and rank, and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # deltas since the last report
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    extra: dict = {}
+
+
+# ---- engine core <-> workers ----------------------------------------------------------------------
+class KVPageUpdate(msgspec.Struct, array_like=True):
+    """Where a request's pages live, for KV managers that keep pages off the device (HiSparse):
+    what the workers must learn since the last update (everything for a new request)."""
+
+    host: list[int]  # host pool page of each new page (appended to the request's table)
+    idx: list[int]  # indexer-key page (on the device) of each new page
+    dropped: list[int] = []  # page numbers whose device block was dropped (host copy only)
+    restore: list[int] = []  # page numbers known only on host whose indexer keys must be restored
+    hot: list[int] = []  # device blocks of a newly leased hot buffer
+
+
+class KVCachePlan(msgspec.Struct, omit_defaults=True):
+    """Blocks of each pool a worker allocated (the minimum over every rank)."""
+
+    num_blocks: int  # device KV blocks (the scheduler's block pool)
+    num_host_blocks: int = 0  # HiSparse: pinned host pool pages
+    num_idx_blocks: int = 0  # HiSparse: indexer-key pages on the device
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    req_id: str
+    token_ids: list[
+        int
+    ]  # every token the worker must compute from (prompt, or prompt+outputs after preemption)
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingOptions
+    kv_update: KVPageUpdate | None = None
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    kv_update: KVPageUpdate | None = None
+
+
+class SchedulerOutput(msgspec.Struct, omit_defaults=True):
+    step: int = 0
+    new_reqs: list[NewRequestData] = []
+    cached_reqs: list[CachedRequestData] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: list[str] = []
+    dummy: bool = False  # DP: run an empty step so EP collectives stay matched
+
+
+class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
+    step: int = 0
+    stats: dict = {}  # per-step worker counters (e.g. HiSparse hits/misses/bytes)
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+
+
+class WorkerMessage(msgspec.Struct, omit_defaults=True):
+    rank: int
+    kind: str  # "ready" | "output" | "error" | "result"
+    output: ModelRunnerOutput | None = None
+    kv_plan: KVCachePlan | None = None  # with "ready"
+    info: dict = {}
+    error: str | None = None
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def decoder(t) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(t)

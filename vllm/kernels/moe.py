@@ -1,0 +1,128 @@
+"""Routed SwiGLU experts (the MoE layer's expert computation, after routing).
+
+    out[t] = Σ_j weights[t, j] · (silu(x[t]·gateᵀ) * (x[t]·upᵀ)) · w2ᵀ   (local experts; fp32 sum)
+
+``fused_experts`` picks, per call: on CUDA, the sync-free dense form (:func:`experts_dense`) for
+decode-sized batches where most local experts are chosen (T <= DENSE_MAX_TOKENS and
+T·k >= 2·E_loc), else the Triton grouped GEMM (``vllm/kernels/triton/moe_grouped.py``, sync-free
+and CUDA-graph capturable). Measured on an H200 at GLM-5.3 expert shapes (32 local experts, top-8):
+dense 0.676 / 0.818 ms against grouped 0.696 / 1.020 ms at 16 / 64 tokens; grouped 1.097 / 2.405 ms
+at 256 / 4096 tokens against 6.04 / 6.35 ms for the reference's per-expert loop. Elsewhere
+:func:`experts_ref`, the reference (a host sync and six launches per chosen expert).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm.kernels import kernel_module, use_kernels
+
+# decode-sized batches on CUDA take the dense form up to here (it reads every local expert once)
+DENSE_MAX_TOKENS = 64
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """Apply routed SwiGLU experts (contract: :func:`experts_ref`)."""
+    if use_kernels(x) and 0 < x.shape[0] <= DENSE_MAX_TOKENS and ids.numel() >= 2 * w13.shape[0]:
+        return experts_dense(x, w13, w2, ids, weights, expert_offset)
+    fast = kernel_module("triton.moe_grouped", x, w13.dtype == x.dtype == w2.dtype)
+    if fast is not None:
+        return fast.experts_grouped(x, w13, w2, ids, weights, expert_offset)
+    return experts_ref(x, w13, w2, ids, weights, expert_offset)
+
+
+def experts_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """Apply routed SwiGLU experts.
+
+    x [T, H]; w13 [E_loc, 2I, H] (gate rows first, then up); w2 [E_loc, H, I]; ids/weights [T, k]
+    with global expert ids; experts outside [expert_offset, expert_offset + E_loc) are ignored
+    (their owner computes them). Returns [T, H] in x.dtype, accumulated in fp32.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = ids - expert_offset
+    e_loc = w13.shape[0]
+    for e in torch.unique(local[(local >= 0) & (local < e_loc)]).tolist():
+        tok, slot = torch.where(local == e)
+        gate, up = nn.functional.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        h = nn.functional.silu(gate) * up
+        y = nn.functional.linear(h, w2[e]).float() * weights[tok, slot].unsqueeze(-1)
+        out.index_add_(0, tok, y)
+    return out.to(x.dtype)
+
+
+def experts_dense(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_offset: int = 0,
+    max_bytes: int = 256 << 20,
+) -> torch.Tensor:
+    """:func:`experts_ref`'s result without a host sync: every local expert runs on every token,
+    and each output is weighted by the token's routing weight for that expert (0 where the token
+    did not choose it). Reads each local expert's weights once, as the grouped form does when most
+    experts are chosen, which is the case for decode batches (T·k >= 2·E_loc). Experts go in groups
+    whose [group, T, 2I] and [group, T, H] fp32 intermediates stay under ``max_bytes``."""
+    t, h = x.shape
+    e_loc, two_i = w13.shape[0], w13.shape[1]
+    local = ids - expert_offset
+    valid = (local >= 0) & (local < e_loc)
+    # [T, E_loc + 1] routing weights; column E_loc collects the other ranks' experts
+    dense_w = torch.zeros(t, e_loc + 1, dtype=torch.float32, device=x.device)
+    dense_w.scatter_add_(
+        1, torch.where(valid, local, e_loc), torch.where(valid, weights.float(), 0.0)
+    )
+    out = torch.zeros((t, h), dtype=torch.float32, device=x.device)
+    group = max(1, max_bytes // max(1, t * (two_i + h) * 4))
+    for e0 in range(0, e_loc, group):
+        e1 = min(e_loc, e0 + group)
+        gate, up = torch.matmul(x, w13[e0:e1].transpose(1, 2)).chunk(2, dim=-1)  # [g, T, I]
+        y = torch.matmul(nn.functional.silu(gate) * up, w2[e0:e1].transpose(1, 2)).float()
+        out += (y * dense_w[:, e0:e1].t().unsqueeze(-1)).sum(0)
+    return out.to(x.dtype)
+
+
+def fused_experts_cost(
+    num_tokens: int,
+    top_k: int,
+    num_local_experts: int,
+    hidden: int,
+    inter: int,
+    num_valid_pairs: int | None = None,
+    num_experts_hit: int | None = None,
+    elem_bytes: int = 2,
+) -> tuple[int, int]:
+    """(flops, bytes) of the grouped GEMM form. Flops: the valid pairs' three [H, I] products
+    (padding slots not counted). Bytes: each chosen expert's weights once (at most E_loc and the
+    number of valid pairs; read once per block, which is once for decode batches) plus the
+    activations: x rows per pair, gate/up and SiLU·up written and read back, the fp32 [P, H]
+    partial sums written and read back, the output written. Defaults: every pair local."""
+    pairs = num_tokens * top_k
+    valid = pairs if num_valid_pairs is None else num_valid_pairs
+    hit = min(num_local_experts, valid) if num_experts_hit is None else num_experts_hit
+    flops = 2 * valid * 3 * inter * hidden
+    weights = hit * 3 * inter * hidden * elem_bytes
+    acts = (
+        valid * hidden * elem_bytes  # x rows gathered by GEMM 1
+        + 2 * valid * 2 * inter * elem_bytes  # gate/up: written, read by the activation
+        + 2 * valid * inter * elem_bytes  # SiLU·up: written, read by GEMM 2
+        + 2 * pairs * hidden * 4  # fp32 partial sums: zeroed/written, summed over k
+        + num_tokens * hidden * elem_bytes  # output
+    )
+    return flops, weights + acts

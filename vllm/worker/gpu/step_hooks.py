@@ -1,0 +1,43 @@
+"""Per-step seams of the model runner, for features that keep per-request state beside the model
+(Hybrid HiSparse now; MTP drafting and KV connectors plug in the same way).
+
+The runner calls each method at its point of the step; every default does nothing, so the runner
+never asks whether a feature is on. A feature is chosen once at start-up (``make_step_hooks`` in
+the runner) and implements the methods it needs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm.attention.metadata import MLAMetadata
+    from vllm.core.messages import CachedRequestData, NewRequestData
+    from vllm.worker.gpu.input_batch import StepInputs
+
+
+class StepHooks:
+    def add_request(self, slot: int, req: NewRequestData) -> None:
+        """A request entered persistent slot `slot` (after the runner recorded its blocks)."""
+
+    def update_request(self, slot: int, req: CachedRequestData) -> None:
+        """A running request's update for this step (after its new blocks were appended)."""
+
+    def before_forward(self, inp: StepInputs) -> None:
+        """The step's inputs are built; the model has not run."""
+
+    def build_metadata(self, inp: StepInputs, meta: MLAMetadata) -> None:
+        """Add the feature's part of the attention metadata (``meta.<feature>``)."""
+
+    def after_forward(self, inp: StepInputs) -> None:
+        """The model ran (work may still be queued on the device); sampling has not."""
+
+    def device_stats(self) -> dict[str, torch.Tensor]:
+        """Device counters to bring to the host with the step's one device→host copy."""
+        return {}
+
+    def host_stats(self, host: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The step's worker counters (``ModelRunnerOutput.stats``) from those copies."""
+        return {}
