@@ -1,7 +1,7 @@
 """Per-SASS-instruction warp-stall samples by reason, from an Nsight Compute report.
 
 Usage (on the GPU machine, after ``ncu --section SourceCounters --export REP ...``):
-    python3 benchmarks/kernels/ncu_pc_stalls.py REP.ncu-rep > pcs.tsv
+    python3 tools/ncu_pc_stalls.py REP.ncu-rep > pcs.tsv
 
 Writes one row per sampled instruction: its offset from the kernel's first sampled address's
 function start (the smallest address any source metric names), the total samples, the samples

@@ -1,7 +1,7 @@
 """The SASS instructions where a kernel's warps were sampled most (Nsight Compute source page).
 
 Usage: ncu -i REPORT.ncu-rep --page source --csv --print-source sass > src.csv
-       python3 benchmarks/kernels/ncu_top_stalls.py src.csv [N]
+       python3 tools/ncu_top_stalls.py src.csv [N]
 Prints the N instructions with the most warp-stall samples (all samples: issued or stalled), their
 share of the kernel's samples, and the address, so a hot wait, barrier or load stands out."""
 
