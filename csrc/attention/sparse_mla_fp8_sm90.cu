@@ -42,8 +42,8 @@
 //   warpgroups, 1/l by rcp.approx, O and the LSE stored, or a split token's partial stored or
 //   merged).
 // Per CTA at T=1024 on an H200: ~8K cycles of query load, 9.5K per two blocks, ~11K of output
-// stores. An earlier design (both warpgroups score every block, 32 heads each, exact bf16 PV)
-// took 1.003 ms at T=1024 against this one's 0.886.
+// stores (which a replayed benchmark does not wait for). An earlier design (both warpgroups score
+// every block, 32 heads each, exact bf16 PV) took 1.003 ms at T=1024 against this one's 0.886.
 //
 // Shapes: q [T, H<=64, 576] bf16; kv [rows, 656] uint8; idx [T, K] int32 (-1 = none);
 // out [T, H, 512] (bf16 or fp32), lse [T, H] fp32 natural log (-inf, zeros for a token with no
@@ -62,7 +62,7 @@
 #include "sparse_mla_fp8_sm90_kernel.cuh"
 #include "sparse_mla_fp8_sm90_layout.cuh"
 
-// ---- launcher -------------------------------------------------------------------------------------
+// ---- launcher -----------------------------------------------------------------------------------
 namespace {
 
 namespace k = vllm::sparse_mla_sm90;
@@ -132,8 +132,9 @@ void sparse_mla_fp8_decode(const at::Tensor& q, const at::Tensor& kv_rows,
   const auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   const int64_t nb = std::max<int64_t>(1, cdiv(topk, k::BN));  // K = 0: one block of -1 rows
   const int64_t work = t * nb;
-  TORCH_CHECK(work < (int64_t{1} << 31), "T * ceil(K / 64) = ", work,
-              " work items: the kernel counts them in int32");
+  TORCH_CHECK(work < (int64_t{1} << 31) && topk < (int64_t{1} << 31) - k::BN,
+              "T * ceil(K / 64) = ", work, " work items, K = ", topk,
+              ": the kernel counts both in int32");
   // A token must span at most MAX_PIECES CTAs: every CTA's range at least
   // ceil((nb - 1) / (MAX_PIECES - 1)) blocks.
   const int64_t max_ctas = work / std::max<int64_t>(1, cdiv(nb - 1, k::MAX_PIECES - 1));

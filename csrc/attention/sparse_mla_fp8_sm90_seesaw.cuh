@@ -4,12 +4,12 @@
 // The seesaw: warpgroup h scores blocks j = h, h + 2, ...: S^T[64 rows x 64 heads] (n64), its
 // softmax, P^T[j % NUM_PBUF]; both warpgroups run PV of every block on their value half, in block
 // order. Per block j of its own: QK_j; wait for the other warpgroup's block j - 1 (pfull) and run
-// its PV; softmax_j; PV_j (S stays live across the other block's PV: that order measured faster
-// than both PVs after softmax_j, or the other block's PV before QK_j). The stabilisers (m, OFF_M;
-// E, OFF_EX) live in shared memory: softmaxes run in block order, so both warpgroups read the
-// same values, and they move (rarely) only in the scoring warpgroup's slow path; alpha and the
-// block's flags go with P^T. pempty[b]: both warpgroups have retired PV of the block that last
-// used P^T[b] (and sigma[b]).
+// its PV; softmax_j; PV_j (S stays live across the other block's PV, so QK_j needs only its stage
+// and runs while block j - 1's softmax finishes). The stabilisers (m, OFF_M; E, OFF_EX) live in
+// shared memory: softmaxes run in block order, so both warpgroups read the same values, and they
+// move (rarely) only in the scoring warpgroup's slow path; alpha and the block's flags go with
+// P^T. pempty[b]: both warpgroups have retired PV of the block that last used P^T[b] (and
+// sigma[b]).
 #pragma once
 
 #include <cuda_bf16.h>
