@@ -411,13 +411,11 @@ def test_cuda_decode_gpu_opcheck():
     cache, slots, q = _gpu_inputs(8, 5, 256, seed=3)
     t, h = q.shape[:2]
     ctas = t
+    # zeros, not empty: opcheck compares every mutable argument, and NaN != NaN
+    zeros = lambda *shape, dtype=torch.float32: torch.zeros(*shape, dtype=dtype, device="cuda")  # noqa: E731
     args = (
-        q, cache.view(-1, 656), slots,
-        torch.empty(t, h, 512, dtype=torch.bfloat16, device="cuda"),
-        torch.empty(t, h, dtype=torch.float32, device="cuda"),
-        torch.empty(2 * ctas, 64, 512, dtype=torch.float32, device="cuda"),
-        torch.empty(2 * ctas, 64, dtype=torch.float32, device="cuda"),
-        torch.zeros(2 * t, dtype=torch.int32, device="cuda"),
+        q, cache.view(-1, 656), slots, zeros(t, h, 512, dtype=torch.bfloat16), zeros(t, h),
+        zeros(2 * ctas, 64, 512), zeros(2 * ctas, 64), zeros(2 * t, dtype=torch.int32),
         0.1 * sparse_mla_cuda.LOG2E, ctas,
     )  # fmt: skip
     torch.library.opcheck(torch.ops._C.sparse_mla_fp8_decode.default, args)
