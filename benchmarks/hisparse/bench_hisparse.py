@@ -16,7 +16,7 @@ Two measurements per configuration, both modes doing identical work except for t
   of the same bytes; the indexer's projections on the full layer).
 
 All-in-HBM reads every row in place. HiSparse keeps only each request's tail page on the GPU:
-the resolver (`dispatch.hisparse_resolve`: one kernel on CUDA) maps the top-k to hot-buffer rows
+the resolver (`hisparse_resolve`: one kernel on CUDA) maps the top-k to hot-buffer rows
 (2×topk per request), copying misses from the pinned host pool with zero-copy reads: the full
 layer's rows at once, the 3 shared layers' rows on a side stream (`resolver.prefetch`), each
 shared layer waiting for its own rows only — as the engine does. The benchmark sets the locality:
@@ -38,12 +38,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from vllm.attention.ops import dispatch  # noqa: E402
-
 from vllm.config.arch import GLM_5_3, ModelArch  # noqa: E402
 from vllm.hisparse.resolver import apply_copies, prefetch  # noqa: E402
 from vllm.hisparse.worker import device_view  # noqa: E402
-from vllm.kernels.kv_cache import KVCacheLayout  # noqa: E402
+from vllm.kernels.hisparse_resolve import hisparse_resolve  # noqa: E402
+from vllm.kernels.indexer import indexer_logits_paged, indexer_topk  # noqa: E402
+from vllm.kernels.sparse_mla import sparse_mla_decode  # noqa: E402
+from vllm.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 TOPK, H, BS, LAYERS = 2048, 64, 64, 4
 
@@ -157,7 +158,7 @@ class Setup:
 
     def indexer(self):
         ctx = torch.full((self.b,), self.ctx, device=self.dev)
-        logits = dispatch.indexer_logits_paged(
+        logits = indexer_logits_paged(
             self.iq,
             self.iqs,
             self.iw,
@@ -168,7 +169,7 @@ class Setup:
             ctx,
             self.ctx,
         )
-        return dispatch.indexer_topk(logits, ctx, TOPK)
+        return indexer_topk(logits, ctx, TOPK)
 
     def group_hbm(self, dense: bool):
         if dense:
@@ -178,7 +179,7 @@ class Setup:
         for i in range(LAYERS):
             if dense:
                 self.dense.pre()
-            dispatch.sparse_mla_decode(self.q, self.hbm[i], slots, self.layout, 0.0625)
+            sparse_mla_decode(self.q, self.hbm[i], slots, self.layout, 0.0625)
             if dense:
                 self.dense.post()
 
@@ -187,7 +188,7 @@ class Setup:
             self.dense.indexer_proj()
         self.indexer()
         self.step += 1
-        res = dispatch.hisparse_resolve(
+        res = hisparse_resolve(
             self.pos,
             torch.arange(self.b, device=self.dev),
             self.page_table_hs,
@@ -206,7 +207,7 @@ class Setup:
                 self.dense.pre()
             if events[i] is not None:
                 torch.cuda.current_stream(self.dev).wait_event(events[i])
-            dispatch.sparse_mla_decode(self.q, self.gpu[i], res.slots, self.layout, 0.0625)
+            sparse_mla_decode(self.q, self.gpu[i], res.slots, self.layout, 0.0625)
             if dense:
                 self.dense.post()
         return res

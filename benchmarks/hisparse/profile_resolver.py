@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from benchmarks.hisparse.bench_hisparse import DenseLayer, Setup  # noqa: E402
 from vllm.config.arch import GLM_5_3, ModelArch  # noqa: E402
-from vllm.kernels.kv_cache import KVCacheLayout  # noqa: E402
+from vllm.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 
 def main() -> int:

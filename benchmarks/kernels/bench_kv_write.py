@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms, time_ms_graph
-from vllm.kernels import kv_write
 from vllm.kernels.kv_cache import kv_write_cost, write_indexer_cache_ref, write_mla_cache_ref
+from vllm.kernels.triton import kv_write
 from vllm.kernels.triton.kv_write import write_indexer_cache, write_mla_cache
 from vllm.kv_cache_interface import KVCacheLayout
 

@@ -1,6 +1,6 @@
 """Routed experts, decode to prefill: the sync-free dense form (`experts_dense`, what CUDA runs for
-T <= 256 when T·k >= 2·E_loc) and the sync-free Triton grouped GEMM (`experts_grouped`, opt-in by
-VLLM_MOE_BACKEND=grouped) against the grouped reference (`experts_ref`: one host sync and six
+T <= 64 when T·k >= 2·E_loc) and the sync-free Triton grouped GEMM (`experts_grouped`, what CUDA
+runs otherwise; ``vllm.kernels.moe.fused_experts`` picks) against the grouped reference (`experts_ref`: one host sync and six
 launches per chosen expert), at GLM-5.3's expert shape (H 6144, I 2048, k 8, bf16) with the local
 experts of one EP8 rank (32) and of TP-only layouts cut to fit (64). Decode is memory-bound: the
 bytes are the chosen experts' weights (read once) plus activations; the T=4096 prefill shape is
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms
-from vllm.kernels import moe_grouped
 from vllm.kernels.moe import DENSE_MAX_TOKENS, experts_dense, experts_ref, fused_experts_cost
+from vllm.kernels.triton import moe_grouped
 from vllm.kernels.triton.moe_grouped import experts_grouped
 
 H, INTER, K = 6144, 2048, 8

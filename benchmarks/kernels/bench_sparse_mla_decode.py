@@ -24,13 +24,16 @@ from benchmarks.kernels.common import (
     time_ms_graph,
     ws_available,
 )
-from vllm.kernels.sparse_mla import sparse_mla_decode, sparse_mla_decode_cost, sparse_mla_ref
-from vllm.kernels.triton.sparse_mla_fwd import SparseMLAConfig, default_config
+from vllm.kernels.merge_attn import merge_attn_states
+from vllm.kernels.sparse_mla import RowFormat, num_splits, sparse_mla_decode_cost, sparse_mla_ref
+from vllm.kernels.triton.sparse_mla_fwd import SparseMLAConfig, default_config, sparse_mla_fwd
 from vllm.kernels.triton.utils import resource_report
 from vllm.kv_cache_interface import KVCacheLayout
 
 SHAPES = [64, 128, 256, 512, 1024]  # decode queries
 CTX, NUM_REQS, TOPK, H = 131072, 16, 2048, 64
+# the implementations that read each cache format
+READS = {"fp8_ds_mla": ("triton", "cuda"), "auto": ("triton", "ws")}
 
 
 def make_inputs(t: int, cache_dtype: str, seed: int = 0, ctx: int = CTX):
@@ -53,11 +56,29 @@ def make_inputs(t: int, cache_dtype: str, seed: int = 0, ctx: int = CTX):
     return layout, cache, slots.to(torch.int32), q
 
 
+def _call(kernel: str, q, rows, fmt: RowFormat, slots, scale: float, config):
+    """One implementation as the op calls it, bf16 output."""
+    if kernel == "triton":
+        return lambda: sparse_mla_fwd(q, rows, fmt, slots, scale, torch.bfloat16, config)
+    if kernel == "cuda":
+        from vllm.kernels.sparse_mla_cuda import sparse_mla_fp8_cuda
+
+        return lambda: sparse_mla_fp8_cuda(q, rows, slots, scale, torch.bfloat16)
+    from vllm.kernels.sparse_mla_ws import sparse_mla_ws
+
+    splits = num_splits(q.shape[0], q.shape[1], slots.shape[1], q.device)
+
+    def ws():
+        part_o, part_l = sparse_mla_ws(q, rows, slots, scale, torch.bfloat16, splits)
+        return part_o[0] if splits == 1 else merge_attn_states(part_o, part_l, torch.bfloat16)
+
+    return ws
+
+
 def bench(
     t: int,
     cache_dtype: str,
     config=None,
-    int_dequant=False,
     ref=True,
     tag="",
     kernel="triton",
@@ -65,12 +86,9 @@ def bench(
 ) -> dict:
     layout, cache, slots, q = make_inputs(t, cache_dtype, ctx=ctx)
     scale = 1 / math.sqrt(256)
-
-    def run():
-        return sparse_mla_decode(
-            q, cache, slots, layout, scale, torch.bfloat16, config, int_dequant, kernel=kernel
-        )
-
+    rows = cache.view(-1, cache.shape[-1])
+    fmt = RowFormat(512, 64, layout.is_fp8)
+    run = _call(kernel, q, rows, fmt, slots, scale, config)
     eager_ms = time_ms(run)
     ms = time_ms_graph(run)
     ref_ms = None
@@ -80,16 +98,14 @@ def bench(
             lambda: sparse_mla_ref(q[:sub], cache, slots[:sub], layout, scale), sub, t
         )
     flops, nbytes = sparse_mla_decode_cost(t, H, TOPK, layout.is_fp8, out_bytes=2)
-    cfg = config or default_config(t, H, TOPK, layout.is_fp8, q.device)
-    note = f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.num_splits}"
-    note += (" int-deq " if int_dequant else " ") + resource_report("sparse_mla_fwd")
+    cfg = config or default_config(t, H, TOPK, q.device)
+    note = f"bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} split{cfg.num_splits} "
+    note += resource_report("sparse_mla_fwd")
     if kernel == "ws":
         note = f"gluon ws kernel, split{cfg.num_splits}"
         tag = "_ws" + tag
     elif kernel == "cuda":
-        from vllm.kernels import sparse_mla_cuda
-
-        note = f"cuda c++ kernel, grid {sparse_mla_cuda.NUM_CTAS or 'default'}"
+        note = "cuda c++ kernel (vllm._C)"
         tag = "_cuda" + tag
     note += f"; eager {eager_ms:.3f} ms"
     shape = f"T={t} H=64 topk=2048 ctx={ctx // 1024}K"
@@ -99,35 +115,19 @@ def bench(
 
 def main():
     p = parser(__doc__)
-    p.add_argument(
-        "--cuda-defines",
-        default="",
-        help="';'-separated build variants of the CUDA kernel, each 'NAME=V,...' (its -D knobs)",
-    )
     p.add_argument("--ctx", type=int, default=CTX, help="tokens per request (16 requests)")
-    p.add_argument(
-        "--cuda-attrs",
-        default="",
-        help="';'-separated launcher settings of the CUDA kernel to time, each 'NAME=V,...' "
-        "(attributes of vllm.kernels.sparse_mla_cuda, e.g. NUM_CTAS=128)",
-    )
-    p.add_argument(
-        "--cuda-src",
-        default="",
-        help="';'-separated directories holding another version of the CUDA kernel's sources "
-        "(sparse_mla_fp8_sm90.cu and its .cuh files, e.g. exported from an earlier commit) to "
-        "time as baselines in the same process",
-    )
     args = p.parse_args()
     ctx = args.ctx
     shapes = SHAPES[:2] if args.quick else SHAPES
-    kernels = [k for k in args.kernels.split(",") if k != "ws" or ws_available()]
+    kernels = [k for k in args.kernels.split(",") if k == "triton" or ws_available()]
     rows = []
     for kernel in kernels:  # same process, same inputs: the ratio between kernels is direct
-        rows += [
-            bench(t, "fp8_ds_mla", kernel=kernel, ref=kernel == "triton", ctx=ctx) for t in shapes
-        ]
-        if kernel != "cuda":  # the CUDA kernel reads fp8_ds_mla rows only
+        if kernel in READS["fp8_ds_mla"]:
+            rows += [
+                bench(t, "fp8_ds_mla", kernel=kernel, ref=kernel == "triton", ctx=ctx)
+                for t in shapes
+            ]
+        if kernel in READS["auto"]:
             rows += [
                 bench(t, "auto", kernel=kernel, ref=kernel == "triton", ctx=ctx)
                 for t in (shapes[0], shapes[-1])
@@ -135,51 +135,12 @@ def main():
     if args.sweep:
         for t in (64, 256):
             for bn, warps, stages in ((64, 8, 2), (32, 16, 2), (64, 16, 2), (64, 16, 3)):
-                base = default_config(t, H, TOPK, True, torch.device("cuda"))
+                base = default_config(t, H, TOPK, torch.device("cuda"))
                 cfg = SparseMLAConfig(64, bn, warps, stages, base.num_splits)
                 try:
-                    rows.append(bench(t, "fp8_ds_mla", cfg, False, ref=False, tag="*"))
+                    rows.append(bench(t, "fp8_ds_mla", cfg, ref=False, tag="*"))
                 except Exception as e:  # e.g. out of shared memory: report, keep going
                     print(f"config {cfg}: {type(e).__name__}: {str(e)[:120]}")
-    if args.cuda_defines:  # build variants of the CUDA kernel, same process and inputs
-        from vllm.kernels import sparse_mla_cuda
-
-        for spec in args.cuda_defines.split(";"):
-            sparse_mla_cuda.DEFINES = sparse_mla_cuda.parse_defines(spec)
-            for t in shapes:
-                rows.append(
-                    bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]", ctx=ctx)
-                )
-        sparse_mla_cuda.DEFINES = {}
-    if args.cuda_attrs:  # launcher settings of the CUDA kernel (grid size...), same inputs
-        from vllm.kernels import sparse_mla_cuda
-
-        for spec in args.cuda_attrs.split(";"):
-            attrs = sparse_mla_cuda.parse_defines(spec)
-            saved = {k: getattr(sparse_mla_cuda, k) for k in attrs}
-            for k, v in attrs.items():
-                setattr(sparse_mla_cuda, k, v)
-            for t in shapes:
-                rows.append(
-                    bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[{spec}]", ctx=ctx)
-                )
-            for k, v in saved.items():
-                setattr(sparse_mla_cuda, k, v)
-    if args.cuda_src:  # other versions of the kernel's sources, same process and inputs
-        from pathlib import Path
-
-        from vllm.kernels import sparse_mla_cuda
-
-        saved_src = sparse_mla_cuda.SRC
-        for d in args.cuda_src.split(";"):
-            sparse_mla_cuda.SRC = Path(d) / saved_src.name
-            sparse_mla_cuda.clear_caches()
-            for t in shapes:
-                rows.append(
-                    bench(t, "fp8_ds_mla", kernel="cuda", ref=False, tag=f"[src={d}]", ctx=ctx)
-                )
-        sparse_mla_cuda.SRC = saved_src
-        sparse_mla_cuda.clear_caches()
     print_rows(rows)
     dump_json(rows, args.json)
 

@@ -14,8 +14,8 @@ from benchmarks.kernels.common import (
     time_ms,
     ws_available,
 )
-from vllm.kernels.sparse_mla import sparse_mla_prefill, sparse_mla_prefill_cost
-from vllm.kernels.triton.sparse_mla_fwd import SparseMLAConfig
+from vllm.kernels.sparse_mla import RowFormat, sparse_mla_prefill_cost, sparse_mla_prefill_ref
+from vllm.kernels.triton.sparse_mla_fwd import SparseMLAConfig, sparse_mla_fwd
 from vllm.kernels.triton.utils import resource_report
 
 SHAPES = [(8192, 32768), (32768, 131072), (131072, 131072)]  # (queries, context)
@@ -28,11 +28,20 @@ def bench(t: int, s: int, config=None, ref=True, tag="", kernel="triton", topk=T
     kv = torch.randn(s, 576, device="cuda", generator=g).to(torch.bfloat16)
     idx = torch.randint(0, s, (t, topk), device="cuda", generator=g, dtype=torch.int32)
     scale = 576**-0.5
-    ms = time_ms(lambda: sparse_mla_prefill(q, kv, idx, scale, 512, torch.bfloat16, config, kernel))
+    fmt = RowFormat(512, 64, False)
+    if kernel == "ws":
+        from vllm.kernels.sparse_mla_ws import sparse_mla_ws
+
+        run = lambda: sparse_mla_ws(q, kv, idx, scale, torch.bfloat16, 1)  # noqa: E731
+    else:
+        run = lambda: sparse_mla_fwd(q, kv, fmt, idx, scale, torch.bfloat16, config)  # noqa: E731
+    ms = time_ms(run)
     ref_ms = None
     if ref:
         sub = 128
-        ref_ms = scaled_ref_ms(lambda: _ref(q[:sub], kv, idx[:sub], scale), sub, t)
+        ref_ms = scaled_ref_ms(
+            lambda: sparse_mla_prefill_ref(q[:sub], kv, idx[:sub], scale, 512), sub, t
+        )
     flops, nbytes = sparse_mla_prefill_cost(t, H, topk, out_bytes=2)
     note = "" if config is None else f"bn{config.block_n} w{config.num_warps} s{config.num_stages} "
     note += resource_report("sparse_mla_fwd")
@@ -40,16 +49,6 @@ def bench(t: int, s: int, config=None, ref=True, tag="", kernel="triton", topk=T
         note, tag = "gluon ws kernel", "_ws" + tag
     return row(f"sparse_prefill{tag}", f"T={t} S={s} H=64 topk={topk}", ms, flops, nbytes, "bf16",
                ref_ms, note)  # fmt: skip
-
-
-def _ref(q, kv, idx, scale):
-    import os
-
-    os.environ["VLLM_USE_REF_KERNELS"] = "1"
-    try:
-        return sparse_mla_prefill(q, kv, idx, scale, 512)
-    finally:
-        del os.environ["VLLM_USE_REF_KERNELS"]
 
 
 def main():
@@ -62,7 +61,9 @@ def main():
     )
     args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
-    kernels = [k for k in args.kernels.split(",") if k != "ws" or ws_available()]
+    kernels = [
+        k for k in args.kernels.split(",") if k == "triton" or (k == "ws" and ws_available())
+    ]
     topks = [int(x) for x in args.topks.split(",")]
     rows = [bench(t, s, kernel=k, ref=k == "triton" and kk == TOPK, topk=kk)
             for k in kernels for t, s in shapes for kk in topks]  # fmt: skip

@@ -141,8 +141,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true", help="fewer shapes (smoke run)")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
     ap.add_argument(
-        "--kernels", default="triton,ws",
-        help="sparse-MLA kernels to time, comma-separated: triton, ws (the Gluon one, sm_90 only)",
+        "--kernels", default="triton,ws,cuda",
+        help="sparse-MLA implementations to time, comma-separated: triton (any GPU), ws (the "
+        "Gluon kernel, bf16 rows, sm_90), cuda (the CUDA C++ kernel of vllm._C, fp8_ds_mla rows, "
+        "sm_90); the op picks ws or cuda on an H200",
     )  # fmt: skip
     return ap
 

@@ -24,7 +24,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config.arch import GLM_5_3, ModelArch  # noqa: E402
-from vllm.kernels.kv_cache import kv_bytes_per_token  # noqa: E402
+from vllm.kv_cache_interface import kv_bytes_per_token  # noqa: E402
 from vllm.model_executor.tiny import GLM_SLICE, TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
 
 SLICE = {**GLM_SLICE, "n_routed_experts": 8}  # 8 experts: one per EP rank at N = 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vllm.attention.metadata import MLAMetadata
+from vllm.attention.metadata import CPMetadata, MLAMetadata
 from vllm.config import ParallelConfig
 from vllm.config.arch import ModelArch
 from vllm.distributed.cp_attention import local_len, local_to_global
@@ -69,9 +69,7 @@ def test_dcp_ownership_slots_and_local_len():
             [True],
             [False],
             torch.empty(0),
-            dcp_size=n,
-            dcp_rank=rank,
-            cp_interleave=i,
+            cp=CPMetadata(dcp_size=n, dcp_rank=rank, interleave=i),
         )
         slots = meta.slots_for(torch.zeros(s, dtype=torch.long), pos)
         mine = slots >= 0

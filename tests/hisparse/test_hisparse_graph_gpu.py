@@ -24,8 +24,13 @@ def _state(dev, layout, g):
     n_gpu = B * (hot // BS + 1) + 1
     gpu = torch.zeros((n_gpu, BS, row), dtype=torch.uint8, device=dev)
     host = torch.randint(0, 120, (B * pages, BS, row), dtype=torch.uint8, generator=g)
-    host.view(-1, row)[:, 512:528] = 0  # finite (zero) scales
-    host.view(-1, row)[:, 512:516] = torch.tensor([0.01], dtype=torch.float32).view(torch.uint8)
+    # tile scales and rope values as the fp8_ds_mla writer stores them: positive scales, bf16
+    # rope of a real key's magnitude (random bytes there read as bf16 up to ~1e33, which the
+    # CUDA kernel's f16 QK cannot hold)
+    flat = host.view(-1, row)
+    flat[:, 512:528] = torch.full((4,), 0.01).view(torch.uint8)
+    rope = torch.randn(flat.shape[0], 64, generator=g).to(torch.bfloat16)
+    flat[:, 528:] = rope.view(torch.uint8)
     host = host.pin_memory()
     from vllm.hisparse.worker import device_view
 

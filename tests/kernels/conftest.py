@@ -50,7 +50,7 @@ def _numpy_index_shim() -> None:
 def _launch_log_shim() -> None:
     """With VLLM_TRITON_LAUNCH_LOG=PATH, every kernel launch the interpreter runs is appended to
     PATH as one JSON line (the kernel, its arguments' types, the constexprs and the launch
-    options), for ``benchmarks/kernels/aot_triton_sm90.py --from-log`` to compile for sm_90a:
+    options), for ``tools/aot_triton_sm90.py --from-log`` to compile for sm_90a:
     the interpreter does not type-check a kernel the way the compiler does."""
     path = os.environ.get("VLLM_TRITON_LAUNCH_LOG")
     from triton.runtime import interpreter

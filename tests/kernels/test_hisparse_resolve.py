@@ -136,7 +136,7 @@ def test_resolve_fused_interpreter_glm_shapes(interp):
 @pytest.mark.parametrize("hit_frac", [0.0, 0.5, 0.9, 1.0])
 @pytest.mark.parametrize("wide_keys,old_frac", [(None, 0.0), (True, 0.0), (None, 0.03)])
 def test_resolve_fused_gpu(hit_frac, wide_keys, old_frac):
-    from vllm.kernels import hisparse_resolve as mod
+    from vllm.kernels.triton import hisparse_resolve as mod
 
     hits, misses = _run_steps(
         mod, t=64, k=2048, h=4096, r=80, pages=2048, bs=64, steps=4, device="cuda",
@@ -148,7 +148,7 @@ def test_resolve_fused_gpu(hit_frac, wide_keys, old_frac):
 
 @pytest.mark.gpu
 def test_resolve_fused_gpu_odd_shapes():
-    from vllm.kernels import hisparse_resolve as mod
+    from vllm.kernels.triton import hisparse_resolve as mod
 
     _run_steps(mod, t=37, k=1000, h=3000, r=40, pages=700, bs=64, steps=3, device="cuda",
                seed=5, hit_frac=0.8, pos_dtype=torch.int32)  # fmt: skip
@@ -157,7 +157,7 @@ def test_resolve_fused_gpu_odd_shapes():
 @pytest.mark.gpu
 def test_resolve_fused_gpu_cuda_graph():
     """Captured once with a device step; replays match the reference step by step."""
-    from vllm.kernels import hisparse_resolve as mod
+    from vllm.kernels.triton import hisparse_resolve as mod
 
     g = torch.Generator().manual_seed(11)
     t, k, h, r, pages, bs = 16, 2048, 4096, 16, 1024, 64

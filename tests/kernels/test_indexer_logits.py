@@ -93,7 +93,7 @@ def test_indexer_logits_paged_interpreter(interp, cache_dtype, q_fp8):
 @pytest.mark.parametrize("t,s", [(1, 1), (100, 3000), (1024, 4096), (257, 8191)])
 @pytest.mark.parametrize("fp8", [True, False])
 def test_indexer_logits_gpu(t, s, fp8):
-    from vllm.kernels import indexer_logits as mod
+    from vllm.kernels.triton import indexer_logits as mod
 
     _check_prefill(mod, t, s, 32, 128, "cuda", fp8, 2e-3 if fp8 else 1e-4, seed=t + s)
 
@@ -102,6 +102,6 @@ def test_indexer_logits_gpu(t, s, fp8):
 @pytest.mark.parametrize("cache_dtype", ["fp8_ds_mla", "auto"])
 @pytest.mark.parametrize("q_fp8", [True, False])
 def test_indexer_logits_paged_gpu(cache_dtype, q_fp8):
-    from vllm.kernels import indexer_logits as mod
+    from vllm.kernels.triton import indexer_logits as mod
 
     _check_paged(mod, cache_dtype, 9, 32, 128, 64, "cuda", q_fp8, 5e-3, seed=3)

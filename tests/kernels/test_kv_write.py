@@ -65,7 +65,7 @@ def test_kv_write_interpreter_all_skipped(interp):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 37, 4096])
 def test_kv_write_gpu(cache_dtype, dtype, n):
-    from vllm.kernels import kv_write
+    from vllm.kernels.triton import kv_write
 
     layout = _layout(cache_dtype, 512, 64, 128)  # GLM-5.3: 656-byte rows, 132-byte keys
     _check_writes(kv_write, layout, n, 96, "cuda", dtype, seed=n)
@@ -97,6 +97,6 @@ def test_indexer_write_extreme_scales_interpreter(interp, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_indexer_write_extreme_scales_gpu(dtype):
-    from vllm.kernels import kv_write
+    from vllm.kernels.triton import kv_write
 
     _check_indexer_extremes(kv_write, "cuda", dtype)

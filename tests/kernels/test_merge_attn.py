@@ -49,6 +49,6 @@ def test_merge_interpreter_ignores_garbage_in_empty_shards(interp):
 @pytest.mark.parametrize("t", [1, 64, 1000])
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
 def test_merge_gpu(n, t, in_dtype):
-    from vllm.kernels import merge_attn as mod
+    from vllm.kernels.triton import merge_attn as mod
 
     _check(mod, n, t, 64, 512, "cuda", seed=n * t, in_dtype=in_dtype)

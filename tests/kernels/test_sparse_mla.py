@@ -99,8 +99,8 @@ def _check_prefill(impl, t, h, s, k, d_v, rope, device, dtype, tol, seed):
     scale = (d_v + rope) ** -0.5
     if impl == "op":
         out, lse = op.sparse_mla_prefill(q, kv, idx, scale, d_v)
-    else:
-        rows = kv.to(torch.bfloat16) if impl == "ws" else kv
+    else:  # on CUDA the op hands the kernels bf16 rows (fp32 would double their shared memory)
+        rows = kv.to(torch.bfloat16) if kv.is_cuda else kv
         out, lse = _run_rows(impl, q, rows, RowFormat(d_v, rope, False), idx, scale)
     ref_o, ref_l = sparse_mla_prefill_ref(q.float(), kv.float(), idx, scale, d_v)
     assert not out.isnan().any()

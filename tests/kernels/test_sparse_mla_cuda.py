@@ -398,7 +398,10 @@ def test_cuda_decode_gpu_graph_replay(t):
         want_o, want_l = sparse_mla_fp8_cuda(new_q, rows, slots, scale, torch.bfloat16)
         torch.cuda.synchronize()
         assert torch.equal(lse, want_l)
-        assert _rel(out, want_o) < 1e-3  # (a cut token's bits depend on which piece merges)
+        # a token cut between CTAs is merged from bf16 partials by whichever piece finishes
+        # last, so its bf16 output varies by a few ulps between any two launches (1.9e-3
+        # measured on an H200 at T = 64); the kernel's tolerance against the reference is 1e-2
+        assert _rel(out, want_o) < 5e-3
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@ Gluon does not run under the Triton interpreter, so CI cannot execute this kerne
 is compile the build the launcher launches (the GPU parity tests in ``test_sparse_mla.py`` check
 the results on an H200) and hold it to its budgets: shared memory within the 227 KB a block may
 have, the partitions' registers within the register file, and spills no worse than the bytes of
-the build as measured. The compile runs in a child process (``benchmarks/kernels/aot_sm90.py
+the build as measured. The compile runs in a child process (``tools/aot_sm90.py
 --json``): this session's Triton is bound to the interpreter (TRITON_INTERPRET=1, set by this
 directory's conftest on CPU machines).
 """
@@ -34,7 +34,7 @@ CONFIGS = [
 def _build(flags):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/kernels/aot_sm90.py"), "--json",
+    r = subprocess.run([sys.executable, str(ROOT / "tools/aot_sm90.py"), "--json",
                         *flags], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     if r.returncode != 0 and "gluon" in r.stderr and "No module named" in r.stderr:
         pytest.skip("this Triton has no Gluon")

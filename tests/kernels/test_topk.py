@@ -123,7 +123,7 @@ def test_topk_interpreter_k_above_columns(interp):
 @pytest.mark.parametrize("ties", [True, False])
 @pytest.mark.parametrize("z", [6.0, -9.0])  # -9: every long row takes the whole-row fallback
 def test_topk_gpu(t, s, topk, ties, z):
-    from vllm.kernels import topk as mod
+    from vllm.kernels.triton import topk as mod
 
     _check(mod, t, s, topk, "cuda", seed=t + s, ties=ties, z=z)
 
@@ -149,7 +149,7 @@ def test_topk_gpu(t, s, topk, ties, z):
     ],
 )
 def test_topk_gpu_configs(kw):
-    from vllm.kernels import topk as mod
+    from vllm.kernels.triton import topk as mod
 
     _check(mod, 300, 40000, 2048, "cuda", seed=3, **kw)
 
@@ -157,7 +157,7 @@ def test_topk_gpu_configs(kw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dist", ["cauchy", "narrow", "point", "logspread", "runs"])
 def test_topk_gpu_score_distributions(dist):
-    from vllm.kernels import topk as mod
+    from vllm.kernels.triton import topk as mod
 
     _check(mod, 64, 50000, 2048, "cuda", seed=5, ties=False, dist=dist)
 
@@ -165,7 +165,7 @@ def test_topk_gpu_score_distributions(dist):
 @pytest.mark.gpu
 @pytest.mark.parametrize("s", [32768, 131072])
 def test_topk_gpu_causal_chunk(s):
-    from vllm.kernels import topk as mod
+    from vllm.kernels.triton import topk as mod
 
     t = 1024  # the last rows of an 8192-token prefill chunk, causal limits
     _check(mod, t, s, 2048, "cuda", seed=s, ties=False, limits=torch.arange(s - t + 1, s + 1))
@@ -181,7 +181,7 @@ def test_topk_gpu_correlated_runs_keep_the_fast_path(s, widen, monkeypatch):
     tail, ~3.7 standard deviations under the default cap, cannot flake); with the widening
     switched off (the control), the binomial margin is z ≈ 1.8 of the real spread and ~4 % of
     the rows get fewer than k candidates (the whole-row fallback). Exact either way."""
-    from vllm.kernels import topk as mod
+    from vllm.kernels.triton import topk as mod
 
     if not widen:
         monkeypatch.setattr(mod, "DEFF_REDO", 1e30)
@@ -203,7 +203,7 @@ def test_topk_gpu_correlated_runs_keep_the_fast_path(s, widen, monkeypatch):
 
 @pytest.mark.gpu
 def test_topk_gpu_one_million():
-    from vllm.kernels import topk as mod
+    from vllm.kernels.triton import topk as mod
 
     _check(mod, 2, 1 << 20, 2048, "cuda", seed=1, ties=False,
            limits=torch.tensor([1 << 20, 777_777]))  # fmt: skip

@@ -3,7 +3,7 @@
 CI runs these kernels under the Triton interpreter, which does not type-check them the way the
 compiler does: a kernel can pass every interpreter test and fail to compile on the GPU (a
 variable redefined with another type in one branch did, once). These tests compile, in child
-processes (``benchmarks/kernels/aot_triton_sm90.py``; this session's Triton is bound to the
+processes (``tools/aot_triton_sm90.py``; this session's Triton is bound to the
 interpreter):
 - every kernel the interpreter tests launch, with the arguments they launched it with (logged
   by ``tests/kernels/conftest.py``) and the device-dependent constexprs at their CUDA values;
@@ -56,7 +56,7 @@ def _env(interpret: bool):
 
 
 def _build(cases):
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/kernels/aot_triton_sm90.py"),
+    r = subprocess.run([sys.executable, str(ROOT / "tools/aot_triton_sm90.py"),
                         "--json", *cases], capture_output=True, text=True, env=_env(False),
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -71,7 +71,7 @@ def test_interpreted_kernels_build_for_sm90(tmp_path):
                         "-p", "no:cacheprovider", "-k", "interpreter and not build"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:]
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/kernels/aot_triton_sm90.py"),
+    r = subprocess.run([sys.executable, str(ROOT / "tools/aot_triton_sm90.py"),
                         "--from-log", str(log), "--json"], capture_output=True, text=True,
                        env=_env(False), timeout=1200)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]

@@ -146,14 +146,20 @@ def _prefill_impl(q: torch.Tensor, rows: torch.Tensor, fmt: RowFormat) -> str:
 
 
 def _run(impl: str, q, rows, fmt: RowFormat, indices, sm_scale: float, out_dtype: torch.dtype):
-    t = q.shape[0]
-    if impl == "cuda" and t:
+    t, h = q.shape[:2]
+    if t == 0:
+        out = q.new_zeros((0, h, fmt.kv_lora), dtype=out_dtype)
+        return out, q.new_zeros((0, h), dtype=torch.float32)
+    if impl == "cuda":
         from vllm.kernels.sparse_mla_cuda import sparse_mla_fp8_cuda
 
         part_o, part_l = sparse_mla_fp8_cuda(q, rows, indices, sm_scale, out_dtype)
-    elif impl == "ws" and t:
+    elif impl == "ws":
         from vllm.kernels.sparse_mla_ws import sparse_mla_ws
 
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        if indices.dtype != torch.int32 or indices.stride(-1) != 1:
+            indices = indices.to(torch.int32).contiguous()
         splits = num_splits(t, q.shape[1], indices.shape[1], q.device)
         part_o, part_l = sparse_mla_ws(q, rows, indices, sm_scale, out_dtype, splits)
     else:

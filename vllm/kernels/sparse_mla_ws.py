@@ -451,7 +451,7 @@ def is_supported_device(device_index: int) -> bool:
 def launch_config(q_async: bool = True, idx_smem: bool = True) -> tuple:
     """(kernel, launch metadata): the constexprs, ``num_warps`` and ``maxnreg`` the launcher
     passes. The launcher clears ``q_async`` when the query cannot go by cp.async and
-    ``idx_smem`` when a top-k slice is longer than ``IDX_CAP``; ``benchmarks/kernels/aot_sm90.py``
+    ``idx_smem`` when a top-k slice is longer than ``IDX_CAP``; ``tools/aot_sm90.py``
     and the build test compile exactly this."""
     meta = dict(
         Q_ASYNC=q_async, IDX_SMEM=idx_smem, num_warps=PRODUCER_WARPS.value, maxnreg=LAUNCH_REGS

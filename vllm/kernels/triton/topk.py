@@ -529,7 +529,7 @@ def topk_launch_config(
     """The four kernels' launch metadata for T rows of S candidates and these tuning knobs (see
     :func:`indexer_topk`): {"pivot" | "collect" | "select" | "fallback": constexprs plus
     ``num_warps`` (and the collect's ``maxnreg``)}, and the grid sizes and ``cap``. The launcher
-    and the sm_90 build check (``benchmarks/kernels/aot_triton_sm90.py``) both resolve it here."""
+    and the sm_90 build check (``tools/aot_triton_sm90.py``) both resolve it here."""
     cap = cap or 4 * next_pow2(topk)
     if cap != next_pow2(cap) or cap < max(topk, 2):
         raise ValueError(f"cap {cap} must be a power of two >= topk {topk}")

@@ -2,8 +2,8 @@
 (Hybrid HiSparse now; MTP drafting and KV connectors plug in the same way).
 
 The runner calls each method at its point of the step; every default does nothing, so the runner
-never asks whether a feature is on. A feature is chosen once at start-up (``make_step_hooks`` in
-the runner) and implements the methods it needs.
+never asks whether a feature is on. A feature is chosen once at start-up
+(``ModelRunner._kv_features``) and implements the methods it needs.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the runtime's divisibility hints (without them the allocation differs from the G
 ``--ids-from-global`` / ``--sync-query`` build the launcher's fallbacks (a top-k slice longer
 than the shared-memory id copy; a query that cp.async cannot copy).
 
-    python benchmarks/kernels/aot_sm90.py [--ids-from-global] [--sync-query] [--sass-hist]
+    python tools/aot_sm90.py [--ids-from-global] [--sync-query] [--sass-hist]
         [--dump DIR] [--json]
 
 Run it in a process without TRITON_INTERPRET=1 (the kernel tests' CPU runs set it).

@@ -4,8 +4,8 @@ spills and shared memory from ``ptxas``.
 The Triton interpreter, which runs the kernels in CI, does not type-check them the way the
 compiler does (a variable redefined with another type in one branch, for one); these builds do.
 
-    PYTHONPATH=. python benchmarks/kernels/aot_triton_sm90.py [--json] [CASE ...]
-    PYTHONPATH=. python benchmarks/kernels/aot_triton_sm90.py --from-log LOG [--per-kernel N]
+    PYTHONPATH=. python tools/aot_triton_sm90.py [--json] [CASE ...]
+    PYTHONPATH=. python tools/aot_triton_sm90.py --from-log LOG [--per-kernel N]
 
 A CASE is the top-k at ``T,S,K`` or ``T,S,K,key=value,...`` with :func:`indexer_topk`'s tuning
 knobs (ints, floats, true/false), e.g. ``8192,32768,2048`` or
@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from benchmarks.kernels.aot_sm90 import ptxas
+from tools.aot_sm90 import ptxas
 from vllm.kernels.triton import topk
 
 # argument types of the four kernels (limits as int64, as the model and tests pass them)
