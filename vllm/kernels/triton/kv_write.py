@@ -167,14 +167,8 @@ def write_mla_cache(
     slot_mapping: torch.Tensor,
     layout: KVCacheLayout,
 ) -> None:
-    """Scatter new latent rows into the paged MLA cache, in place.
-
-    cache: ``layout.mla_cache_shape(num_blocks)`` — uint8 [NB, block_size, 656] for fp8_ds_mla
-    (bytes 0..R-1 e4m3 values, then R/128 fp32 scales = max(amax, 1e-4)/448 per 128-value tile,
-    then ``rope`` bf16 values) or [NB, block_size, R + rope] in the model dtype for ``auto``.
-    kv_c: [N, R] float; k_pe: [N, rope] float (RoPE applied); slot_mapping: [N] int, global slot =
-    block * block_size + offset, −1 = skip the row. Byte-exact with ``write_mla_cache_ref``.
-    """
+    """:func:`vllm.kernels.kv_cache.write_mla_cache` (the spec), byte-exact with
+    ``write_mla_cache_ref``."""
     n = kv_c.shape[0]
     if kv_c.shape != (n, layout.kv_lora_rank) or k_pe.shape != (n, layout.rope_dim):
         raise ValueError(f"kv_c {tuple(kv_c.shape)} / k_pe {tuple(k_pe.shape)} do not fit {layout}")
@@ -213,13 +207,8 @@ def write_mla_cache(
 def write_indexer_cache(
     cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor, layout: KVCacheLayout
 ) -> None:
-    """Scatter new indexer keys into the indexer cache, in place.
-
-    k: [N, D] float (RoPE + Hadamard applied); slot_mapping: [N] int, −1 = skip. FP8 layout:
-    uint8 [NB, block_size·(D+4)], per page all block_size×D e4m3 values first, then block_size
-    fp32 scales, each the smallest power of two >= max(amax, 1e-4)/448. Otherwise
-    [NB, block_size, D] in the model dtype. Byte-exact with ``write_indexer_cache_ref``.
-    """
+    """:func:`vllm.kernels.kv_cache.write_indexer_cache` (the spec), byte-exact with
+    ``write_indexer_cache_ref``."""
     n, d = k.shape
     if d != layout.index_head_dim or slot_mapping.shape != (n,):
         raise ValueError(f"k {tuple(k.shape)} / slot_mapping do not fit {layout}")
