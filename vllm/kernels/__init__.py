@@ -8,6 +8,7 @@ reference (``<op>_ref``) that defines the semantics, and the cost model (``<op>_
   * ``merge_attn``        LSE merge of partial attentions (DCP combine, split-K combine)
   * ``indexer``           lightning-indexer scores, top-k selection, the DCP top-k merge
   * ``hisparse_resolve``  HiSparse: selected positions -> cache slots, hot-buffer LRU
+  * ``row_copy``          masked row copies (HiSparse misses from pinned host memory)
   * ``moe``               routed SwiGLU experts
 
 Implementations: Triton kernels in ``vllm/kernels/triton/`` (any CUDA GPU, and the Triton CPU
