@@ -97,7 +97,7 @@ def test_preemption_keeps_greedy_output(llm, tiny_ckpt):
     try:
         assert tight.client.info["num_blocks"] == 6
         got = _greedy(tight, PROMPTS, 60)
-        stats = tight.client.call_utility("info")
+        stats = tight.client.call_utility("info")[0]
         assert stats["num_blocks"] == 6
     finally:
         tight.shutdown()

@@ -65,6 +65,10 @@ class KVCacheManager(ABC):
         ids (None: nothing)."""
         return None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; False (and nothing changes) while any is in use."""
+        return self.pool.reset_prefix_cache()
+
     def take_prefix_cache_stats(self) -> tuple[int, int]:
         """(queried tokens, hit tokens) of the prefix cache since the last call."""
         pool = self.pool

@@ -1,8 +1,10 @@
 """Asyncio front end over the engine-core client (used by the OpenAI server).
 
-A background thread reads engine outputs and hands each to its request's asyncio queue; requests
-are generators of RequestOutput. If the engine dies every open request gets the error and
-`on_dead` is called (the server then exits non-zero).
+One background thread is the only reader of the engine-core output socket: it hands each request's
+outputs to that request's asyncio queue, and each utility reply (control calls such as
+``reset_prefix_cache``) to the future waiting for its call id. Requests are generators of
+RequestOutput. If the engine dies every open request and call gets the error and `on_dead` is
+called (the server then exits non-zero).
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class RequestHandle:
     states: list[RequestState]
 
 
+@dataclass
+class _UtilityCall:
+    """A control call waiting for one reply per engine core."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    waiting: int  # engines yet to answer
+    answers: dict[int, object]
+
+
 class AsyncLLM:
     def __init__(
         self,
@@ -47,6 +59,7 @@ class AsyncLLM:
         self.on_dead = on_dead
         self.dead: str | None = None
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, RequestState]] = {}
+        self._calls: dict[int, _UtilityCall] = {}
         self._lock = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._pump, name="engine-output", daemon=True)
@@ -68,6 +81,8 @@ class AsyncLLM:
                 continue
             if batch.stats is not None and self.metrics is not None:
                 self.metrics.record_stats(batch.stats)
+            if batch.utility is not None:
+                self._answer(batch.engine_index, *batch.utility)
             for out in batch.outputs:
                 with self._lock:
                     entry = self._queues.get(out.request_id)
@@ -89,14 +104,32 @@ class AsyncLLM:
         if self.metrics is not None:
             self.metrics.record_finished(st)
 
+    def _answer(self, engine: int, call_id: int, result, error: str | None) -> None:
+        with self._lock:
+            call = self._calls.get(call_id)
+            if call is None:  # its caller gave up (timeout): nothing waits for it
+                return
+            call.waiting -= 1
+            call.answers[engine] = RuntimeError(error) if error else result
+            done = call.waiting == 0 or error
+            if done:
+                self._calls.pop(call_id, None)
+        if done:
+            answer = [call.answers[e] for e in sorted(call.answers)]
+            call.loop.call_soon_threadsafe(_settle, call.future, answer)
+
     def _die(self, why: str) -> None:
         self.dead = why
         logger.error("engine died: %s", why)
         with self._lock:
             entries = list(self._queues.values())
             self._queues.clear()
+            calls = list(self._calls.values())
+            self._calls.clear()
         for loop, q, _ in entries:
             loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(why))
+        for call in calls:
+            call.loop.call_soon_threadsafe(_settle, call.future, [EngineDeadError(why)])
         if self.on_dead is not None:
             self.on_dead(why)
 
@@ -156,15 +189,40 @@ class AsyncLLM:
         async for item in self.iterate(self.add(p, params, request_id)):
             yield item
 
-    async def utility(self, name: str, *args):
-        return await asyncio.get_running_loop().run_in_executor(
-            None, self.client.call_utility, name, *args
-        )
+    async def utility(self, name: str, *args, timeout: float = 60.0) -> list:
+        """Run a control call on every engine core; returns one answer per engine, in engine
+        order. The reply comes back through the output thread, matched by call id, so requests
+        in flight are never disturbed."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        engines = self.config.parallel_config.data_parallel_size
+        with self._lock:  # registered before it is sent: the reply cannot arrive unclaimed
+            cid = self.client.next_call_id()
+            self._calls[cid] = _UtilityCall(loop, fut, engines, {})
+        try:
+            self.client.send_utility(name, list(args), call_id=cid)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            with self._lock:
+                self._calls.pop(cid, None)
 
     def shutdown(self) -> None:
         self._stop = True
         self._thread.join(2)
         self.client.shutdown()
+
+
+def _settle(fut: asyncio.Future, answer: list) -> None:
+    """Resolve a utility call's future on its own loop: the first error raises, else the list."""
+    if fut.done():
+        return
+    err = next((a for a in answer if isinstance(a, Exception)), None)
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(answer)
 
 
 __all__ = ["AsyncLLM", "RequestHandle"]

@@ -174,7 +174,7 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
 def _utility(core: EngineCore, call_id: int, name: str, args: list) -> list:
     try:
         if name == "reset_prefix_cache":
-            return [call_id, core.scheduler.kv.pool.reset_prefix_cache(), None]
+            return [call_id, core.scheduler.kv.reset_prefix_cache(), None]
         if name == "info":
             return [call_id, core.info(), None]
         if name == "ping":

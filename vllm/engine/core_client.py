@@ -138,25 +138,47 @@ class EngineCoreClient:
         if i is not None:
             self.load[i] -= 1
 
+    def next_call_id(self) -> int:
+        return next(self._call_ids)
+
+    def send_utility(
+        self, name: str, args: list, engines: list[int] | None = None, call_id: int | None = None
+    ) -> int:
+        """Ask engine cores (default: all) to run a utility; returns the call id that their
+        replies (``EngineCoreOutputs.utility``) carry. The replies arrive on the output socket
+        like any output: the socket's one reader routes them (``AsyncLLM``'s output thread, or
+        :meth:`call_utility` for a single-threaded owner)."""
+        self._raise_if_dead()
+        cid = self.next_call_id() if call_id is None else call_id
+        msg = b"utility|" + msgspec.msgpack.encode([cid, name, list(args)])
+        for i in range(len(self.inputs)) if engines is None else engines:
+            send_nonblocking(self.inputs[i], msg, self.check_alive)
+        return cid
+
     def call_utility(self, name: str, *args, timeout: float = 60.0):
-        """Run a utility on engine 0 and wait for its answer (other outputs are kept)."""
-        cid = next(self._call_ids)
-        send_nonblocking(
-            self.inputs[0],
-            b"utility|" + msgspec.msgpack.encode([cid, name, list(args)]),
-            self.check_alive,
-        )
+        """Run a utility on every engine core and wait for their answers, one per engine in
+        engine order (other outputs read meanwhile are kept for :meth:`get_output`). Only for a
+        caller that is the output socket's one reader (the offline ``LLM``)."""
+        cid = self.send_utility(name, list(args))
+        want, answers = len(self.inputs), []
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = self.get_output(0.1)
-            if m is None:
-                continue
-            if m.utility is not None and m.utility[0] == cid:
-                if m.utility[2]:
-                    raise RuntimeError(m.utility[2])
-                return m.utility[1]
-            self.pending.append(m)
-        raise TimeoutError(f"utility {name} timed out")
+        kept = []
+        try:
+            while time.monotonic() < deadline and len(answers) < want:
+                m = self.get_output(0.1)
+                if m is None:
+                    continue
+                if m.utility is not None and m.utility[0] == cid:
+                    if m.utility[2]:
+                        raise RuntimeError(m.utility[2])
+                    answers.append((m.engine_index, m.utility[1]))
+                else:
+                    kept.append(m)
+        finally:
+            self.pending.extend(kept)
+        if len(answers) < want:
+            raise TimeoutError(f"utility {name} timed out")
+        return [a for _, a in sorted(answers, key=lambda x: x[0])]
 
     # ---- outputs -----------------------------------------------------------------------------
     def get_output(self, timeout_s: float) -> EngineCoreOutputs | None:

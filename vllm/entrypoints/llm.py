@@ -127,7 +127,9 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
-        return self.client.call_utility("reset_prefix_cache")
+        """Drop every engine's cached prefix blocks; False if some were in use (nothing then
+        changes on that engine)."""
+        return all(self.client.call_utility("reset_prefix_cache"))
 
     def shutdown(self) -> None:
         if getattr(self, "client", None) is not None:

@@ -71,6 +71,10 @@ class HiSparseKVManager(KVCacheManager):
     def usage(self) -> float:
         return self.pool.usage()
 
+    def reset_prefix_cache(self) -> bool:
+        """The prefix cache is the host pool here."""
+        return self.host.reset_prefix_cache()
+
     def take_prefix_cache_stats(self) -> tuple[int, int]:
         """The prefix cache is the host pool here."""
         out = (self.host.stats_queries, self.host.stats_hits)

@@ -281,3 +281,56 @@ def test_64_concurrent_streams_and_kv_usage_returns_to_zero(server):
         "vllm:inter_token_latency_seconds_count",
     ):
         assert name in metrics
+
+
+def _greedy_streams(server, prompts, reset_calls: int = 0):
+    """Stream every prompt greedily at once; meanwhile POST /reset_prefix_cache `reset_calls`
+    times. Returns (the answers' texts, the reset replies' status codes)."""
+    aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
+
+    async def one(prompt):
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return "".join([ch.choices[0].text async for ch in stream if ch.choices])
+
+    def reset():
+        r = requests.post(
+            server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"}
+        )
+        return r.status_code, r.json()
+
+    async def resets():
+        codes = []
+        for _ in range(reset_calls):
+            codes.append(await asyncio.to_thread(reset))
+            await asyncio.sleep(0.02)
+        return codes
+
+    async def main():
+        return await asyncio.gather(asyncio.gather(*[one(p) for p in prompts]), resets())
+
+    return asyncio.run(main())
+
+
+def test_reset_prefix_cache_during_streams_leaves_answers_unchanged(server):
+    """The reset's reply is routed by call id through the engine client's one output reader, so
+    32 concurrent greedy streams come back exactly as without it (a second reader on the socket
+    used to reorder, drop or lose their tokens)."""
+    prompts = [f"stream {i}: a shared prefix that the prefix cache keeps. " * 3 for i in range(32)]
+    want, _ = _greedy_streams(server, prompts)
+    got, replies = _greedy_streams(server, prompts, reset_calls=20)
+    assert got == want
+    assert len(replies) == 20 and all(code == 200 for code, _ in replies)
+    assert all(isinstance(body["reset"], bool) for _, body in replies)
+    idle = requests.post(
+        server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert idle.json() == {"reset": True}  # nothing running: every cached block can go
+
+
+def test_admin_endpoint_needs_the_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = requests.post(server.url + "/reset_prefix_cache", headers=headers)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]

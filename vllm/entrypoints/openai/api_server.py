@@ -38,6 +38,10 @@ class ServerState:
         self.exit_code = 0
 
 
+# control endpoints: behind --api-key like /v1
+ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+
+
 def _err(message: str, code: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
     return JSONResponse(error_body(message, err_type, code), status_code=code)
 
@@ -56,7 +60,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.middleware("http")
     async def auth(request: Request, call_next):
         key = args.api_key or os.environ.get("VLLM_API_KEY")
-        if key and request.url.path.startswith("/v1"):
+        path = request.url.path
+        if key and (path.startswith("/v1") or path in ADMIN_PATHS):
             if request.headers.get("Authorization") != f"Bearer {key}":
                 return _err("Unauthorized: missing or wrong API key", 401, "AuthenticationError")
         return await call_next(request)
@@ -185,8 +190,16 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        ok = await state.engine.utility("reset_prefix_cache")
-        return JSONResponse({"reset": bool(ok)})
+        if state.dead:
+            return _err(f"engine is dead: {state.dead}", 503, "ServiceUnavailableError")
+        try:
+            ok = await state.engine.utility("reset_prefix_cache")
+        except EngineDeadError as e:
+            return _err(f"engine is dead: {e}", 503, "ServiceUnavailableError")
+        except TimeoutError:
+            return _err("the engine did not answer within 60 s", 503, "ServiceUnavailableError")
+        # False: some cached blocks were in use on an engine (nothing changed there)
+        return JSONResponse({"reset": all(ok)})
 
     return app
 
