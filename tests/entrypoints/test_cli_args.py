@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.cli.main import build_parser
@@ -83,6 +84,14 @@ def test_short_forms_and_upstream_names():
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["-pp", "2"], "--pipeline-parallel-size"),
         (["--max-model-len", "99999999"], "--max-model-len .* exceeds"),
+        (["--max-model-len", "0"], "--max-model-len must be >= 1"),
+        # the model's shapes against the parallel sizes, checked before any process starts
+        (["-tp", "3"], "--tensor-parallel-size 3 does not divide the model's 4 attention heads"),
+        (["-tp", "1024"], "--tensor-parallel-size 1024 does not divide"),
+        (
+            ["-tp", "2", "-dp", "3", "--enable-expert-parallel"],
+            "splits the 8 routed experts over 6",
+        ),
     ],
 )
 def test_invalid_flags_named(tiny_ckpt, argv, match):
@@ -92,6 +101,13 @@ def test_invalid_flags_named(tiny_ckpt, argv, match):
         return
     with pytest.raises(ValueError, match=match):
         _parse([tiny_ckpt, *argv]).create_engine_config()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs a machine with < 2 GPUs")
+def test_more_ranks_than_gpus_refused(tiny_ckpt):
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"need {n + 1} GPUs; this machine has {n}"):
+        _parse([tiny_ckpt, "--device", "cuda", "-tp", str(n + 1)]).create_engine_config()
 
 
 def test_unknown_model_folder(tmp_path):

@@ -106,7 +106,9 @@ class EngineArgs:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         dtype = resolve_dtype(self.dtype, arch, device)
-        max_len = self.max_model_len or min(arch.max_position_embeddings, 1 << 20)
+        max_len = self.max_model_len
+        if max_len is None:
+            max_len = min(arch.max_position_embeddings, 1 << 20)
         name = self.served_model_name or (
             DEFAULT_MODEL if self.model in (None, "", DEFAULT_MODEL) else self.model
         )
