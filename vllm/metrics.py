@@ -87,6 +87,13 @@ class Metrics:
         self.name = model_name
         for g in (self.running, self.waiting, self.kv_usage):
             g.labels(model_name).set(0)
+        # every series exported from start-up, at 0 (a labelled series appears only once its
+        # labels are used; a scraper should not have to tell "absent" from "zero")
+        for m in (self.prompt_tokens, self.gen_tokens, self.pc_queries, self.pc_hits,
+                  self.preemptions, self.ttft, self.itl, self.tpot, self.e2e):  # fmt: skip
+            m.labels(model_name)
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(model_name, reason)
 
     def record_stats(self, s) -> None:
         n = self.name

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(IntEnum):
@@ -48,6 +51,15 @@ class SamplingParams:
         self.verify()
 
     def verify(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an integer, got {v!r}.")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):  # fmt: skip
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}.")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.temperature < 0.0:
@@ -58,6 +70,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+        ):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}.")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.min_tokens < 0:
@@ -80,8 +96,12 @@ class SamplingParams:
             raise ValueError(
                 "presence_penalty, frequency_penalty and repetition_penalty are not supported by this engine yet."
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError("seed must be an integer.")
+        if self.seed is not None and (
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not INT64_MIN <= self.seed <= INT64_MAX
+        ):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}.")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ class InputProcessor:
         self.max_model_len = config.model_config.max_model_len
         self.max_request_tokens = max_request_tokens
         self.max_logprobs = config.model_config.max_logprobs
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.eos_ids = list(config.model_config.arch.eos_token_id)
 
     def tokenize(self, prompt) -> ProcessedPrompt:
@@ -61,6 +62,10 @@ class InputProcessor:
         self, request_id: str, p: ProcessedPrompt, params: SamplingParams
     ) -> list[tuple[str, SamplingParams, EngineCoreRequest]]:
         n_prompt = len(p.prompt_token_ids)
+        if params.n > self.max_num_seqs:  # more than can ever run at once
+            raise ValueError(
+                f"n must be at most {self.max_num_seqs} (--max-num-seqs), got {params.n}"
+            )
         if n_prompt == 0:
             raise ValueError("The prompt is empty; it must contain at least one token")
         limit = self.max_request_tokens
@@ -83,7 +88,12 @@ class InputProcessor:
         out = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
-            seed = (params.seed + i) if params.seed is not None else random.getrandbits(63)
+            # the i-th sample's seed, wrapped into int64 (the sampler's seed type)
+            seed = (
+                (params.seed + i + 2**63) % 2**64 - 2**63
+                if params.seed is not None
+                else random.getrandbits(63)
+            )
             opts = SamplingOptions(
                 temperature=params.temperature,
                 top_p=params.top_p,

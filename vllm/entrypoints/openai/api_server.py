@@ -40,6 +40,16 @@ class ServerState:
 
 # control endpoints: behind --api-key like /v1
 ADMIN_PATHS = frozenset({"/reset_prefix_cache"})
+# request bodies larger than this are refused (413) before they are read or parsed
+MAX_BODY_BYTES = 32 << 20
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _body_too_large() -> JSONResponse:
+    return _err(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413, "RequestTooLarge")
 
 
 def _err(message: str, code: int = 400, err_type: str = "BadRequestError") -> JSONResponse:
@@ -64,13 +74,21 @@ def build_app(state: ServerState) -> FastAPI:
         if key and (path.startswith("/v1") or path in ADMIN_PATHS):
             if request.headers.get("Authorization") != f"Bearer {key}":
                 return _err("Unauthorized: missing or wrong API key", 401, "AuthenticationError")
+        length = request.headers.get("Content-Length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return _body_too_large()
         return await call_next(request)
 
     async def parse(request: Request, model):
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:  # sent without a Content-Length
+            raise BodyTooLarge
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"malformed JSON body: {e}") from e
+        except RecursionError:
+            raise ValueError("malformed JSON body: nested too deeply") from None
         if not isinstance(body, dict):
             raise ValueError("the request body must be a JSON object")
         try:
@@ -95,6 +113,8 @@ def build_app(state: ServerState) -> FastAPI:
             result = await handler(req, rid, req.stream)
         except EngineDeadError as e:
             return _err(f"engine is dead: {e}", 503, "ServiceUnavailableError")
+        except BodyTooLarge:
+            return _body_too_large()
         except (ValueError, TypeError) as e:
             return _err(str(e))
         headers = {"X-Request-Id": rid}

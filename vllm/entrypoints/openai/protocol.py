@@ -27,6 +27,7 @@ class _Sampling(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     n: int = 1
+    best_of: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

@@ -36,6 +36,11 @@ class OpenAIServing:
         )
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}.")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ValueError(
+                f"best_of={req.best_of} is not supported: this engine returns every one of the n "
+                f"samples (best_of may only equal n, {req.n})"
+            )
         return SamplingParams(
             n=req.n,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -100,13 +105,9 @@ class OpenAIServing:
             raise ValueError(
                 "chat completions need a tokenizer; this server runs with --skip-tokenizer-init"
             )
-        if not req.messages:
-            raise ValueError("messages must be a non-empty list")
-        for m in req.messages:
-            if not isinstance(m, dict) or "role" not in m:
-                raise ValueError("each message must be an object with a 'role'")
+        check_messages(req.messages)
         text = self.tokenizer.apply_chat_template(
-            req.messages,
+            [_flatten_content(m) for m in req.messages],
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             chat_template=req.chat_template,
             **(req.chat_template_kwargs or {}),
@@ -382,6 +383,48 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001
             yield f"data: {json.dumps(error_body(str(e), 'InternalServerError', 500))}\n\n"
         yield "data: [DONE]\n\n"
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_messages(messages) -> None:
+    """Chat messages as OpenAI's API defines them: a role the template knows and content that is
+    text or a list of text parts (None only for an assistant message that calls tools)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}] must be an object with a 'role'")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}"
+            )
+        content = m.get("content")
+        if content is None:
+            if m["role"] == "assistant" and m.get("tool_calls"):
+                continue
+            raise ValueError(f"messages[{i}].content is required")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise ValueError(
+                    f"messages[{i}].content[{j}] must be a text part ({{'type': 'text', "
+                    "'text': ...}}); other content types are not supported"
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}].text must be a string")
+
+
+def _flatten_content(m: dict) -> dict:
+    """A message whose content is a list of text parts, as one string (the templates take
+    strings), the parts joined by newlines."""
+    if isinstance(m.get("content"), list):
+        return {**m, "content": "\n".join(part["text"] for part in m["content"])}
+    return m
 
 
 def new_request_id() -> str:
