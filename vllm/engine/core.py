@@ -138,6 +138,7 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
     shutdown = False
     while True:
         timeout = 0 if sched.has_work() else idle_ms
+        aborted = False
         while inp.poll(timeout):
             timeout = 0
             raw = inp.recv()
@@ -149,6 +150,7 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
                     out.send(enc.encode(EngineCoreOutputs(engine_index=core.dp_rank, outputs=errs)))
             elif kind == b"abort":
                 sched.abort(dec.decode(body))
+                aborted = True
             elif kind == b"utility":
                 call_id, name, args = dec.decode(body)
                 out.send(
@@ -161,6 +163,8 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
             elif kind == b"shutdown":
                 shutdown = True
                 break
+        if aborted and not sched.has_work():  # no step will report the freed seats and blocks
+            out.send(enc.encode(EngineCoreOutputs(engine_index=core.dp_rank, stats=sched.stats())))
         any_work, any_stop = wave.sync(sched.has_work(), shutdown or stop["flag"])
         if any_stop:
             return

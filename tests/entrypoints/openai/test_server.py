@@ -334,3 +334,37 @@ def test_admin_endpoint_needs_the_api_key(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = requests.post(server.url + "/reset_prefix_cache", headers=headers)
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+
+
+def _running(server) -> float:
+    text = requests.get(server.url + "/metrics").text
+    line = next(x for x in text.splitlines() if x.startswith("vllm:num_requests_running"))
+    return float(line.split()[-1])
+
+
+def _long_body(stream: bool) -> dict:
+    return {"model": MODEL, "prompt": "a long answer", "max_tokens": MAX_LEN - 16, "stream": stream,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_client_disconnect_aborts_within_two_seconds(server, stream):
+    """A client that leaves mid-request frees its seat: the running gauge is back at 0 within
+    2 s (the engine reports stats after the abort; a non-streaming request notices the
+    disconnect within DISCONNECT_POLL_S)."""
+    import time
+
+    h = {"Authorization": f"Bearer {KEY}"}
+    url = server.base_url + "/completions"
+    if stream:
+        with requests.post(url, json=_long_body(True), headers=h, stream=True) as r:
+            lines = r.iter_lines()
+            assert next(lines)  # the first event arrived: the request is running
+            assert _running(server) == 1.0
+    else:
+        with pytest.raises(requests.Timeout):
+            requests.post(url, json=_long_body(False), headers=h, timeout=1.0)
+    left = time.monotonic()
+    while _running(server) != 0.0:
+        assert time.monotonic() - left < 2.0, "the request kept running after its client left"
+        time.sleep(0.05)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -48,6 +49,56 @@ class BodyTooLarge(Exception):
     pass
 
 
+class ClientDisconnected(Exception):
+    pass
+
+
+class RequestGuard:
+    """The API key on /v1 and the admin endpoints, and the body-size limit by Content-Length,
+    checked before a request reaches its handler. A plain ASGI middleware: Starlette's
+    ``BaseHTTPMiddleware`` would hide client disconnects from the handlers."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.auth = app, f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            path = scope["path"]
+            refused = None
+            if self.auth and (path.startswith("/v1") or path in ADMIN_PATHS):
+                if headers.get(b"authorization") != self.auth:
+                    refused = _err(
+                        "Unauthorized: missing or wrong API key", 401, "AuthenticationError"
+                    )
+            length = headers.get(b"content-length", b"")
+            if refused is None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+                refused = _body_too_large()
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# how often a non-streaming request checks that its client is still connected
+DISCONNECT_POLL_S = 0.25
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await a non-streaming handler, cancelling it (which aborts its engine requests) as soon
+    as the client disconnects."""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientDisconnected
+
+
 def _body_too_large() -> JSONResponse:
     return _err(f"the request body is larger than {MAX_BODY_BYTES} bytes", 413, "RequestTooLarge")
 
@@ -67,17 +118,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(lifespan=lifespan)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        key = args.api_key or os.environ.get("VLLM_API_KEY")
-        path = request.url.path
-        if key and (path.startswith("/v1") or path in ADMIN_PATHS):
-            if request.headers.get("Authorization") != f"Bearer {key}":
-                return _err("Unauthorized: missing or wrong API key", 401, "AuthenticationError")
-        length = request.headers.get("Content-Length", "")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _body_too_large()
-        return await call_next(request)
+    app.add_middleware(RequestGuard, api_key=args.api_key or os.environ.get("VLLM_API_KEY"))
 
     async def parse(request: Request, model):
         raw = await request.body()
@@ -110,11 +151,16 @@ def build_app(state: ServerState) -> FastAPI:
             if bad is not None:
                 return JSONResponse(bad, status_code=404)
             rid = request_id(request)
-            result = await handler(req, rid, req.stream)
+            if req.stream:  # the stream's generator aborts the request when the client leaves
+                result = await handler(req, rid, True)
+            else:
+                result = await _unless_disconnected(request, handler(req, rid, False))
         except EngineDeadError as e:
             return _err(f"engine is dead: {e}", 503, "ServiceUnavailableError")
         except BodyTooLarge:
             return _body_too_large()
+        except ClientDisconnected:  # nobody reads this; the request was aborted
+            return Response(status_code=499)
         except (ValueError, TypeError) as e:
             return _err(str(e))
         headers = {"X-Request-Id": rid}

@@ -165,6 +165,14 @@ class OpenAIServing:
         gens = [self.engine.iterate(h) for h in handles]
         if stream:
             return self._completion_stream(req, rid, created, prompts, params, gens, handles)
+        try:
+            return await self._completion_full(req, rid, created, prompts, params, gens)
+        except BaseException:  # the client left (cancelled), or an error: abort every prompt
+            for h in handles:
+                self.engine.cancel(h)
+            raise
+
+    async def _completion_full(self, req, rid, created, prompts, params, gens) -> dict:
         choices, n_completion, cached = [], 0, 0
         for pi, (p, g) in enumerate(zip(prompts, gens, strict=True)):
             async for idx, ro in g:
