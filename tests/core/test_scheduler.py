@@ -141,3 +141,79 @@ def test_token_slice_matches_all_token_ids():
     for a in range(0, 15):
         for b in range(a, 15):
             assert r.token_slice(a, b) == full[a:b]
+
+
+def _feed(s: Scheduler, so) -> list:
+    """Feed one step back with the fake runner of `_run` (token 7 for every finished prompt)."""
+    ro = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+    for rid in so.num_scheduled_tokens:
+        r = s.requests[rid]
+        if r.num_computed_tokens >= r.num_tokens:
+            ro.req_ids.append(rid)
+            ro.sampled_token_ids.append([7])
+    return s.update_from_output(so, ro)
+
+
+def test_short_request_not_held_behind_long_prefill(config):
+    """A 4-token prompt arriving mid-prefill of a long one is computed in the next step, beside
+    the long prefill (which keeps the rest of the budget); alone, the long one takes it all."""
+    s = Scheduler(config, KVCachePlan(100))
+    s.add_request(_req("long", 2000, max_tokens=1))
+    first = s.schedule()
+    assert first.num_scheduled_tokens == {"long": 256}  # alone: the whole budget
+    _feed(s, first)
+    s.add_request(_req("short", 4, max_tokens=2, start=500))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"long": 252, "short": 4}
+    outs = {o.request_id: o.new_token_ids for o in _feed(s, so)}
+    assert outs == {"short": [7]}  # first token after one step; the long prompt still prefills
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"short": 1, "long": 255}  # decode first, then the chunk
+
+
+def test_two_long_prompts_share_the_budget(config):
+    s = Scheduler(config, KVCachePlan(100))
+    s.add_request(_req("a", 2000, max_tokens=1))
+    _feed(s, s.schedule())
+    s.add_request(_req("b", 2000, max_tokens=1, start=3000))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 128, "b": 128}
+    got = _run(s)
+    assert got == {"a": [7], "b": [7]}
+
+
+def test_long_prefill_token_threshold_caps_chunks(tiny_ckpt):
+    cfg = EngineArgs(
+        model=tiny_ckpt, max_num_batched_tokens=256, long_prefill_token_threshold=100
+    ).create_engine_config()
+    s = Scheduler(cfg, KVCachePlan(100))
+    s.add_request(_req("a", 250, max_tokens=1))
+    s.add_request(_req("b", 30, max_tokens=1, start=400))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 100, "b": 30}
+    _feed(s, so)
+    assert _run(s) == {"a": [7]}
+
+
+def test_preemption_never_takes_a_request_already_scheduled(tiny_ckpt):
+    """Decodes are scheduled before prefills: when a prefill admitted earlier then needs blocks,
+    the victim must be a request not yet given tokens this step (else its tokens would be
+    computed into freed blocks)."""
+    cfg = EngineArgs(
+        model=tiny_ckpt, max_num_batched_tokens=256, long_prefill_token_threshold=64
+    ).create_engine_config()
+    s = Scheduler(cfg, KVCachePlan(6))
+    s.add_request(_req("p", 350, max_tokens=5))  # 64 prompt tokens a step, 6 blocks in the end
+    _feed(s, s.schedule())
+    s.add_request(_req("d", 4, max_tokens=100, start=500))  # admitted later, then decodes
+    preempted = 0
+    for _ in range(300):
+        if not s.has_work():
+            break
+        so = s.schedule()
+        preempted += s._stats.num_preemptions
+        for rid in so.num_scheduled_tokens:
+            assert s.requests[rid].status.name == "RUNNING", rid
+        _feed(s, so)
+    assert preempted > 0  # the situation did arise
+    assert not s.has_work() and s.kv.pool.num_free_blocks == 6

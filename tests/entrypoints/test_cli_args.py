@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -106,8 +107,25 @@ def test_invalid_flags_named(tiny_ckpt, argv, match):
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs a machine with < 2 GPUs")
 def test_more_ranks_than_gpus_refused(tiny_ckpt):
     n = torch.cuda.device_count()
+    if n == 0:
+        pytest.skip("no GPU: --device cuda is refused before ranks are counted")
     with pytest.raises(ValueError, match=f"need {n + 1} GPUs; this machine has {n}"):
         _parse([tiny_ckpt, "--device", "cuda", "-tp", str(n + 1)]).create_engine_config()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_refused(tiny_ckpt):
+    with pytest.raises(ValueError, match="--device cuda: .* on this machine"):
+        _parse([tiny_ckpt, "--device", "cuda"]).create_engine_config()
+
+
+def test_cpu_default_max_model_len(tiny_ckpt):
+    from vllm.engine.arg_utils import CPU_DEFAULT_MAX_MODEL_LEN
+
+    cfg = _parse([tiny_ckpt, "--device", "cpu"]).create_engine_config()
+    assert cfg.model_config.max_model_len == CPU_DEFAULT_MAX_MODEL_LEN
+    cfg = _parse([tiny_ckpt, "--device", "cpu", "--max-model-len", "100000"])
+    assert cfg.create_engine_config().model_config.max_model_len == 100000
 
 
 def test_unknown_model_folder(tmp_path):
@@ -115,25 +133,35 @@ def test_unknown_model_folder(tmp_path):
         _parse([str(tmp_path / "missing")]).create_engine_config()
 
 
-def test_serve_startup_error_names_flag(tiny_ckpt):
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["-tp", "2", "-dcp", "4"], "--decode-context-parallel-size 4"),
+        (["-tp", "1024"], "--tensor-parallel-size 1024"),
+        (["-tp", "3"], "--tensor-parallel-size 3"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs no CUDA"),
+        ),
+    ],
+)
+def test_serve_startup_error_names_flag(tiny_ckpt, argv, flag):
+    """`vllm serve` with a bad combination: one line naming the flag, exit 2, before any engine
+    or worker process exists (the check runs in the server process ahead of the spawn)."""
+    t0 = time.monotonic()
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.cli.main",
-            "serve",
-            tiny_ckpt,
-            "-tp",
-            "2",
-            "-dcp",
-            "4",
-        ],
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", tiny_ckpt, *argv],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert r.returncode != 0
-    assert "--decode-context-parallel-size 4" in r.stderr
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and flag in errors[0], r.stderr[-2000:]
+    assert "starting engine" not in r.stderr and "Traceback" not in r.stderr
+    print(f"{argv}: refused in {took:.1f} s")
 
 
 def test_tiny_checkpoint_command(tmp_path):

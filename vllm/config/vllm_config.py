@@ -230,6 +230,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # per-request prompt tokens per step (0: no cap)
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,10 @@ class VllmConfig:
             )
         if sc.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {sc.max_num_seqs}")
+        if sc.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"--long-prefill-token-threshold must be >= 0, got {sc.long_prefill_token_threshold}"
+            )
         if sc.max_num_batched_tokens < 1:
             raise ValueError(
                 f"--max-num-batched-tokens must be >= 1, got {sc.max_num_batched_tokens}"
@@ -332,6 +337,9 @@ class VllmConfig:
         if self.device_config.device != "cuda":
             return
         ranks, gpus = self.parallel_config.world_size_across_dp, torch.cuda.device_count()
+        if gpus == 0:
+            why = "torch has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ValueError(f"--device cuda: {why} on this machine (use --device cpu)")
         if ranks > gpus:
             raise ValueError(
                 f"{ranks} ranks (--data-parallel-size × --prefill-context-parallel-size × "

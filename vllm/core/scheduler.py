@@ -1,9 +1,15 @@
 """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
 
-Each step gives running requests their next tokens first (decodes, unfinished prompt chunks),
-then admits waiting requests while the token budget (`--max-num-batched-tokens`), the seat cap
+Each step gives running decodes their next token first, then unfinished prompt chunks, then
+admits waiting requests while the token budget (`--max-num-batched-tokens`), the seat cap
 (`--max-num-seqs`) and the block pool allow. When blocks run out for a running request the most
-recently admitted one is preempted: its blocks are freed and it is recomputed later.
+recently admitted unscheduled one is preempted: its blocks are freed and it is recomputed later.
+
+Fairness: while requests wait for a seat, a running prefill leaves them room in the step (what
+the first waiting ones would compute, up to half the budget), so a short prompt gets its first
+token the step after it arrives instead of after a long prompt's whole prefill. A prefill chunk
+is also capped per request at `--long-prefill-token-threshold` when that is set (upstream's
+meaning). Alone, a long prompt takes the whole budget.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ class Scheduler:
         self.max_num_batched_tokens = sc.max_num_batched_tokens
         self.max_num_seqs = sc.max_num_seqs
         self.chunked_prefill = sc.enable_chunked_prefill
+        self.long_prefill_threshold = sc.long_prefill_token_threshold
         self.max_model_len = config.model_config.max_model_len
         self.block_size = config.scheduler_block_size
         self.kv = make_kv_manager(config, plan)
@@ -110,17 +117,28 @@ class Scheduler:
         preempted: list[Request] = []
         updates: list[tuple[Request, bool, list[int] | None, int]] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
-            assert n > 0, f"running request {req.request_id} has nothing to compute"
-            if not self.chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
-                i += 1
+        # decodes first, then unfinished prompts (chunks), each in admission order
+        def remaining(r: Request) -> int:
+            return r.num_tokens - r.num_computed_tokens
+
+        order = [r for r in self.running if remaining(r) <= 1]
+        order += [r for r in self.running if remaining(r) > 1]
+        reserve = self._newcomer_reserve() if self.chunked_prefill else 0
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
+                continue
+            left = remaining(req)
+            assert left > 0, f"running request {req.request_id} has nothing to compute"
+            room = budget if left == 1 else budget - reserve
+            n = min(left, room, self.max_chunk, self._prefill_cap(left))
+            if n <= 0 or (not self.chunked_prefill and n < left):
                 continue
             new_blocks = self.kv.allocate_slots(req, n)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = self._victim(num_sched)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -131,7 +149,6 @@ class Scheduler:
             num_sched[req.request_id] = n
             updates.append((req, False, new_blocks, req.num_computed_tokens))
             budget -= n
-            i += 1
 
         while (
             self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
@@ -143,7 +160,7 @@ class Scheduler:
                 if not self.chunked_prefill:
                     break
                 n = budget
-            n = min(n, self.max_chunk)
+            n = min(n, self.max_chunk, self._prefill_cap(n))
             new_blocks = self.kv.allocate_slots(req, n, hit_blocks)
             if new_blocks is None:
                 if (
@@ -194,6 +211,27 @@ class Scheduler:
         self._stats.num_preemptions += len(preempted)
         self.finished_ids = []
         return out
+
+    def _prefill_cap(self, n: int) -> int:
+        """--long-prefill-token-threshold: the most prompt tokens one request computes per step."""
+        t = self.long_prefill_threshold
+        return t if 0 < t < n else n
+
+    def _newcomer_reserve(self) -> int:
+        """Budget a running prefill leaves this step to the requests waiting for a free seat: what
+        they would compute (without prefix hits), at most half the budget."""
+        seats = self.max_num_seqs - len(self.running)
+        need = 0
+        for req in list(self.waiting)[: max(seats, 0)]:
+            need += self._prefill_cap(req.num_tokens - req.num_computed_tokens)
+        return min(need, self.max_num_batched_tokens // 2)
+
+    def _victim(self, scheduled: dict[str, int]) -> Request:
+        """The most recently admitted running request not yet given tokens this step."""
+        for r in reversed(self.running):
+            if r.request_id not in scheduled:
+                return r
+        raise AssertionError("no running request left to preempt")
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -29,6 +29,7 @@ from vllm.config.vllm_config import DeviceConfig, resolve_dtype
 DEFAULT_MODEL = "tiny-glm-5.3"
 # CPU has no device memory to measure: KV capacity defaults to this unless --kv-cache-memory-bytes.
 CPU_DEFAULT_KV_BYTES = 512 * 2**20
+CPU_DEFAULT_MAX_MODEL_LEN = 32768  # without --max-model-len on CPU
 
 
 @dataclass
@@ -61,6 +62,7 @@ class EngineArgs:
     # scheduler
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
+    long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     # features
     attention_config: str | dict | None = None
@@ -109,6 +111,8 @@ class EngineArgs:
         max_len = self.max_model_len
         if max_len is None:
             max_len = min(arch.max_position_embeddings, 1 << 20)
+            if device == "cpu":  # prefill is quadratic: 32K tokens take ~20 s on 2 cores
+                max_len = min(max_len, CPU_DEFAULT_MAX_MODEL_LEN)
         name = self.served_model_name or (
             DEFAULT_MODEL if self.model in (None, "", DEFAULT_MODEL) else self.model
         )
@@ -150,6 +154,7 @@ class EngineArgs:
             max_num_batched_tokens=mnbt,
             max_num_seqs=self.max_num_seqs,
             enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
             raise ValueError("--kv-offloading-size must be >= 0 (GiB)")
@@ -251,6 +256,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=d.long_prefill_token_threshold,
+        help="most prompt tokens one request computes per step (0: no cap; requests waiting "
+        "for a seat always get room next to a running prefill)",
+    )
     _bool_flag(p, "--enable-chunked-prefill", True, "split long prompts across steps")
     g = p.add_argument_group("features (JSON)")
     g.add_argument(
