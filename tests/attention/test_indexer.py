@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from vllm.kernels.indexer import indexer_logits_ref, merge_topk, topk_ref
+from vllm.kernels.indexer import indexer_logits_ref, merge_topk, topk_partial, topk_ref
 
 
 def _brute(q, qs, w, k, ks):
@@ -39,6 +40,23 @@ def test_topk_brute_force_and_padding():
         expect = sorted(range(int(limit[i])), key=lambda s: (-logits[i, s].item(), s))[:n]
         assert got[i, :n].tolist() == expect
         assert got[i, n:].eq(-1).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_topk_partial_equals_reference(seed):
+    """The CPU selection against the sorting reference on fresh inputs: continuous scores, many
+    ties (small integers, -0.0 beside 0.0), rows shorter than k, k larger than the row."""
+    g = torch.Generator().manual_seed(seed)
+    t, s = 33, 97
+    for logits in (
+        torch.randn(t, s, generator=g),
+        torch.randint(-3, 3, (t, s), generator=g).float(),
+    ):
+        logits[0, :9] = -0.0
+        limit = torch.randint(0, s + 1, (t,), generator=g)
+        limit[1] = s
+        for k in (1, 8, 40, 128):
+            assert torch.equal(topk_partial(logits, limit, k), topk_ref(logits, limit, k)), k
 
 
 def test_topk_ties_go_to_lower_position():

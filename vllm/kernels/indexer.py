@@ -7,7 +7,8 @@ with unit scales otherwise; ``w`` already carries n_heads^-0.5 · head_dim^-0.5.
 query's causal limit score −inf. Top-k keeps min(topk, limit) positions ordered by (score
 descending, position ascending) — a total order, so every parallel layout selects the same set —
 and pads with −1. CUDA tensors run the Triton kernels (``vllm/kernels/triton/indexer_logits.py``,
-``topk.py``); elsewhere the references.
+``topk.py``); elsewhere the references, except top-k, which selects without sorting whole rows
+(:func:`topk_partial`, identical to :func:`topk_ref`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def indexer_topk(logits: torch.Tensor, limit: torch.Tensor, topk: int) -> torch.
     fast = kernel_module("triton.topk", logits)
     if fast is not None:
         return fast.indexer_topk(logits, limit, topk)
-    return topk_ref(logits, limit, topk)
+    return topk_partial(logits, limit, topk)
 
 
 _CHUNK = 256  # query rows per chunk of the prefill reference
@@ -61,14 +62,19 @@ _PAGED_CHUNK = 64  # decode rows per chunk: each holds [rows, max_ctx, H] fp32 d
 def indexer_logits_ref(
     q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor
 ) -> torch.Tensor:
-    """q [T, H, D], q_scale [T, H], w [T, H], k [S, D], k_scale [S] -> logits [T, S] fp32."""
-    out = q.new_empty((q.shape[0], k.shape[0]), dtype=torch.float32)
-    kf = k.float()
+    """q [T, H, D], q_scale [T, H], w [T, H], k [S, D], k_scale [S] -> logits [T, S] fp32.
+
+    One matmul per head accumulated into [T, S] (a [T, S, H] product would be written, permuted
+    and read back: twice the time on CPU at 16K keys)."""
+    out = q.new_zeros((q.shape[0], k.shape[0]), dtype=torch.float32)
+    kt = k.float().t()
+    coef = w.float() * q_scale.float()
     for s in range(0, q.shape[0], _CHUNK):
-        dots = torch.einsum("thd,sd->tsh", q[s : s + _CHUNK].float(), kf).relu_()
-        coef = (w[s : s + _CHUNK].float() * q_scale[s : s + _CHUNK].float()).unsqueeze(1)
-        out[s : s + _CHUNK] = (dots * coef).sum(-1) * k_scale.float().unsqueeze(0)
-    return out
+        rows = out[s : s + _CHUNK]
+        qs = q[s : s + _CHUNK].float()
+        for h in range(q.shape[1]):
+            rows.addcmul_(torch.mm(qs[:, h], kt).relu_(), coef[s : s + _CHUNK, h : h + 1])
+    return out.mul_(k_scale.float().unsqueeze(0))
 
 
 def topk_ref(logits: torch.Tensor, limit: torch.Tensor, topk: int) -> torch.Tensor:
@@ -84,6 +90,32 @@ def topk_ref(logits: torch.Tensor, limit: torch.Tensor, topk: int) -> torch.Tens
     keep = torch.arange(k, device=logits.device).unsqueeze(0) < limit.clamp(max=k).unsqueeze(1)
     out = torch.full((t, topk), -1, dtype=torch.int32, device=logits.device)
     out[:, :k] = torch.where(keep, order, -1).to(torch.int32)
+    return out
+
+
+def topk_partial(logits: torch.Tensor, limit: torch.Tensor, topk: int) -> torch.Tensor:
+    """:func:`topk_ref`'s result, same order, from a partial selection instead of a sort of every
+    row (4x less time on CPU at 16K keys): the k-th largest score is the threshold, every score
+    above it is in, and of the scores equal to it the lowest positions fill the rest."""
+    t, s = logits.shape
+    k = min(topk, s)
+    pos = torch.arange(s, device=logits.device)
+    masked = logits.masked_fill(pos.unsqueeze(0) >= limit.unsqueeze(1), float("-inf"))
+    top = torch.topk(masked, k, dim=-1, sorted=False).values
+    thr = top.amin(-1, keepdim=True)
+    sel = masked >= thr
+    # rows with more ties at the threshold than room: keep the lowest positions among the ties
+    crowded = (sel.view(torch.uint8).sum(-1, dtype=torch.int32) > k).nonzero().squeeze(1)
+    if crowded.numel():
+        m, th = masked[crowded], thr[crowded]
+        need = k - (top[crowded] > th).sum(-1, keepdim=True)
+        tie = m == th
+        sel[crowded] = (m > th) | (tie & (tie.cumsum(-1) <= need))
+    cols = sel.nonzero()[:, 1].view(t, k)  # exactly k per row, positions ascending
+    order = torch.sort(masked.gather(1, cols), dim=-1, descending=True, stable=True).indices
+    keep = torch.arange(k, device=logits.device).unsqueeze(0) < limit.clamp(max=k).unsqueeze(1)
+    out = torch.full((t, topk), -1, dtype=torch.int32, device=logits.device)
+    out[:, :k] = torch.where(keep, cols.gather(1, order), -1).to(torch.int32)
     return out
 
 
