@@ -47,6 +47,26 @@ def ipc_addr(d: str, name: str) -> str:
     return f"ipc://{os.path.join(d, name)}"
 
 
+MAIN_GUARD_EXIT = 87  # exit code of an engine process that re-ran the main script's LLM(...)
+MAIN_GUARD_MESSAGE = (
+    "LLM(...) ran while an engine process was importing your script: engine processes start with "
+    "'spawn', which re-imports the main script, so put the code that creates the engine under "
+    '`if __name__ == "__main__":`'
+)
+
+
+def refuse_in_spawn_bootstrap() -> None:
+    """Called before an engine is built: inside a spawned process that is still importing the
+    parent's main script (no `__main__` guard there), exit at once with MAIN_GUARD_EXIT instead
+    of starting processes recursively; the parent turns the code into MAIN_GUARD_MESSAGE."""
+    import multiprocessing.process
+
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        sys.stderr.write(f"error: {MAIN_GUARD_MESSAGE}\n")
+        sys.stderr.flush()
+        os._exit(MAIN_GUARD_EXIT)
+
+
 class EngineDeadError(RuntimeError):
     """The engine (a worker or the engine core) died; the message says why."""
 

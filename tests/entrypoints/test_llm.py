@@ -169,3 +169,28 @@ def test_skip_tokenizer_init_serves_token_ids(tiny_ckpt):
             m.generate("a text prompt")
     finally:
         m.shutdown()
+
+
+def test_llm_without_main_guard_says_what_to_do(tiny_ckpt, tmp_path):
+    """A script that builds LLM(...) at top level: the spawned engine process re-imports it; the
+    user gets one line saying to add the `__main__` guard, and no process is left."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "no_guard.py"
+    script.write_text(f"from vllm import LLM\nllm = LLM({tiny_ckpt!r})\nprint('built')\n")
+    before = {p.pid for p in psutil.process_iter()}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "built" not in r.stdout
+    assert 'if __name__ == "__main__":' in r.stderr.splitlines()[-1], r.stderr[-2000:]
+    assert "bootstrapping phase" not in r.stderr  # multiprocessing's own error is not shown
+    time.sleep(0.5)
+    left = [  # engine processes started by the script (spawn's children run spawn_main)
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if p.pid not in before and "spawn_main" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not left

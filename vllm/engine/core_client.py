@@ -18,11 +18,14 @@ from vllm.config import VllmConfig
 from vllm.core.messages import EngineCoreRequest, decoder, encoder
 from vllm.engine.messages import EngineCoreOutputs
 from vllm.utils import (
+    MAIN_GUARD_EXIT,
+    MAIN_GUARD_MESSAGE,
     EngineDeadError,
     free_port,
     ipc_addr,
     ipc_dir,
     kill_processes,
+    refuse_in_spawn_bootstrap,
     send_nonblocking,
     stop_processes,
 )
@@ -33,6 +36,8 @@ STARTUP_TIMEOUT_S = 1800.0
 class EngineCoreClient:
     def __init__(self, config: VllmConfig):
         from vllm.engine.core import engine_core_main
+
+        refuse_in_spawn_bootstrap()
 
         self.config = config
         self.ctx = zmq.Context()
@@ -80,6 +85,9 @@ class EngineCoreClient:
                     infos[m.engine_index] = m.ready
                 continue
             for p in self.procs:
+                if p.exitcode == MAIN_GUARD_EXIT:
+                    self._kill()
+                    raise RuntimeError(MAIN_GUARD_MESSAGE)
                 if p.exitcode is not None:
                     self._kill()
                     raise RuntimeError(

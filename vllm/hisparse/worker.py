@@ -35,15 +35,27 @@ from vllm.worker.gpu.step_hooks import StepHooks
 
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor on `device` aliasing pinned host memory (zero-copy reads over PCIe); on CPU the
-    tensor itself."""
+    tensor itself. Built with torch alone, through the CUDA array interface; the view keeps
+    `host` alive."""
     if device.type != "cuda":
         return host
-    import cupy  # the GPU image ships CuPy
+    assert host.is_pinned(), "zero-copy device views need pinned host memory"
+    raw = torch.as_tensor(_DeviceAlias(host, _host_device_pointer(host.data_ptr())), device=device)
+    return raw.view(host.dtype).view(host.shape)
 
-    dptr = _host_device_pointer(host.data_ptr())
-    mem = cupy.cuda.UnownedMemory(dptr, host.nbytes, host)
-    arr = cupy.ndarray((host.nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0))
-    return torch.from_dlpack(arr).view(host.dtype).view(host.shape)
+
+class _DeviceAlias:
+    """`host`'s bytes described to torch as device memory at `dptr` (__cuda_array_interface__)."""
+
+    def __init__(self, host: torch.Tensor, dptr: int):
+        self.host = host  # torch holds this object for the view's lifetime, and it holds host
+        self.__cuda_array_interface__ = {
+            "shape": (host.numel() * host.element_size(),),
+            "typestr": "|u1",
+            "data": (dptr, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 def words(rows: torch.Tensor) -> torch.Tensor:
