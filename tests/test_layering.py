@@ -43,6 +43,7 @@ FLOORS = {
     "vllm.attention": 2,
     "vllm.distributed": 2,
     "vllm.hisparse": 2,
+    "vllm.structured_output": 2,
     "vllm.kernels": 1,
     "vllm._custom_ops": 1,
     "vllm.config": 0,

@@ -217,3 +217,80 @@ def test_preemption_never_takes_a_request_already_scheduled(tiny_ckpt):
         _feed(s, so)
     assert preempted > 0  # the situation did arise
     assert not s.has_work() and s.kv.pool.num_free_blocks == 6
+
+
+def test_structured_request_follows_its_grammar(config):
+    """The scheduler sends a bitmask row for every structured request that samples; a runner that
+    samples only allowed tokens ends at EOS with text the grammar accepts; prompt chunks get no
+    row; the plain request beside it is untouched."""
+    import re
+    import time
+
+    import numpy as np
+
+    pytest.importorskip("xgrammar")
+    from vllm.core.messages import SamplingOptions
+    from vllm.structured_output import StructuredOutputsParams
+    from vllm.tokenizer import Tokenizer
+
+    tok = Tokenizer(config.model_config.tokenizer)
+    s = Scheduler(config, KVCachePlan(100))
+    opts = SamplingOptions(
+        temperature=0, max_tokens=50, structured=StructuredOutputsParams(regex=r"[0-9]{2}-[a-c]")
+    )
+    s.add_request(EngineCoreRequest("g", list(range(10, 400)), opts, [0, 4, 6]))
+    s.add_request(_req("plain", 20, max_tokens=5))
+    deadline = time.monotonic() + 60
+    got: dict[str, list[int]] = {}
+    words = (config.model_config.vocab_size + 31) // 32
+    while s.has_work():
+        assert time.monotonic() < deadline
+        so = s.schedule()
+        rows = np.frombuffer(so.grammar_bitmask, dtype=np.int32).reshape(-1, words)
+        assert len(rows) == len(so.grammar_req_ids)
+        ro = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        for rid in so.num_scheduled_tokens:
+            r = s.requests[rid]
+            if r.num_computed_tokens < r.num_tokens:
+                assert rid not in so.grammar_req_ids  # a prompt chunk samples nothing
+                continue
+            t = 7
+            if rid in so.grammar_req_ids:
+                row = rows[so.grammar_req_ids.index(rid)]
+                allowed = [i for i in range(words * 32) if (int(row[i // 32]) >> (i % 32)) & 1]
+                t = allowed[len(r.output_token_ids) % len(allowed)]
+            ro.req_ids.append(rid)
+            ro.sampled_token_ids.append([t])
+        for o in s.update_from_output(so, ro):
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not so.num_scheduled_tokens:
+            time.sleep(0.01)  # the grammar is compiling
+    assert got["plain"] == [7] * 5
+    assert got["g"][-1] in (0, 4, 6)
+    assert re.fullmatch(r"[0-9]{2}-[a-c]", tok.decode(got["g"][:-1])), tok.decode(got["g"])
+    assert not s._grammar._matchers  # dropped with the request
+
+
+def test_bad_grammar_fails_the_request_only(config):
+    pytest.importorskip("xgrammar")
+    from vllm.core.messages import SamplingOptions
+    from vllm.structured_output import StructuredOutputsParams
+
+    s = Scheduler(config, KVCachePlan(100))
+    # a bad EBNF (the front end refuses it first): the engine still fails only this request
+    opts = SamplingOptions(max_tokens=3, structured=StructuredOutputsParams(grammar="root ::= "))
+    s.add_request(EngineCoreRequest("bad", [10, 11, 12], opts, [0]))
+    s.add_request(_req("ok", 10, max_tokens=3))
+    import time
+
+    errors, got = [], {}
+    for _ in range(500):
+        if not s.has_work():
+            break
+        so = s.schedule()
+        errors += [o for o in s.take_stuck() if o.error]
+        for o in _feed(s, so):
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        time.sleep(0.005)
+    assert [e.request_id for e in errors] == ["bad"] and "EBNF parser error" in errors[0].error
+    assert got == {"ok": [7, 7, 7]}

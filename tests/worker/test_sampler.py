@@ -36,6 +36,19 @@ def test_noise_is_a_pure_function_and_uniform():
     )
 
 
+def test_noise_never_reaches_one_so_masked_tokens_never_win():
+    """Seed 11 at position 45 draws, for token 603, a hash in the top 128 of 2^32 (found by
+    search); fp32 rounded its uniform to 1.0, an infinite Gumbel noise, and −inf + inf = NaN won
+    the argmax: a token masked out (a grammar, top-k) was sampled."""
+    u = uniform_noise(torch.tensor([11]), torch.tensor([45]), 1024)
+    assert u.max() < 1.0
+    logits = torch.full((1, 1024), float("-inf"))
+    logits[0, 18] = logits[0, 99] = 0.0
+    sb = _sb(1, seeds=torch.tensor([11]), positions=torch.tensor([45]))
+    out, _ = sample(logits, sb)
+    assert int(out[0]) in (18, 99)
+
+
 def test_greedy_and_temperature_zero_rows():
     logits = torch.randn(3, 50)
     out, _ = sample(logits, _sb(3, temperature=torch.tensor([0.0, 1.0, 0.0])))
@@ -80,7 +93,9 @@ def test_logprobs_rank_and_banned_tokens():
     )
     assert out.item() == 1  # token 0 banned (min_tokens)
     chosen, rank, ids, vals = lp
-    assert rank.item() == 1 and ids[0].tolist() == [1, 2]  # raw distribution after the ban
+    # logprobs are of the raw logits, before any ban or bias (upstream's default raw_logprobs)
+    assert rank.item() == 2 and ids[0].tolist() == [0, 1]
+    assert abs(chosen.item() - torch.log_softmax(logits[0], 0)[1].item()) < 1e-6
     plp = prompt_logprobs(torch.tensor([[0.0, 1.0]]), torch.tensor([0]), 1)
     assert (
         plp[1].item() == 2

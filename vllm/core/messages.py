@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
+from vllm.structured_output.params import StructuredOutputsParams
+
 
 class SamplingOptions(msgspec.Struct, omit_defaults=True):
     """What the engine core and the device sampler need of a request's SamplingParams."""
@@ -26,6 +28,13 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # the tokenised SamplingParams.bad_words
+    structured: StructuredOutputsParams | None = None  # a grammar the output must follow
 
 
 class EngineCoreRequest(msgspec.Struct):
@@ -115,6 +124,10 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []
     dummy: bool = False  # DP: run an empty step so EP collectives stay matched
+    # rows that sample under a grammar this step, and their allowed-token bitmasks
+    # ([len, ceil(vocab / 32)] int32, C order; bit j of word w allows token 32·w + j)
+    grammar_req_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
 
 class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):

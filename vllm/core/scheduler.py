@@ -64,6 +64,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_ids: list[str] = []  # to tell the workers
         self._stuck: list[Request] = []  # requests that can never be allocated (reported as errors)
+        self._errors: list[EngineCoreOutput] = []  # requests failed for other reasons
+        self._grammar = None  # StructuredOutputManager, made at the first structured request
         # e.g. HiSparse: a prefill chunk's pages must fit in the GPU pool next to the hot buffer
         self.max_chunk = self.kv.max_chunk_tokens() or 1 << 62
         self.step = 0
@@ -94,9 +96,23 @@ class Scheduler:
                     f"{self.kv.capacity_tokens})"
                 ),
             )
+        if ecr.sampling.structured is not None:
+            self.grammars.add(req.request_id, ecr.sampling.structured)
         self.requests[req.request_id] = req
         self.waiting.append(req)
         return None
+
+    @property
+    def grammars(self):
+        """The structured-output matchers (xgrammar loads on a background thread at first use)."""
+        if self._grammar is None:
+            from vllm.structured_output.manager import StructuredOutputManager
+
+            mc = self.config.model_config
+            self._grammar = StructuredOutputManager(
+                mc.tokenizer, mc.vocab_size, list(mc.arch.eos_token_id)
+            )
+        return self._grammar
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -150,10 +166,21 @@ class Scheduler:
             updates.append((req, False, new_blocks, req.num_computed_tokens))
             budget -= n
 
+        compiling: list[Request] = []  # waiting for their grammar: keep their place
         while (
             self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted
         ):
             req = self.waiting[0]
+            if (
+                self._grammar is not None
+                and (ready := self._grammar.ready(req.request_id)) is not True
+            ):
+                self.waiting.popleft()
+                if ready is False:
+                    compiling.append(req)
+                else:
+                    self._fail(req, ready)
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = req.num_tokens - num_hit
             if n > budget:
@@ -179,6 +206,8 @@ class Scheduler:
             num_sched[req.request_id] = n
             budget -= n
 
+        self.waiting.extendleft(reversed(compiling))
+
         # messages are built after every allocation of the step: a later allocation may have
         # changed an earlier request's pages (HiSparse drops)
         for req, is_new, new_blocks, start in updates:
@@ -197,6 +226,14 @@ class Scheduler:
                 )
             else:
                 cached.append(CachedRequestData(req.request_id, new_blocks, start, extra))
+        grammar_ids: list[str] = []
+        if self._grammar is not None:  # rows that finish their prompt this step sample a token
+            grammar_ids = [
+                rid
+                for rid, n in num_sched.items()
+                if self._grammar.has(rid)
+                and self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens
+            ]
         for req in self.running:
             if req.request_id in num_sched:
                 req.num_computed_tokens += num_sched[req.request_id]
@@ -207,6 +244,8 @@ class Scheduler:
             num_scheduled_tokens=num_sched,
             total_num_scheduled_tokens=sum(num_sched.values()),
             finished_req_ids=self.finished_ids,
+            grammar_req_ids=grammar_ids,
+            grammar_bitmask=self._grammar.bitmask(grammar_ids).tobytes() if grammar_ids else b"",
         )
         self._stats.num_preemptions += len(preempted)
         self.finished_ids = []
@@ -243,8 +282,15 @@ class Scheduler:
         self.finished_ids.append(req.request_id)  # the workers drop their state for it
 
     # ---- results ------------------------------------------------------------------------------
+    def _fail(self, req: Request, error: str) -> None:
+        """End a waiting request with an error output (sent with the step's results)."""
+        self._errors.append(EngineCoreOutput(req.request_id, finish_reason="error", error=error))
+        self.requests.pop(req.request_id, None)
+        if self._grammar is not None:
+            self._grammar.remove(req.request_id)
+
     def take_stuck(self) -> list[EngineCoreOutput]:
-        out = []
+        out, self._errors = self._errors, []
         for req in self._stuck:
             out.append(
                 EngineCoreOutput(
@@ -276,10 +322,25 @@ class Scheduler:
             toks = sampled.get(rid, [])
             new_ids: list[int] = []
             for t in toks:
+                if self._grammar is not None and not self._grammar.accept(rid, t):
+                    self._finish(req, RequestStatus.FINISHED_ABORTED)
+                    outputs.append(
+                        EngineCoreOutput(
+                            rid,
+                            finish_reason="error",
+                            error=f"token {t} was sampled outside the request's grammar",
+                        )
+                    )
+                    break
                 req.output_token_ids.append(t)
                 new_ids.append(t)
                 if self._check_stop(req, t):
                     break
+                if self._grammar is not None and self._grammar.terminated(rid):
+                    self._finish(req, RequestStatus.FINISHED_STOPPED)  # nothing may follow
+                    break
+            if req.is_finished and req.status == RequestStatus.FINISHED_ABORTED:
+                continue
             plp = ro.prompt_logprobs.get(rid)
             if not new_ids and plp is None and not req.is_finished:
                 continue
@@ -325,6 +386,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        if self._grammar is not None:
+            self._grammar.remove(req.request_id)
 
     def stats(self) -> SchedulerStats:
         s = self._stats

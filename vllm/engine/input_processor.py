@@ -85,6 +85,8 @@ class InputProcessor:
         for t in params.stop_token_ids or []:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: token id {t} is out of vocabulary")
+        self._check_vocab(params)
+        bad_words = self._bad_words_token_ids(params.bad_words)
         out = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{i}_{request_id}"
@@ -106,10 +108,55 @@ class InputProcessor:
                 ignore_eos=params.ignore_eos,
                 logprobs=params.logprobs,
                 prompt_logprobs=params.prompt_logprobs,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty,
+                repetition_penalty=params.repetition_penalty,
+                logit_bias=params.logit_bias or None,
+                allowed_token_ids=params.allowed_token_ids,
+                bad_words_token_ids=bad_words,
+                structured=params.structured_outputs,
             )
             out.append(
                 (rid, params, EngineCoreRequest(rid, p.prompt_token_ids, opts, self.eos_ids))
             )
+        return out
+
+    def _check_vocab(self, params: SamplingParams) -> None:
+        v = self.vocab_size
+        bad = sorted(t for t in params.logit_bias or {} if t >= v)
+        if bad:
+            raise ValueError(
+                f"token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                f"Vocabulary size: {v}"
+            )
+        for t in params.allowed_token_ids or []:
+            if t >= v:
+                raise ValueError(
+                    f"allowed_token_ids: token id {t} is out of vocabulary (vocab size {v})"
+                )
+
+    def _bad_words_token_ids(self, words: list[str] | None) -> list[list[int]] | None:
+        """Each word tokenised as it starts the text and, when that gives other tokens of the
+        same length, after a space, as upstream does (a word is a different token mid-text)."""
+        if not words:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(
+                "bad_words need a tokenizer; this server runs with --skip-tokenizer-init"
+            )
+        out: list[list[int]] = []
+        for word in words:
+            first = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not first:
+                continue
+            out.append(first)
+            if spaced and spaced[0] != first[0] and len(spaced) == len(first):
+                out.append(spaced)
+        for ids in out:
+            for t in ids:
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"bad_words: token id {t} is out of vocabulary")
         return out
 
     def _too_long(self, n_prompt: int, max_tokens: int) -> str:

@@ -83,6 +83,39 @@ CASES = [
     ("stop an empty string", "completions", _cmpl(stop=[""]), 400),
     ("stop_token_ids negative", "completions", _cmpl(stop_token_ids=[-1]), 400),
     ("stop_token_ids past the vocabulary", "completions", _cmpl(stop_token_ids=[10**9]), 400),
+    # ---- penalties, logit_bias, allowed_token_ids, bad_words
+    ("presence_penalty above 2", "completions", _cmpl(presence_penalty=2.5), 400),
+    ("frequency_penalty below -2", "completions", _cmpl(frequency_penalty=-3), 400),
+    ("frequency_penalty NaN", "completions", _cmpl(frequency_penalty=NAN), 400),
+    ("repetition_penalty 0", "completions", _cmpl(repetition_penalty=0), 400),
+    ("logit_bias token past the vocabulary", "completions", _cmpl(logit_bias={"100000": 1}), 400),
+    ("logit_bias token negative", "completions", _cmpl(logit_bias={"-1": 1}), 400),
+    ("logit_bias key not a token id", "completions", _cmpl(logit_bias={"abc": 1}), 400),
+    ("logit_bias above 100", "completions", _cmpl(logit_bias={"5": 150}), 400),
+    ("logit_bias below -100", "completions", _cmpl(logit_bias={"5": -101}), 400),
+    ("logit_bias NaN", "completions", _cmpl(logit_bias={"5": NAN}), 400),
+    ("logit_bias a list", "completions", _cmpl(logit_bias=[1, 2]), 400),
+    ("allowed_token_ids empty", "completions", _cmpl(allowed_token_ids=[]), 400),
+    (
+        "allowed_token_ids past the vocabulary",
+        "completions",
+        _cmpl(allowed_token_ids=[1, 10**9]),
+        400,
+    ),
+    ("allowed_token_ids negative", "completions", _cmpl(allowed_token_ids=[-1]), 400),
+    ("bad_words blank", "completions", _cmpl(bad_words=[" "]), 400),
+    ("bad_words not strings", "completions", _cmpl(bad_words=[5]), 400),
+    ("chat logit_bias past the vocabulary", "chat/completions", _chat(logit_bias={"5000": 1}), 400),
+    ("chat logprobs a number", "chat/completions", _chat(logprobs=5), 400),
+    ("chat top_logprobs negative", "chat/completions", _chat(logprobs=True, top_logprobs=-1), 400),
+    # ---- fields of upstream's API this server does not implement: refused, not ignored
+    ("suffix", "completions", _cmpl(suffix="x"), 400),
+    ("use_beam_search", "completions", _cmpl(use_beam_search=True), 400),
+    ("logits_processors", "completions", _cmpl(logits_processors=["my.module:Proc"]), 400),
+    ("return_tokens_as_token_ids", "chat/completions", _chat(return_tokens_as_token_ids=True), 400),
+    ("truncate_prompt_tokens", "completions", _cmpl(truncate_prompt_tokens=4), 400),
+    ("priority", "completions", _cmpl(priority=1), 400),
+    ("chat echo", "chat/completions", _chat(echo=True), 400),
     # ---- prompts
     ("prompt missing", "completions", {"model": MODEL, "max_tokens": 2}, 400),
     ("prompt empty string", "completions", _cmpl(prompt=""), 400),
@@ -142,6 +175,58 @@ def test_bad_input_is_a_4xx_in_openai_shape(server, name, endpoint, body, code):
     assert err["message"] and "Traceback" not in err["message"]
     ok = _post(server, endpoint, _cmpl() if endpoint == "completions" else _chat())
     assert ok.status_code == 200, ok.text[:500]
+
+
+# cases whose message must name the field (or the bad token id)
+NAMED = {
+    "presence_penalty above 2": "presence_penalty",
+    "repetition_penalty 0": "repetition_penalty",
+    "logit_bias token past the vocabulary": "100000",
+    "logit_bias key not a token id": "abc",
+    "logit_bias above 100": "logit_bias",
+    "allowed_token_ids empty": "allowed_token_ids",
+    "allowed_token_ids past the vocabulary": "1000000000",
+    "bad_words blank": "bad_words",
+    "suffix": "suffix",
+    "use_beam_search": "use_beam_search",
+    "logits_processors": "logits_processors",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "chat echo": "echo",
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED))
+def test_the_message_names_the_field(server, name):
+    _, endpoint, body, _ = next(c for c in CASES if c[0] == name)
+    msg = _post(server, endpoint, body).json()["error"]["message"]
+    assert NAMED[name] in msg, msg
+
+
+def test_sampling_fields_are_served(server):
+    """logit_bias (string keys, as JSON has them) and allowed_token_ids act through the API; the
+    other fields, neutral values of unsupported ones, and `user` are accepted."""
+    force = dict(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
+    tokens = []
+    for kw in (dict(logit_bias={"7": 100}), dict(allowed_token_ids=[7])):
+        r = _post(server, "completions", _cmpl(**force, **kw))
+        assert r.status_code == 200, r.text[:500]
+        tokens.append(r.json()["choices"][0]["logprobs"]["tokens"])
+    assert tokens[0] == tokens[1] == tokens[0][:1] * 4
+    body = _chat(
+        user="u1",
+        presence_penalty=1.0,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        bad_words=["hello", "good day"],
+        allowed_token_ids=list(range(100, 300)),
+        logit_bias={"150": -5, "151": 2.5},
+        min_p=0.1,
+        use_beam_search=False,
+        echo=False,
+    )
+    r = _post(server, "chat/completions", body)
+    assert r.status_code == 200, r.text[:500]
 
 
 def test_every_counter_is_exported_from_start_up(tiny_ckpt):

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible API, with vLLM's extra sampling fields.
 
-Unknown fields are accepted and ignored (clients and routers send many); fields we do accept are
-validated, and a bad value is a 400 with a message.
+Unknown fields are accepted and ignored (clients and routers send many, and upstream ignores them
+too, e.g. ``user``); fields of upstream's API that this server does not implement are refused by
+name (`check_unsupported`); fields we do accept are validated, and a bad value is a 400 with a
+message.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     repetition_penalty: float | None = 1.0
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    structured_outputs: dict | None = None  # upstream's: json, regex, choice, grammar, ...
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -49,7 +56,6 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]] | None = None
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
     add_special_tokens: bool = True
 
 
@@ -62,6 +68,31 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+
+
+# Fields of upstream vLLM's request bodies that this server does not implement, with the values
+# that mean "not used": any other value is a 400 naming the field, never silently ignored. Only
+# undeclared fields are checked, so a field declared above (implemented) is never refused here.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "suffix": (None,),
+    "echo": (None, False),  # chat; completions declare and serve it
+    "use_beam_search": (None, False),
+    "truncate_prompt_tokens": (None,),
+    "logits_processors": (None,),
+    "prompt_embeds": (None,),
+    "priority": (None, 0),
+    "cache_salt": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+}
+
+
+def check_unsupported(req: BaseModel) -> None:
+    """Raise ValueError naming the first field in UNSUPPORTED_FIELDS that the request sets."""
+    for name, value in (req.model_extra or {}).items():
+        neutral = UNSUPPORTED_FIELDS.get(name)
+        if neutral is not None and value not in neutral:
+            raise ValueError(f"{name} is not supported by this server")
 
 
 def error_body(

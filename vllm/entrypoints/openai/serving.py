@@ -10,9 +10,16 @@ from collections.abc import AsyncIterator
 
 from vllm.engine.async_llm import AsyncLLM
 from vllm.engine.input_processor import ProcessedPrompt
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_unsupported,
+    error_body,
+)
+from vllm.entrypoints.openai.structured import structured_params
 from vllm.outputs import Logprob
 from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.structured_output import StructuredOutputsParams
 
 
 class OpenAIServing:
@@ -31,6 +38,7 @@ class OpenAIServing:
         return None
 
     def sampling_params(self, req, logprobs: int | None, stream: bool) -> SamplingParams:
+        check_unsupported(req)
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
@@ -58,11 +66,26 @@ class OpenAIServing:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
+            structured_outputs=self._structured(req),
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
+
+    def _structured(self, req) -> StructuredOutputsParams | None:
+        p = structured_params(
+            req.response_format,
+            req.structured_outputs,
+            getattr(req, "tools", None),
+            getattr(req, "tool_choice", None),
+        )
+        if p is not None and self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer (--skip-tokenizer-init is set)")
+        return p
 
     def _usage(self, n_prompt: int, n_completion: int, cached: int) -> dict:
         u = {

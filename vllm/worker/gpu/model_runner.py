@@ -46,9 +46,10 @@ class ModelRunner:
         self.scheduler_block_size = config.scheduler_block_size
         self.max_blocks_per_req = cdiv(mc.max_model_len, self.scheduler_block_size)
         self.states = RequestStates(
-            config.scheduler_config.max_num_seqs, self.max_blocks_per_req, device
+            config.scheduler_config.max_num_seqs, self.max_blocks_per_req, device, mc.vocab_size
         )
         self.eos_ids = list(self.arch.eos_token_id)
+        self._grammar: tuple[list[str], bytes] = ([], b"")  # this step's structured-output rows
         self.connector = connector or NoOpConnector()
         self.force_mqa = config.attention_config.sparse_mla_force_mqa
         self.num_blocks = 0
@@ -145,6 +146,7 @@ class ModelRunner:
         hidden = self.forward(step, meta)
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
+        self._grammar = (so.grammar_req_ids, so.grammar_bitmask)
         return self._sample(inp, hidden, so.step)
 
     def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
@@ -211,19 +213,16 @@ class ModelRunner:
 
     # ---- sampling --------------------------------------------------------------------------------
     def _sampling_batch(self, inp: StepInputs, rows: np.ndarray) -> SamplingBatch:
-        st, slots = self.states, inp.idx_np[rows]
-        dslots = self.staging.to_device(slots)
-        banned_r, banned_t = [], []
+        st, slots, h2d = self.states, inp.idx_np[rows], self.staging.to_device
+        dslots = h2d(slots)
+        banned_r, banned_t = st.logit_bias.bad_word_bans(slots)
         for i, s in enumerate(slots):
             if st.num_generated[s] < st.min_tokens[s] and st.stop_ids[s]:
                 banned_r += [i] * len(st.stop_ids[s])
                 banned_t += st.stop_ids[s]
         banned = None
         if banned_r:
-            banned = (
-                torch.tensor(banned_r, device=self.device),
-                torch.tensor(banned_t, device=self.device),
-            )
+            banned = (h2d(np.array(banned_r, dtype=np.int64)), h2d(np.array(banned_t, np.int64)))
         return SamplingBatch(
             temperature=st.temperature[dslots],
             top_k=st.top_k[dslots],
@@ -237,7 +236,26 @@ class ModelRunner:
             any_min_p=bool(st.min_p_on[slots].any()),
             max_logprobs=int(max(st.logprobs[slots].max(initial=-1), 0)),
             banned=banned,
+            allowed=st.logit_bias.gather_allowed(slots, h2d),
+            bias=st.logit_bias.gather_bias(slots, h2d),
+            penalties=st.penalties.gather(slots, dslots),
+            grammar=self._grammar_rows(inp, rows),
         )
+
+    def _grammar_rows(self, inp: StepInputs, rows: np.ndarray) -> torch.Tensor | None:
+        """The scheduler's bitmask rows placed at the batch's sampling rows (-1: unconstrained)."""
+        ids, raw = self._grammar
+        if not ids:
+            return None
+        words = (self.arch.vocab_size + 31) // 32
+        sent = np.frombuffer(raw, dtype=np.int32).reshape(len(ids), words)
+        where = {rid: i for i, rid in enumerate(ids)}
+        out = np.full((len(rows), words), -1, dtype=np.int32)
+        for i, b in enumerate(rows.tolist()):
+            j = where.get(inp.req_ids[b])
+            if j is not None:
+                out[i] = sent[j]
+        return self.staging.to_device(out)
 
     def _sample(self, inp: StepInputs, hidden: torch.Tensor, step: int) -> ModelRunnerOutput:
         st = self.states
@@ -249,7 +267,10 @@ class ModelRunner:
             sb = self._sampling_batch(inp, rows)
             sampled, lp = sample(logits, sb)
             sampled = self.planner.broadcast_sampled(sampled)
-            st.last_sampled[inp.idx_mapping[self.staging.to_device(rows)]] = sampled
+            dslots = inp.idx_mapping[self.staging.to_device(rows)]
+            st.last_sampled[dslots] = sampled
+            if sb.penalties is not None:
+                st.penalties.count_sampled(dslots, sampled)
             host["sampled"] = sampled
             if lp is not None:
                 host.update(lp_chosen=lp[0], lp_rank=lp[1], lp_ids=lp[2], lp_vals=lp[3])
@@ -290,6 +311,7 @@ class ModelRunner:
                 s = inp.idx_np[b]
                 st.num_generated[s] += 1
                 st.num_sampled[s] += 1
+                st.logit_bias.record(s, sampled[i])
                 k = int(st.logprobs[s])
                 if k >= 0:
                     out.logprobs[rid] = [

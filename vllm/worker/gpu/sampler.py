@@ -1,5 +1,10 @@
 """Device-side sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
+The order is upstream vLLM's: the grammar bitmask of structured outputs; logprobs of the logits
+so far (upstream's default ``raw_logprobs``); then
+allowed_token_ids, bans (bad_words, min_tokens), logit_bias, penalties; greedy takes the argmax
+of those; random rows then apply temperature, min-p, top-k and top-p, and sample.
+
 Randomness is counter-based: the uniform for (request seed, position, token) is a hash of the
 three, so a seeded request samples the same tokens whatever else is in the batch, and nothing is
 drawn from a stateful generator. Sampling is Gumbel-max over the filtered distribution.
@@ -10,6 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vllm.structured_output.bitmask import apply_token_bitmask
+from vllm.worker.gpu.logit_bias import apply_allowed, apply_logit_bias
+from vllm.worker.gpu.penalties import Penalties, apply_penalties
 
 _M32 = 0xFFFFFFFF
 
@@ -27,7 +36,9 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     b = _mix32(_mix32(s) ^ (positions & _M32))
     v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     h = _mix32(b.unsqueeze(1) ^ v.unsqueeze(0))
-    return (h.double() + 0.5).div_(2.0**32).float()
+    # fp32 rounds the top 128 of 2^32 values up to 1.0, whose Gumbel noise is +inf: a masked
+    # token (-inf) would then win the argmax as NaN; the largest fp32 below 1 keeps u in (0, 1)
+    return (h.double() + 0.5).div_(2.0**32).float().clamp_(max=1.0 - 2.0**-24)
 
 
 @dataclass
@@ -45,36 +56,62 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     max_logprobs: int  # -1 = no row wants logprobs; else the largest top-n asked (may be 0)
-    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked (min_tokens)
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids): min_tokens, bad_words
+    allowed: tuple[torch.Tensor, ...] | None = None  # (restricted [B], rows, ids): apply_allowed
+    bias: tuple[torch.Tensor, ...] | None = None  # (rows, ids, values): apply_logit_bias
+    penalties: Penalties | None = None
+    grammar: torch.Tensor | None = None  # [B, ceil(V/32)] int32 allowed-token bits (-1: any)
+
+
+def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The edits that can change the argmax: logits [B, V] fp32 -> [B, V] (a new tensor)."""
+    if sb.allowed is not None:
+        logits = apply_allowed(logits, sb.allowed)
+    if sb.banned is not None:
+        # a device fill, not a copy from the host (torch.tensor(..., device=) would wait on it)
+        logits = logits.index_put(sb.banned, torch.full((), float("-inf"), device=logits.device))
+    if sb.bias is not None:
+        logits = apply_logit_bias(logits, sb.bias)
+    if sb.penalties is not None:
+        logits = apply_penalties(logits, sb.penalties)
+    return logits
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch):
     """logits [B, V] fp32 -> sampled [B] int64, and (logprob [B], rank [B], top ids [B, n],
     top logprobs [B, n]) of the raw distribution if any row asked for logprobs."""
-    if sb.banned is not None:
-        logits = logits.index_put(sb.banned, torch.tensor(float("-inf"), device=logits.device))
+    if sb.grammar is not None:  # structured outputs: before everything, as upstream
+        logits = apply_token_bitmask(logits.clone(), sb.grammar)
+    raw = logits
+    logits = process_logits(logits, sb)
     greedy = logits.argmax(dim=-1)
     if sb.all_greedy:
         sampled = greedy
     else:
         x = logits / torch.where(sb.temperature > 0, sb.temperature, 1.0).unsqueeze(1)
+        if sb.any_min_p:
+            x = apply_min_p(x, sb.min_p)
         if sb.any_top_k or sb.any_top_p:
             x = _top_k_top_p(x, sb)
-        if sb.any_min_p:
-            probs = torch.softmax(x, dim=-1)
-            keep = probs >= sb.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-            x = x.masked_fill(~keep, float("-inf"))
         u = uniform_noise(sb.seeds, sb.positions, x.shape[1])
         gumbel = -torch.log(-torch.log(u))
         sampled = torch.where(sb.temperature > 0, (x + gumbel).argmax(dim=-1), greedy)
     lp = None
     if sb.max_logprobs >= 0:
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(raw, dim=-1)
         chosen = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
         rank = (logprobs > chosen.unsqueeze(1)).sum(-1) + 1
         top = logprobs.topk(max(sb.max_logprobs, 1), dim=-1)
         lp = (chosen, rank, top.indices, top.values)
     return sampled, lp
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """x [B, V] (after temperature), min_p [B]: tokens whose probability is below min_p times
+    the row's largest go to -inf (min_p 0: the row is unchanged)."""
+    probs = torch.softmax(x, dim=-1)
+    keep = probs >= min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def _top_k_top_p(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:

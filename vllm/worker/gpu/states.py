@@ -2,7 +2,9 @@
 
 Device tensors hold what the step needs every time (block table, last sampled token, sampling
 parameters); host arrays hold what only the CPU needs (known token ids for prefill chunks, counts).
-Per-step inputs gather from here through `idx_mapping` (the slot of each batch row).
+Per-step inputs gather from here through `idx_mapping` (the slot of each batch row). The state of
+penalties and of per-request logit edits lives in their own files (`penalties.py`,
+`logit_bias.py`), one object each here.
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ import numpy as np
 import torch
 
 from vllm.core.messages import NewRequestData
+from vllm.worker.gpu.logit_bias import LogitBiasState
+from vllm.worker.gpu.penalties import PenaltiesState
 
 
 class RequestStates:
-    def __init__(self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device):
+    def __init__(
+        self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device, vocab_size: int
+    ):
         self.max_num_reqs, self.max_blocks = max_num_reqs, max_blocks_per_req
         self.device = device
         self.free_slots = list(range(max_num_reqs - 1, -1, -1))
@@ -43,6 +49,8 @@ class RequestStates:
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.min_p = torch.zeros(n, dtype=torch.float32, device=device)
         self.seeds = torch.zeros(n, dtype=torch.int64, device=device)
+        self.penalties = PenaltiesState(n, vocab_size, device)
+        self.logit_bias = LogitBiasState(n, device)
 
     def add(self, r: NewRequestData, eos_ids: list[int]) -> int:
         if not self.free_slots:
@@ -79,6 +87,8 @@ class RequestStates:
             sp.min_p,
             sp.seed,
         )
+        self.penalties.add(s, sp, toks, r.num_prompt_tokens)
+        self.logit_bias.add(s, sp, toks, r.num_prompt_tokens)
         return s
 
     def remove(self, req_id: str) -> None:
@@ -87,6 +97,7 @@ class RequestStates:
             return
         self.token_ids[s] = None
         self.num_blocks[s] = 0
+        self.logit_bias.remove(s)
         self.free_slots.append(s)
 
     def append_blocks(self, updates: list[tuple[str, list[int]]]) -> None:
