@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample, uniform_noise
@@ -101,3 +102,45 @@ def test_logprobs_rank_and_banned_tokens():
         plp[1].item() == 2
         and abs(plp[0].item() - torch.log_softmax(torch.tensor([0.0, 1.0]), 0)[0].item()) < 1e-6
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grammar_bitmask_on_device_matches_cpu():
+    """Structured outputs' bitmask inside the sampler on CUDA: the same tokens as on CPU, every
+    one allowed by its row, rows of -1 unconstrained."""
+    from vllm.structured_output.bitmask import apply_token_bitmask_ref
+
+    g = torch.Generator().manual_seed(0)
+    b, v = 6, 1000
+    logits = torch.randn(b, v, generator=g)
+    words = torch.randint(-(2**31), 2**31 - 1, (b, (v + 31) // 32), generator=g)
+    bm = (words & torch.randint(0, 2**31 - 1, words.shape, generator=g)).to(torch.int32)
+    bm[0] = -1
+    kw = dict(seeds=torch.arange(b, dtype=torch.int64) * 31, positions=torch.arange(b) + 3)
+    cpu, _ = sample(logits.clone(), _sb(b, grammar=bm, **kw))
+    dev = {k: t.cuda() for k, t in _sb(b, **kw).__dict__.items() if isinstance(t, torch.Tensor)}
+    sb = _sb(b, grammar=bm.cuda(), **dev)
+    gpu, _ = sample(logits.cuda(), sb)
+    assert torch.equal(gpu.cpu(), cpu)
+    masked = apply_token_bitmask_ref(logits, bm)
+    assert torch.isfinite(masked.gather(1, cpu.unsqueeze(1))).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_rows_only_sample_allowed_tokens(temperature):
+    from vllm.structured_output.bitmask import apply_token_bitmask_ref
+
+    g = torch.Generator().manual_seed(1)
+    b, v = 8, 300
+    for _ in range(20):
+        logits = torch.randn(b, v, generator=g) * 5
+        bm = torch.randint(0, 2**31 - 1, (b, (v + 31) // 32), generator=g).to(torch.int32)
+        bm &= torch.randint(0, 2**31 - 1, bm.shape, generator=g).to(torch.int32)
+        sb = _sb(b, temperature=torch.full((b,), temperature), all_greedy=temperature == 0,
+                 grammar=bm, seeds=torch.randint(0, 2**40, (b,), generator=g))  # fmt: skip
+        out, _ = sample(logits.clone(), sb)
+        masked = apply_token_bitmask_ref(logits, bm)
+        assert torch.isfinite(masked.gather(1, out.unsqueeze(1))).all()
+        if temperature == 0:
+            assert torch.equal(out, masked.argmax(-1))
