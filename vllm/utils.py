@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
+import mmap
 import os
 import signal
 import socket
 import sys
 import tempfile
+import threading
+import time
 
 logger = logging.getLogger("vllm")
 
@@ -74,8 +78,6 @@ class EngineDeadError(RuntimeError):
 def send_nonblocking(sock, data: bytes, check_alive, timeout_s: float = 30.0) -> None:
     """Send without ever blocking forever: a ZMQ PUSH socket whose peer died blocks on send, so
     poll the peer's liveness (`check_alive` raises if it is dead) while the queue is full."""
-    import time
-
     import zmq
 
     deadline = time.monotonic() + timeout_s
@@ -91,9 +93,8 @@ def send_nonblocking(sock, data: bytes, check_alive, timeout_s: float = 30.0) ->
 
 
 def stop_processes(procs, sockets, message: bytes, grace_s: float) -> None:
-    """Ask each process to stop over its socket, wait up to `grace_s`, then kill stragglers."""
-    import time
-
+    """Ask each process to stop over its socket, wait up to `grace_s`, then kill stragglers (a
+    step in progress is not waited for: on CPU one step may take many seconds)."""
     import zmq
 
     for s in sockets:
@@ -108,11 +109,94 @@ def stop_processes(procs, sockets, message: bytes, grace_s: float) -> None:
 
 
 def kill_processes(procs) -> None:
+    """SIGKILL each process still alive and every process under it (an engine core's workers),
+    stopped (SIGSTOP) ones included."""
+    import psutil
+
+    tree = []
     for p in procs:
         if p.is_alive():
-            logger.warning("terminating %s", p.name)
-            p.terminate()
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(2)
+            with contextlib.suppress(psutil.Error):
+                root = psutil.Process(p.pid)
+                tree += [root, *root.children(recursive=True)]
+                logger.warning("killing %s (pid %d) and the processes under it", p.name, p.pid)
+    for q in tree:
+        with contextlib.suppress(psutil.Error):
+            q.kill()
+    for p in procs:
+        p.join(2)
+
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+class HeartbeatBoard:
+    """Liveness of the engine-core and worker processes, read by the front end's watchdog.
+
+    A small shared file holds one slot per process, two float64: [pid, time.monotonic() of its
+    last beat]. A daemon thread in each process (`start`) beats every HEARTBEAT_INTERVAL_S apart
+    from the model step (one step on CPU may take many seconds), so a slot goes stale only when
+    the whole process stops: frozen (SIGSTOP), dead, or stuck holding the GIL. CLOCK_MONOTONIC is
+    system-wide on Linux, so the reader compares the stamps with its own clock. Slots: replica
+    `dp_rank` has its engine core at ``dp_rank * (world_size + 1)``, then its workers in rank
+    order. Pickles as its path (for the spawned processes)."""
+
+    def __init__(self, path: str, num_replicas: int, world_size: int):
+        self.path, self.num_replicas, self.world_size = path, num_replicas, world_size
+        self.num_slots = num_replicas * (world_size + 1)
+        self._view: memoryview | None = None
+
+    @classmethod
+    def create(cls, directory: str, num_replicas: int, world_size: int) -> HeartbeatBoard:
+        board = cls(os.path.join(directory, "heartbeats"), num_replicas, world_size)
+        with open(board.path, "wb") as f:
+            f.write(bytes(16 * board.num_slots))
+        return board
+
+    def __getstate__(self) -> tuple:
+        return self.path, self.num_replicas, self.world_size
+
+    def __setstate__(self, state: tuple) -> None:
+        self.__init__(*state)
+
+    def engine_slot(self, dp_rank: int) -> int:
+        return dp_rank * (self.world_size + 1)
+
+    def worker_slot(self, global_rank: int) -> int:
+        dp_rank, rank_in_replica = divmod(global_rank, self.world_size)
+        return self.engine_slot(dp_rank) + 1 + rank_in_replica
+
+    def describe(self, slot: int) -> str:
+        dp_rank, i = divmod(slot, self.world_size + 1)
+        if i == 0:
+            return f"engine core DP{dp_rank}"
+        return f"worker rank {dp_rank * self.world_size + i - 1}"
+
+    def _slots(self) -> memoryview:  # [num_slots * 2] float64
+        if self._view is None:
+            with open(self.path, "r+b") as f:
+                self._view = memoryview(mmap.mmap(f.fileno(), 16 * self.num_slots)).cast("d")
+        return self._view
+
+    def start(self, slot: int) -> None:
+        """Beat for this process in `slot` from a daemon thread, until the process ends."""
+        view, pid = self._slots(), float(os.getpid())
+
+        def beat() -> None:
+            while True:
+                view[2 * slot] = pid
+                view[2 * slot + 1] = time.monotonic()
+                time.sleep(HEARTBEAT_INTERVAL_S)
+
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+    def silent(self, timeout_s: float, since: float) -> list[tuple[str, int, float]]:
+        """(process, pid, seconds since its last beat) of each process silent for longer than
+        `timeout_s`; a slot's age counts from `since` at the earliest (the end of start-up)."""
+        view, now = self._slots(), time.monotonic()
+        out = []
+        for slot in range(self.num_slots):
+            age = now - max(view[2 * slot + 1], since)
+            if age > timeout_s:
+                out.append((self.describe(slot), int(view[2 * slot]), age))
+        return out

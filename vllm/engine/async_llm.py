@@ -53,7 +53,13 @@ class AsyncLLM:
         mc = config.model_config
         self.tokenizer = None if mc.skip_tokenizer_init else Tokenizer(mc.tokenizer)
         self.client = EngineCoreClient(config)
-        self.inputs = InputProcessor(config, self.tokenizer, self.client.info["max_request_tokens"])
+        try:
+            self.inputs = InputProcessor(
+                config, self.tokenizer, self.client.info["max_request_tokens"]
+            )
+        except BaseException:  # SIGINT included: no engine process may outlive this
+            self.client.shutdown()
+            raise
         self.processor = OutputProcessor()
         self.metrics = metrics
         self.on_dead = on_dead
@@ -121,6 +127,13 @@ class AsyncLLM:
     def _die(self, why: str) -> None:
         self.dead = why
         logger.error("engine died: %s", why)
+        self.fail_open(why)
+        if self.on_dead is not None:
+            self.on_dead(why)
+
+    def fail_open(self, why: str) -> None:
+        """Fail every open request and control call with EngineDeadError(why): the engine died,
+        or the server is stopping and does not wait for them."""
         with self._lock:
             entries = list(self._queues.values())
             self._queues.clear()
@@ -130,8 +143,6 @@ class AsyncLLM:
             loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(why))
         for call in calls:
             call.loop.call_soon_threadsafe(_settle, call.future, [EngineDeadError(why)])
-        if self.on_dead is not None:
-            self.on_dead(why)
 
     # ---- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt) -> ProcessedPrompt:
@@ -209,6 +220,8 @@ class AsyncLLM:
                 self._calls.pop(cid, None)
 
     def shutdown(self) -> None:
+        """Stop the output thread first (so the engine processes stopped next are not reported
+        as a death), then the engine cores and workers, within seconds even mid-step."""
         self._stop = True
         self._thread.join(2)
         self.client.shutdown()

@@ -1,8 +1,10 @@
 """The engine-core process: scheduler + executor in a busy loop, talking to the front end over ZMQ.
 
 Input messages (msgpack): ("add", EngineCoreRequest) | ("abort", [ids]) | ("utility", [call_id,
-name, args]) | ("shutdown",). Output: EngineCoreOutputs. If a worker dies the core reports a
-`fatal` message (every in-flight request fails with it) and exits non-zero.
+name, args]) | ("shutdown",). Output: EngineCoreOutputs. If a worker dies (noticed during a step,
+and between steps while idle) the core reports a `fatal` message (every in-flight request fails
+with it) and exits non-zero. A heartbeat thread stamps the `HeartbeatBoard` for the front end's
+watchdog; SIGTERM stops the loop between steps, and the front end kills a core still in a step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from vllm.config import VllmConfig
 from vllm.core.messages import EngineCoreRequest, SchedulerOutput, encoder
 from vllm.core.scheduler import Scheduler
 from vllm.engine.messages import EngineCoreOutputs
-from vllm.utils import die_with_parent, init_logging, logger
+from vllm.utils import HeartbeatBoard, die_with_parent, init_logging, logger
 
 IDLE_POLL_MS = 100
 
@@ -28,12 +30,18 @@ IDLE_POLL_MS = 100
 class EngineCore:
     """Scheduler + executor, without the process loop (usable in-process for tests)."""
 
-    def __init__(self, config: VllmConfig, dp_rank: int = 0, dist_init: str = ""):
+    def __init__(
+        self,
+        config: VllmConfig,
+        dp_rank: int = 0,
+        dist_init: str = "",
+        heartbeats: HeartbeatBoard | None = None,
+    ):
         from vllm.executor.multiproc_executor import MultiprocExecutor
 
         self.config = config
         self.dp_rank = dp_rank
-        self.executor = MultiprocExecutor(config, dp_rank, dist_init)
+        self.executor = MultiprocExecutor(config, dp_rank, dist_init, heartbeats)
         self.scheduler = Scheduler(config, self.executor.kv_plan)
 
     def step(self, lockstep: bool = False) -> EngineCoreOutputs | None:
@@ -65,9 +73,17 @@ class EngineCore:
 
 
 def engine_core_main(
-    config: VllmConfig, dp_rank: int, in_addr: str, out_addr: str, dist_init: str, dp_init: str = ""
+    config: VllmConfig,
+    dp_rank: int,
+    in_addr: str,
+    out_addr: str,
+    dist_init: str,
+    dp_init: str = "",
+    heartbeats: HeartbeatBoard | None = None,
 ) -> None:
     die_with_parent()
+    if heartbeats is not None:
+        heartbeats.start(heartbeats.engine_slot(dp_rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
@@ -81,7 +97,7 @@ def engine_core_main(
     core = None
     code = 0
     try:
-        core = EngineCore(config, dp_rank, dist_init)
+        core = EngineCore(config, dp_rank, dist_init, heartbeats)
         wave = DPWave(config, dp_rank, dp_init)
         out.send(enc.encode(EngineCoreOutputs(engine_index=dp_rank, ready=core.info())))
         _loop(core, inp, out, enc, stop, wave)
@@ -169,6 +185,7 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
         if any_stop:
             return
         if not any_work:
+            core.executor.check_alive()  # a worker that dies while idle fails no step
             continue
         res = core.step(lockstep=wave.active)
         if res is not None:

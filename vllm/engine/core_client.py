@@ -3,12 +3,19 @@ notice death.
 
 With --data-parallel-size N there are N engine cores (each with its own workers); requests go to
 the least loaded one and outputs from all arrive on one socket.
+
+Death is noticed three ways: an engine core reports `fatal` (a worker failed or died), an engine
+core process exits, or a process (engine core or worker) stops beating on the `HeartbeatBoard` for
+``VLLM_ENGINE_HEARTBEAT_TIMEOUT_S`` (default 10; 0 turns the watchdog off): frozen, e.g. SIGSTOP,
+while its step never returns.
 """
 
 from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
+import shutil
 import time
 
 import msgspec
@@ -21,6 +28,7 @@ from vllm.utils import (
     MAIN_GUARD_EXIT,
     MAIN_GUARD_MESSAGE,
     EngineDeadError,
+    HeartbeatBoard,
     free_port,
     ipc_addr,
     ipc_dir,
@@ -31,6 +39,23 @@ from vllm.utils import (
 )
 
 STARTUP_TIMEOUT_S = 1800.0
+# how long `shutdown` lets the engine cores finish before killing them and their workers
+SHUTDOWN_GRACE_S = 2.0
+# how often `get_output` checks liveness while outputs keep arriving
+LIVENESS_CHECK_S = 0.25
+
+
+def heartbeat_timeout_s() -> float:
+    raw = os.environ.get("VLLM_ENGINE_HEARTBEAT_TIMEOUT_S", "10")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ValueError(
+            f"VLLM_ENGINE_HEARTBEAT_TIMEOUT_S={raw!r}: expected seconds >= 0 (0: no watchdog)"
+        )
+    return value
 
 
 class EngineCoreClient:
@@ -40,8 +65,9 @@ class EngineCoreClient:
         refuse_in_spawn_bootstrap()
 
         self.config = config
+        self.heartbeat_timeout_s = heartbeat_timeout_s()
         self.ctx = zmq.Context()
-        d = ipc_dir()
+        self.ipc_dir = d = ipc_dir()
         self.out_addr = ipc_addr(d, "outputs")
         self.outputs = self.ctx.socket(zmq.PULL)
         self.outputs.bind(self.out_addr)
@@ -52,24 +78,31 @@ class EngineCoreClient:
         spawn = mp.get_context("spawn")
         self.procs, self.inputs = [], []
         dp = config.parallel_config.data_parallel_size
-        for i in range(dp):
-            addr = ipc_addr(d, f"input-{i}")
-            s = self.ctx.socket(zmq.PUSH)
-            s.bind(addr)
-            p = spawn.Process(
-                target=engine_core_main,
-                name=f"EngineCore_DP{i}",
-                args=(config, i, addr, self.out_addr, dist_init, dp_init),
-                daemon=False,
-            )
-            p.start()
-            self.procs.append(p)
-            self.inputs.append(s)
+        self.heartbeats = HeartbeatBoard.create(d, dp, config.parallel_config.world_size)
         self.load = [0] * dp
         self.owner: dict[str, int] = {}
         self.dead: str | None = None
         self.pending: list[EngineCoreOutputs] = []
-        self.info = self._wait_ready()
+        self._closed = False
+        try:  # interrupted (SIGINT) or failed: no engine process may outlive this
+            for i in range(dp):
+                addr = ipc_addr(d, f"input-{i}")
+                s = self.ctx.socket(zmq.PUSH)
+                s.bind(addr)
+                p = spawn.Process(
+                    target=engine_core_main,
+                    name=f"EngineCore_DP{i}",
+                    args=(config, i, addr, self.out_addr, dist_init, dp_init, self.heartbeats),
+                    daemon=False,
+                )
+                p.start()
+                self.procs.append(p)
+                self.inputs.append(s)
+            self.info = self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
+        self._watch_since = self._last_check = time.monotonic()
         self._call_ids = itertools.count()
 
     def _wait_ready(self) -> dict:
@@ -199,14 +232,24 @@ class EngineCoreClient:
             if m.fatal:
                 self.dead = m.fatal
                 raise EngineDeadError(m.fatal)
+            if time.monotonic() - self._last_check > LIVENESS_CHECK_S:
+                self.check_alive()  # a frozen replica under DP sends nothing; the others do
             return m
         self.check_alive()
         return None
 
     def check_alive(self) -> None:
+        self._last_check = time.monotonic()
         for p in self.procs:
             if p.exitcode is not None and self.dead is None:
                 self.dead = f"engine process {p.name} exited with code {p.exitcode}"
+        if self.dead is None and self.heartbeat_timeout_s > 0:
+            silent = self.heartbeats.silent(self.heartbeat_timeout_s, self._watch_since)
+            if silent:
+                self.dead = "; ".join(
+                    f"{name} (pid {pid}) sent no heartbeat for {age:.1f} s (frozen?)"
+                    for name, pid, age in silent
+                )
         self._raise_if_dead()
 
     def _raise_if_dead(self) -> None:
@@ -215,11 +258,17 @@ class EngineCoreClient:
 
     # ---- shutdown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
-        stop_processes(self.procs, self.inputs, b"shutdown|", 10.0)
+        """Stop the engine cores: those still in a step after SHUTDOWN_GRACE_S are killed with
+        their workers."""
+        if self._closed:
+            return
+        self._closed = True
+        stop_processes(self.procs, self.inputs, b"shutdown|", SHUTDOWN_GRACE_S)
         for s in self.inputs:
             s.close(linger=0)
         self.outputs.close(linger=0)
         self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
     def _kill(self) -> None:
         kill_processes(self.procs)

@@ -2,12 +2,14 @@
 
 The scheduler output goes to every worker over its own ZMQ socket; the driver (first rank of
 the replica) sends back the sampled tokens. Worker death or a worker error is noticed within
-~50 ms while waiting and raised as EngineDeadError naming the rank and cause.
+~50 ms while waiting (and by `check_alive` between steps) and raised as EngineDeadError naming the
+rank and cause. A frozen worker is the front end's to notice, through the `HeartbeatBoard`.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 import time
 
 import zmq
@@ -21,18 +23,31 @@ from vllm.core.messages import (
     decoder,
     encoder,
 )
-from vllm.utils import EngineDeadError, ipc_addr, ipc_dir, send_nonblocking, stop_processes
+from vllm.utils import (
+    EngineDeadError,
+    HeartbeatBoard,
+    ipc_addr,
+    ipc_dir,
+    send_nonblocking,
+    stop_processes,
+)
 
 STARTUP_TIMEOUT_S = 1800.0
 
 
 class MultiprocExecutor:
-    def __init__(self, config: VllmConfig, dp_rank: int, dist_init: str):
+    def __init__(
+        self,
+        config: VllmConfig,
+        dp_rank: int,
+        dist_init: str,
+        heartbeats: HeartbeatBoard | None = None,
+    ):
         self.config = config
         self.world_size = config.parallel_config.world_size
         self.first_rank = dp_rank * self.world_size
         self.ctx = zmq.Context()
-        d = ipc_dir()
+        self.ipc_dir = d = ipc_dir()
         self.result_addr = ipc_addr(d, "results")
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(self.result_addr)
@@ -49,7 +64,7 @@ class MultiprocExecutor:
             p = spawn.Process(
                 target=worker_main,
                 name=f"VllmWorker-{rank}",
-                args=(config, rank, dp_rank, dist_init, addr, self.result_addr),
+                args=(config, rank, dp_rank, dist_init, addr, self.result_addr, heartbeats),
                 daemon=True,
             )
             p.start()
@@ -72,6 +87,18 @@ class MultiprocExecutor:
                 raise EngineDeadError(
                     f"worker rank {self.first_rank + i} exited with code {p.exitcode}"
                 )
+
+    def check_alive(self) -> None:
+        """Between steps: raise EngineDeadError if a worker reported an error or exited."""
+        try:
+            if self.results.poll(0):  # nothing else arrives between steps
+                m = self.dec.decode(self.results.recv())
+                if m.kind == "error":
+                    raise EngineDeadError(self._describe_failure(m))
+            self._check_alive()
+        except EngineDeadError as e:
+            self.dead = str(e)
+            raise
 
     def _describe_failure(self, first: WorkerMessage) -> str:
         """When one rank fails its peers fail too (collectives break); wait briefly and report
@@ -123,3 +150,4 @@ class MultiprocExecutor:
             s.close(linger=0)
         self.results.close(linger=0)
         self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -1,5 +1,6 @@
 """A worker process: one rank. Loads its shard of the model, sizes and allocates its KV cache,
-then runs whatever scheduler output the engine core sends, until told to stop."""
+then runs whatever scheduler output the engine core sends, until told to stop. A heartbeat
+thread stamps the `HeartbeatBoard` for the front end's watchdog, apart from the step."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.core.messages import KVCachePlan, SchedulerOutput, WorkerMessage, decoder, encoder
-from vllm.utils import die_with_parent, init_logging, logger
+from vllm.utils import HeartbeatBoard, die_with_parent, init_logging, logger
 
 ACTIVATION_RESERVE_GIB = float(os.environ.get("VLLM_CUDA_ACTIVATION_RESERVE_GIB", "4"))
 
@@ -47,9 +48,17 @@ def _kv_plan(config: VllmConfig, runner, device: torch.device) -> KVCachePlan:
 
 
 def worker_main(
-    config: VllmConfig, global_rank: int, dp_rank: int, dist_init: str, in_addr: str, out_addr: str
+    config: VllmConfig,
+    global_rank: int,
+    dp_rank: int,
+    dist_init: str,
+    in_addr: str,
+    out_addr: str,
+    heartbeats: HeartbeatBoard | None = None,
 ) -> None:
     die_with_parent()
+    if heartbeats is not None:
+        heartbeats.start(heartbeats.worker_slot(global_rank))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end coordinates shutdown
     init_logging()
     ctx = zmq.Context()
