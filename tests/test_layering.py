@@ -34,6 +34,7 @@ FLOORS = {
     "vllm.outputs": 4,
     "vllm.sampling_params": 4,
     "vllm.tokenizer": 4,
+    "vllm.reasoning": 4,
     "vllm.core": 3,
     "vllm.worker": 3,
     "vllm.hisparse.manager": 3,

@@ -3,10 +3,12 @@ template (rendered with a sandboxed jinja2). Incremental detokenisation for stre
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 
 import jinja2
+import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -29,9 +31,7 @@ class Tokenizer:
         self.eos_token = _tok_str(cfg.get("eos_token"))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
-        self._env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True
-        )
+        self._env = _template_env()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -63,8 +63,35 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
                 **kwargs,
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: tojson of an odd value
             raise ValueError(f"chat template failed: {e}") from e
+
+
+def _template_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The environment HF's `apply_chat_template` renders in, which real templates (GLM-4.5 to
+    5.x among them) are written against: `tojson` with `json.dumps`'s keywords and no HTML
+    escaping, `raise_exception`, `strftime_now`, `{% break %}`/`{% continue %}` and `{% do %}`."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, jinja2.ext.do],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def _tojson(
+    value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
 
 
 def _tok_str(v) -> str | None:

@@ -139,6 +139,7 @@ def test_unknown_model_folder(tmp_path):
         (["-tp", "2", "-dcp", "4"], "--decode-context-parallel-size 4"),
         (["-tp", "1024"], "--tensor-parallel-size 1024"),
         (["-tp", "3"], "--tensor-parallel-size 3"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
         pytest.param(
             ["--device", "cuda"],
             "--device cuda",

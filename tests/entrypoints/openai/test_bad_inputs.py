@@ -46,6 +46,7 @@ def _chat(messages=None, **kw):
 
 
 NAN, INF = float("nan"), float("inf")
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # (name, endpoint, body: a dict sent as JSON, or bytes sent as they are, expected status)
 CASES = [
     # ---- the body itself
@@ -150,6 +151,65 @@ CASES = [
     ),
     ("top_logprobs without logprobs", "chat/completions", _chat(top_logprobs=2), 400),
     ("chat temperature NaN", "chat/completions", _chat(temperature=NAN), 400),
+    # ---- tools, tool_choice, tool messages (this server has no --enable-auto-tool-choice)
+    ("tools with auto choice, no parser", "chat/completions", _chat(tools=[_TOOL]), 400),
+    ("tools not a list", "chat/completions", _chat(tools={"name": "f"}), 400),
+    ("tool not a function", "chat/completions", _chat(tools=[{"type": "retrieval"}]), 400),
+    (
+        "tool without a name",
+        "chat/completions",
+        _chat(tools=[{"type": "function", "function": {"description": "x"}}]),
+        400,
+    ),
+    (
+        "tool parameters not an object",
+        "chat/completions",
+        _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}]),
+        400,
+    ),
+    ("tool_choice without tools", "chat/completions", _chat(tool_choice="required"), 400),
+    ("tool_choice unknown", "chat/completions", _chat(tools=[_TOOL], tool_choice="any"), 400),
+    ("tool_choice a number", "chat/completions", _chat(tools=[_TOOL], tool_choice=3), 400),
+    (
+        "tool_choice names a missing tool",
+        "chat/completions",
+        _chat(tools=[_TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        400,
+    ),
+    (
+        "tool_choice without a function",
+        "chat/completions",
+        _chat(tools=[_TOOL], tool_choice={"type": "function"}),
+        400,
+    ),
+    (
+        "tool message without tool_call_id",
+        "chat/completions",
+        _chat([{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]),
+        400,
+    ),
+    (
+        "assistant tool call arguments not JSON",
+        "chat/completions",
+        _chat(
+            [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{oops"}}],
+                },
+            ]
+        ),
+        400,
+    ),
+    (
+        "chat_template_kwargs sets messages",
+        "chat/completions",
+        _chat(chat_template_kwargs={"messages": []}),
+        400,
+    ),
+    ("parallel_tool_calls not a bool", "chat/completions", _chat(parallel_tool_calls="maybe"), 400),
 ]
 
 
@@ -193,6 +253,12 @@ NAMED = {
     "return_tokens_as_token_ids": "return_tokens_as_token_ids",
     "truncate_prompt_tokens": "truncate_prompt_tokens",
     "chat echo": "echo",
+    "tools with auto choice, no parser": "--enable-auto-tool-choice",
+    "tool not a function": "tools[0].type",
+    "tool_choice without tools": "tools",
+    "tool_choice names a missing tool": "tool_choice",
+    "tool message without tool_call_id": "tool_call_id",
+    "assistant tool call arguments not JSON": "messages[1].tool_calls[0].function.arguments",
 }
 
 
@@ -226,6 +292,20 @@ def test_sampling_fields_are_served(server):
         echo=False,
     )
     r = _post(server, "chat/completions", body)
+    assert r.status_code == 200, r.text[:500]
+
+
+def test_tools_served_without_the_auto_flags(server):
+    """Without --enable-auto-tool-choice, tools are still served with tool_choice "none" (the
+    text is returned as it is) and with a forced choice (decoded under the schema)."""
+    r = _post(server, "chat/completions", _chat(tools=[_TOOL], tool_choice="none"))
+    assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+    named = {"type": "function", "function": {"name": "f"}}
+    r = _post(server, "chat/completions", _chat(tools=[_TOOL], tool_choice=named, max_tokens=8))
+    assert r.status_code == 200, r.text[:500]
+    assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
+    # completions take no tools: ignored there, as upstream, whatever they hold
+    r = _post(server, "completions", _cmpl(tools=[{}], tool_choice="required"))
     assert r.status_code == 200, r.text[:500]
 
 

@@ -1,7 +1,13 @@
 """`vllm serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) in the API-server process.
 
-The engine core and the workers run in their own processes (see `engine/core_client.py`). If the
-engine dies, open requests fail, /health turns 503 and the server exits non-zero with the cause.
+The engine core and the workers run in their own processes (see `engine/core_client.py`).
+
+Lifecycle: the listening socket is bound before the engine starts (a busy port fails at once;
+``--port 0`` takes a port the OS picks, logged in the "listening on" line); connections wait
+in the backlog until the engine is ready. SIGTERM or SIGINT fail the open requests, stop the
+engine (killing its processes if a step does not end within seconds) and exit 0. If the engine
+dies or freezes (heartbeats), open requests fail, /health turns 503 and the server exits non-zero
+with the cause.
 """
 
 from __future__ import annotations
@@ -9,9 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import os
+import signal
+import socket
 import sys
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -22,6 +32,7 @@ from pydantic import ValidationError
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.async_llm import AsyncLLM
+from vllm.entrypoints.openai.chat_utils import ChatParsers, add_chat_parser_args
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from vllm.entrypoints.openai.serving import OpenAIServing, new_request_id
 from vllm.metrics import Metrics
@@ -36,6 +47,7 @@ class ServerState:
         self.metrics: Metrics | None = None
         self.server: uvicorn.Server | None = None
         self.dead: str | None = None
+        self.stopping = False  # SIGTERM / SIGINT: engine processes going away are no death
         self.exit_code = 0
 
 
@@ -82,6 +94,57 @@ class RequestGuard:
 
 # how often a non-streaming request checks that its client is still connected
 DISCONNECT_POLL_S = 0.25
+# on SIGTERM / SIGINT, how long responses still being written may take before they are cut
+SHUTDOWN_GRACE_S = 2.0
+# after the engine died, how long /health answers 503 with the cause before the server exits
+DEAD_EXIT_DELAY_S = 1.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopping as this one should on SIGTERM / SIGINT: open requests fail at
+    once (a long prefill is not waited for) and the process exits 0. (uvicorn alone waits for
+    every open request, then re-raises the signal: exit code -15 on SIGTERM.) A second signal
+    skips the graceful part."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.state.stopping = True
+        self.force_exit = self.should_exit
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        if self.state.stopping and self.state.engine is not None:
+            self.state.engine.fail_open("the server is shutting down")
+        await super().shutdown(sockets)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening before the engine starts."""
+    if not 0 <= port <= 65535:
+        raise OSError(0, "not a port number (0-65535)")
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+        sock.bind((host, port))
+        sock.listen(2048)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_error(host: str, port: int, e: OSError) -> str:
+    why = (e.strerror or str(e)).lower()
+    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: {why}"
+    return f"--port {port}: {why}"  # in use, privileged, out of range
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def _unless_disconnected(request: Request, coro):
@@ -142,6 +205,10 @@ def build_app(state: ServerState) -> FastAPI:
     def request_id(request: Request) -> str:
         return request.headers.get("X-Request-Id") or new_request_id()
 
+    def unavailable(e: Exception) -> JSONResponse:
+        why = f"engine is dead: {e}" if state.engine.dead else str(e)  # or shutting down
+        return _err(why, 503, "ServiceUnavailableError")
+
     async def run(request: Request, model, handler):
         if state.dead:
             return _err(f"engine is dead: {state.dead}", 503, "ServiceUnavailableError")
@@ -156,7 +223,7 @@ def build_app(state: ServerState) -> FastAPI:
             else:
                 result = await _unless_disconnected(request, handler(req, rid, False))
         except EngineDeadError as e:
-            return _err(f"engine is dead: {e}", 503, "ServiceUnavailableError")
+            return unavailable(e)
         except BodyTooLarge:
             return _body_too_large()
         except ClientDisconnected:  # nobody reads this; the request was aborted
@@ -261,7 +328,7 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             ok = await state.engine.utility("reset_prefix_cache")
         except EngineDeadError as e:
-            return _err(f"engine is dead: {e}", 503, "ServiceUnavailableError")
+            return unavailable(e)
         except TimeoutError:
             return _err("the engine did not answer within 60 s", 503, "ServiceUnavailableError")
         # False: some cached blocks were in use on an engine (nothing changed there)
@@ -275,45 +342,55 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     try:
         config = engine_args.create_engine_config()
+        parsers = ChatParsers.from_args(args)
     except (ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        print(f"error: {_bind_error(args.host, args.port, e)}", file=sys.stderr)
+        return 1
+    url = _url(args.host, sock.getsockname()[1])
     state = ServerState(args)
     state.metrics = Metrics(config.model_config.served_model_name)
+    state.server = _server(state, sock.getsockname()[1])
 
     def on_dead(why: str) -> None:
+        if state.stopping:  # the engine processes were told to stop, or killed
+            return
         state.dead, state.exit_code = why, 1
-        if state.server is not None:
-            state.server.should_exit = True
+        threading.Thread(target=exit_soon, name="exit-on-death", daemon=True).start()
 
-    logger.info("starting engine for %s", config.model_config.model)
+    def exit_soon() -> None:
+        time.sleep(DEAD_EXIT_DELAY_S)
+        state.server.should_exit = True
+
+    logger.info("listening on %s; starting engine for %s", url, config.model_config.model)
+    signal.signal(signal.SIGTERM, _interrupt)  # as SIGINT until uvicorn takes the signals over
     try:
-        state.engine = AsyncLLM(config, state.metrics, on_dead)
-    except Exception as e:  # noqa: BLE001
-        print(f"error: engine failed to start: {e}", file=sys.stderr)
-        return 1
-    if args.chat_template and state.engine.tokenizer is not None:
-        t = args.chat_template
-        state.engine.tokenizer.chat_template = open(t).read() if os.path.isfile(t) else t
-    state.serving = OpenAIServing(
-        state.engine, config.model_config.served_model_name, args.enable_prompt_tokens_details
-    )
-    app = build_app(state)
-    uv = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.uvicorn_log_level,
-        timeout_keep_alive=5,
-        lifespan="on",
-    )
-    state.server = uvicorn.Server(uv)
-    logger.info(
-        "serving %s on http://%s:%d", config.model_config.served_model_name, args.host, args.port
-    )
-    try:
-        asyncio.run(state.server.serve())
+        try:
+            state.engine = AsyncLLM(config, state.metrics, on_dead)
+        except Exception as e:  # noqa: BLE001
+            print(f"error: engine failed to start: {e}", file=sys.stderr)
+            return 1
+        if args.chat_template and state.engine.tokenizer is not None:
+            t = args.chat_template
+            state.engine.tokenizer.chat_template = open(t).read() if os.path.isfile(t) else t
+        state.serving = OpenAIServing(
+            state.engine,
+            config.model_config.served_model_name,
+            args.enable_prompt_tokens_details,
+            parsers,
+        )
+        logger.info("serving %s on %s", config.model_config.served_model_name, url)
+        asyncio.run(state.server.serve(sockets=[sock]))
+    except KeyboardInterrupt:  # SIGINT / SIGTERM before the server took the signals over
+        state.stopping = True
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the shutdown below takes a few seconds
+            signal.signal(sig, signal.SIG_IGN)
+        sock.close()
         if state.engine is not None:
             state.engine.shutdown()
     if state.dead:
@@ -321,10 +398,29 @@ def run_server(args: argparse.Namespace) -> int:
     return state.exit_code
 
 
+def _interrupt(sig: int, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _server(state: ServerState, port: int) -> _Server:
+    args = state.args
+    uv = uvicorn.Config(
+        build_app(state),
+        host=args.host,
+        port=port,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        lifespan="on",
+    )
+    return _Server(uv, state)
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="0: a free port the OS picks")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     g.add_argument(
         "--enable-prompt-tokens-details",
@@ -336,5 +432,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default="info",
         choices=["debug", "info", "warning", "error", "critical"],
     )
+    g.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request"
+    )
     g.add_argument("--chat-template", default=None, help="a Jinja chat template file or string")
+    add_chat_parser_args(g)
     g.add_argument("--disable-log-requests", action="store_true")

@@ -68,6 +68,11 @@ class ChatCompletionRequest(_Sampling):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    # checked in chat_utils.check_tools: [{"type": "function", "function": {"name", ...}}] and
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
 
 
 # Fields of upstream vLLM's request bodies that this server does not implement, with the values

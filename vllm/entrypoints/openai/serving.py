@@ -10,6 +10,16 @@ from collections.abc import AsyncIterator
 
 from vllm.engine.async_llm import AsyncLLM
 from vllm.engine.input_processor import ProcessedPrompt
+from vllm.entrypoints.openai.chat_output import ChatOutputs, ChoiceOutput
+from vllm.entrypoints.openai.chat_utils import (
+    ChatParsers,
+    check_messages,
+    check_tool_choice_served,
+    check_tools,
+    effective_tool_choice,
+    template_kwargs,
+    template_message,
+)
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -24,12 +34,17 @@ from vllm.structured_output import StructuredOutputsParams
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLM, served_model_name: str, enable_prompt_tokens_details: bool
+        self,
+        engine: AsyncLLM,
+        served_model_name: str,
+        enable_prompt_tokens_details: bool,
+        parsers: ChatParsers | None = None,
     ):
         self.engine = engine
         self.model_name = served_model_name
         self.details = enable_prompt_tokens_details
         self.tokenizer = engine.tokenizer
+        self.parsers = parsers or ChatParsers()
 
     # ---- shared ------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> dict | None:
@@ -80,8 +95,9 @@ class OpenAIServing:
         p = structured_params(
             req.response_format,
             req.structured_outputs,
-            getattr(req, "tools", None),
-            getattr(req, "tool_choice", None),
+            # tools are chat's (checked in chat_prompt); a completion's are ignored, as upstream
+            req.tools if isinstance(req, ChatCompletionRequest) else None,
+            req.tool_choice if isinstance(req, ChatCompletionRequest) else None,
         )
         if p is not None and self.tokenizer is None:
             raise ValueError("structured outputs need a tokenizer (--skip-tokenizer-init is set)")
@@ -129,11 +145,14 @@ class OpenAIServing:
                 "chat completions need a tokenizer; this server runs with --skip-tokenizer-init"
             )
         check_messages(req.messages)
+        check_tools(req.tools, req.tool_choice)
+        tool_choice = effective_tool_choice(req.tools, req.tool_choice)
+        check_tool_choice_served(tool_choice, self.parsers)
         text = self.tokenizer.apply_chat_template(
-            [_flatten_content(m) for m in req.messages],
+            [template_message(m) for m in req.messages],
             add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
             chat_template=req.chat_template,
-            **(req.chat_template_kwargs or {}),
+            **template_kwargs(req.tools, tool_choice, req.chat_template_kwargs, self.parsers),
         )
         return ProcessedPrompt(
             text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
@@ -327,22 +346,32 @@ class OpenAIServing:
         params = self.sampling_params(req, k, stream)
         created = int(time.time())
         rid = f"chatcmpl-{request_id}"
+        outputs = ChatOutputs(
+            self.parsers,
+            p.prompt or "",
+            req.tools,
+            effective_tool_choice(req.tools, req.tool_choice),
+            req.chat_template_kwargs,
+            req.parallel_tool_calls,
+        )
         gen = self.engine.iterate(self.engine.add(p, params, request_id))
         if stream:
-            return self._chat_stream(req, rid, created, p, params, gen)
+            return self._chat_stream(req, rid, created, p, outputs, gen)
         choices, n_completion, cached = [], 0, 0
         async for idx, ro in gen:
             c = ro.outputs[0]
             n_completion += len(c.token_ids)
             cached = max(cached, ro.num_cached_tokens)
+            out = outputs.new_choice()
+            message = out.message(c.text)  # first: the finish reason depends on the calls found
             choices.append(
                 {
                     "index": idx,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": self._chat_logprobs(c.logprobs, c.token_ids)
                     if c.logprobs is not None
                     else None,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": out.finish_reason(c.finish_reason),
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -357,9 +386,11 @@ class OpenAIServing:
             "prompt_logprobs": None,
         }
 
-    async def _chat_stream(self, req, rid, created, p, params, gen) -> AsyncIterator[str]:
+    async def _chat_stream(
+        self, req, rid, created, p, outputs: ChatOutputs, gen
+    ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        started: set[int] = set()
+        started: dict[int, ChoiceOutput] = {}
         n_completion, cached = 0, 0
 
         def chunk(choices, **kw):
@@ -378,7 +409,7 @@ class OpenAIServing:
                 c = ro.outputs[0]
                 cached = max(cached, ro.num_cached_tokens)
                 if idx not in started:
-                    started.add(idx)
+                    started[idx] = outputs.new_choice()
                     yield chunk(
                         [
                             {
@@ -395,18 +426,25 @@ class OpenAIServing:
                 lp = (
                     self._chat_logprobs(c.logprobs, c.token_ids) if c.logprobs is not None else None
                 )
-                delta = {"content": c.text} if c.text or c.finish_reason is None else {}
-                yield chunk(
-                    [
-                        {
-                            "index": idx,
-                            "delta": delta,
-                            "logprobs": lp,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    ]
-                )
+                out = started[idx]
+                deltas = out.feed(c.text) + (out.finish() if c.finish_reason is not None else [])
+                finish = out.finish_reason(c.finish_reason)
+                if not deltas and finish is None and lp is None:
+                    continue  # text held back (a partial character or tag): nothing to send yet
+                # an empty delta carries logprobs or the finish reason when there is no text
+                for k, delta in enumerate(deltas or [{"content": ""} if finish is None else {}]):
+                    last = k == max(len(deltas), 1) - 1
+                    yield chunk(
+                        [
+                            {
+                                "index": idx,
+                                "delta": delta,
+                                "logprobs": lp if k == 0 else None,
+                                "finish_reason": finish if last else None,
+                                "stop_reason": c.stop_reason if last else None,
+                            }
+                        ]
+                    )
             if include_usage:
                 yield chunk([], usage=self._usage(len(p.prompt_token_ids), n_completion, cached))
         except ValueError as e:
@@ -414,48 +452,6 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001
             yield f"data: {json.dumps(error_body(str(e), 'InternalServerError', 500))}\n\n"
         yield "data: [DONE]\n\n"
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def check_messages(messages) -> None:
-    """Chat messages as OpenAI's API defines them: a role the template knows and content that is
-    text or a list of text parts (None only for an assistant message that calls tools)."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"messages[{i}] must be an object with a 'role'")
-        if m["role"] not in CHAT_ROLES:
-            raise ValueError(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}"
-            )
-        content = m.get("content")
-        if content is None:
-            if m["role"] == "assistant" and m.get("tool_calls"):
-                continue
-            raise ValueError(f"messages[{i}].content is required")
-        if isinstance(content, str):
-            continue
-        if not isinstance(content, list):
-            raise ValueError(f"messages[{i}].content must be a string or a list of content parts")
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError(
-                    f"messages[{i}].content[{j}] must be a text part ({{'type': 'text', "
-                    "'text': ...}}); other content types are not supported"
-                )
-            if not isinstance(part.get("text"), str):
-                raise ValueError(f"messages[{i}].content[{j}].text must be a string")
-
-
-def _flatten_content(m: dict) -> dict:
-    """A message whose content is a list of text parts, as one string (the templates take
-    strings), the parts joined by newlines."""
-    if isinstance(m.get("content"), list):
-        return {**m, "content": "\n".join(part["text"] for part in m["content"])}
-    return m
 
 
 def new_request_id() -> str:
