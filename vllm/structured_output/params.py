@@ -83,5 +83,7 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as e:  # pragma: no cover (a declared dependency)
-        raise ValueError(f"structured outputs need the xgrammar package ({e})") from None
+        raise ValueError(
+            f"structured outputs need the xgrammar package ({e}): pip install 'vllm[structured]'"
+        ) from None
     return xgrammar
