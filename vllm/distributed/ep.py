@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from vllm.distributed.parallel_state import ParallelContext
-from vllm.kernels.moe import fused_experts
 
 
 def ep_moe(
@@ -37,9 +36,7 @@ def ep_moe(
     recv_meta = ep.all_to_all(meta, rc, sc)
     r_ids = recv_meta[:, 0].long().unsqueeze(1)
     r_w = recv_meta[:, 1].float().unsqueeze(1)
-    y = fused_experts(
-        recv_x, experts.w13_weight, experts.w2_weight, r_ids, r_w, experts.expert_start
-    )
+    y = experts.run_local(recv_x, r_w, r_ids)
     back = ep.all_to_all(y, sc, rc)
     out = torch.zeros((hi - lo, x.shape[1]), dtype=torch.float32, device=x.device)
     out.index_add_(0, tok[order], back.float())

@@ -241,6 +241,11 @@ class Experts(nn.Module):
         return self._local(x, weights, ids)
 
     def _local(self, x, weights, ids):
+        return self.run_local(x, weights, ids)
+
+    def run_local(self, x, weights, ids):
+        """This rank's experts over rows x [N, H] with global ids/weights [N, k]; pairs whose
+        expert another rank owns contribute 0 (the one seam every caller, EP included, uses)."""
         return fused_experts(x, self.w13_weight, self.w2_weight, ids, weights, self.expert_start)
 
 
