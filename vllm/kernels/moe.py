@@ -9,6 +9,11 @@ and CUDA-graph capturable). Measured on an H200 at GLM-5.3 expert shapes (32 loc
 dense 0.676 / 0.818 ms against grouped 0.696 / 1.020 ms at 16 / 64 tokens; grouped 1.097 / 2.405 ms
 at 256 / 4096 tokens against 6.04 / 6.35 ms for the reference's per-expert loop. Elsewhere
 :func:`experts_ref`, the reference (a host sync and six launches per chosen expert).
+
+FP8 experts (e4m3 w13/w2 with block scales, ``w13_scale``/``w2_scale``): on CUDA the Triton FP8
+grouped GEMM (``vllm/kernels/triton/moe_grouped_fp8.py``: weights stay e4m3, activations quantised
+per token-group of 128, SiLU·up fused into the first GEMM's epilogue), elsewhere the reference,
+which runs each chosen expert through :func:`vllm.kernels.fp8_gemm.fp8_block_linear_ref`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from torch import nn
 
 from vllm.kernels import kernel_module, use_kernels
+from vllm.kernels.fp8_gemm import FP8_DTYPE, fp8_block_linear_ref
 
 # decode-sized batches on CUDA take the dense form up to here (it reads every local expert once)
 DENSE_MAX_TOKENS = 64
@@ -29,14 +35,46 @@ def fused_experts(
     ids: torch.Tensor,
     weights: torch.Tensor,
     expert_offset: int = 0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply routed SwiGLU experts (contract: :func:`experts_ref`)."""
+    if w13.dtype == FP8_DTYPE:
+        _check_fp8(w13, w2, w13_scale, w2_scale)
+        fast = kernel_module("triton.moe_grouped_fp8", x)
+        if fast is not None:
+            return fast.experts_grouped_fp8(
+                x, w13, w2, ids, weights, expert_offset, w13_scale, w2_scale
+            )
+        return experts_ref(x, w13, w2, ids, weights, expert_offset, w13_scale, w2_scale)
     if use_kernels(x) and 0 < x.shape[0] <= DENSE_MAX_TOKENS and ids.numel() >= 2 * w13.shape[0]:
         return experts_dense(x, w13, w2, ids, weights, expert_offset)
     fast = kernel_module("triton.moe_grouped", x, w13.dtype == x.dtype == w2.dtype)
     if fast is not None:
         return fast.experts_grouped(x, w13, w2, ids, weights, expert_offset)
     return experts_ref(x, w13, w2, ids, weights, expert_offset)
+
+
+def fp8_scale_shapes(
+    num_local_experts: int, hidden: int, inter: int, block: int = 128
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Shapes of (w13_scale, w2_scale) for e4m3 experts w13 [E, 2I, H], w2 [E, H, I]:
+    [E, 2·ceil(I/128), ceil(H/128)] (gate's row blocks, then up's) and
+    [E, ceil(H/128), ceil(I/128)]."""
+    gi, gh = -(-inter // block), -(-hidden // block)
+    return (num_local_experts, 2 * gi, gh), (num_local_experts, gh, gi)
+
+
+def _check_fp8(w13, w2, w13_scale, w2_scale) -> None:
+    e_loc, two_i, h = w13.shape
+    if w2.dtype != FP8_DTYPE or w13_scale is None or w2_scale is None:
+        raise ValueError("e4m3 experts need e4m3 w13 and w2 and both w13_scale and w2_scale")
+    s13, s2 = fp8_scale_shapes(e_loc, h, two_i // 2)
+    if tuple(w13_scale.shape) != s13 or tuple(w2_scale.shape) != s2:
+        raise ValueError(
+            f"w13_scale {tuple(w13_scale.shape)} / w2_scale {tuple(w2_scale.shape)}: expected "
+            f"{s13} / {s2} for w13 {tuple(w13.shape)} (see experts_ref)"
+        )
 
 
 def experts_ref(
@@ -46,22 +84,46 @@ def experts_ref(
     ids: torch.Tensor,
     weights: torch.Tensor,
     expert_offset: int = 0,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply routed SwiGLU experts.
 
     x [T, H]; w13 [E_loc, 2I, H] (gate rows first, then up); w2 [E_loc, H, I]; ids/weights [T, k]
     with global expert ids; experts outside [expert_offset, expert_offset + E_loc) are ignored
     (their owner computes them). Returns [T, H] in x.dtype, accumulated in fp32.
+
+    FP8 experts: w13 and w2 e4m3 with fp32 block scales of 128 × 128 tiles,
+    w13_scale [E_loc, 2·ceil(I/128), ceil(H/128)] and w2_scale [E_loc, ceil(H/128), ceil(I/128)]
+    (:func:`fp8_scale_shapes`). w13's scale rows are per half: gate row r (0 <= r < I) uses scale
+    row r // 128 and up row I + r uses scale row ceil(I/128) + r // 128, so gate and up never
+    share a tile even when I is not a multiple of 128 (when it is, this is simply gate's scales
+    concatenated with up's). Columns: H column c uses scale column c // 128; w2's column (I) c
+    uses c // 128 of this rank's I. A loader whose TP shard of I starts inside a 128-block and
+    spans two of the checkpoint's blocks cannot express that with one scale per local block and
+    must requantise the shard. Semantics: each chosen expert is three
+    :func:`~vllm.kernels.fp8_gemm.fp8_block_linear_ref` calls (gate, up on x; down on
+    SiLU(gate)·up in x.dtype), so x and the intermediate are quantised per token-group of 128.
     """
+    fp8 = w13.dtype == FP8_DTYPE
+    if fp8:
+        _check_fp8(w13, w2, w13_scale, w2_scale)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     local = ids - expert_offset
-    e_loc = w13.shape[0]
+    e_loc, inter = w13.shape[0], w13.shape[1] // 2
     for e in torch.unique(local[(local >= 0) & (local < e_loc)]).tolist():
         tok, slot = torch.where(local == e)
-        gate, up = nn.functional.linear(x[tok], w13[e]).chunk(2, dim=-1)
-        h = nn.functional.silu(gate) * up
-        y = nn.functional.linear(h, w2[e]).float() * weights[tok, slot].unsqueeze(-1)
-        out.index_add_(0, tok, y)
+        if fp8:
+            gi = w13_scale.shape[1] // 2
+            gate = fp8_block_linear_ref(x[tok], w13[e, :inter], w13_scale[e, :gi])
+            up = fp8_block_linear_ref(x[tok], w13[e, inter:], w13_scale[e, gi:])
+            h = nn.functional.silu(gate) * up
+            y = fp8_block_linear_ref(h, w2[e], w2_scale[e])
+        else:
+            gate, up = nn.functional.linear(x[tok], w13[e]).chunk(2, dim=-1)
+            h = nn.functional.silu(gate) * up
+            y = nn.functional.linear(h, w2[e])
+        out.index_add_(0, tok, y.float() * weights[tok, slot].unsqueeze(-1))
     return out.to(x.dtype)
 
 

@@ -1,0 +1,127 @@
+"""FP8 block-scaled linear (w8a8, DeepSeek-V3 / upstream vLLM's block FP8 scheme).
+
+    y[m, n] = Σ_kb  sx[m, kb] · sw[n // bn, kb] · Σ_{k in block kb} xq[m, k] · wq[n, k]   (fp32)
+
+The weight is e4m3 [N, K] with one fp32 scale per (bn × bk) tile (``weight_scale_inv`` in
+checkpoints: despite the name it multiplies, W = wq · scale). Activations are quantised on the fly
+per token and per group of bk along K (:func:`per_token_group_quant_fp8`), so each K block is an
+e4m3 × e4m3 product accumulated in fp32 and scaled by one activation scale per row and one weight
+scale per output column. The dequantised [N, K] weight is never materialised (neither here nor in
+the kernels). N and K need not be multiples of the block: the last tile is partial, its scale
+covers the rows/columns that exist.
+
+CUDA tensors: ``vllm/kernels/triton/fp8_gemm.py`` (per-token-group quant kernel + block-scaled
+GEMM, configs by M from a fixed table, no host sync, CUDA-graph capturable); elsewhere the
+references below (a loop over K blocks, memory O(M·N)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.kernels import kernel_module
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# amax floor of a quantisation group (upstream vLLM's eps): an all-zero group gets scale
+# 1e-10 / 448 and quantises to zeros instead of dividing by zero
+AMAX_FLOOR = 1e-10
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16/fp32) -> (xq e4m3 [M, K], scale fp32 [M, ceil(K/group)]).
+
+    Per row m and group g = columns [g·group, (g+1)·group) ∩ [0, K):
+    scale[m, g] = max(amax |x[m, group]|, AMAX_FLOOR) / 448 and xq = x / scale (fp32 division,
+    round to nearest even into e4m3; |x / scale| <= 448 by construction, clamped anyway).
+    x · scale ≈ xq with a relative error of at most 2^-4 per element (3 mantissa bits)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
+    fast = kernel_module("triton.fp8_gemm", x)
+    if fast is not None:
+        return fast.quant_per_token_group(x, group)
+    return per_token_group_quant_fp8_ref(x, group)
+
+
+def per_token_group_quant_fp8_ref(
+    x: torch.Tensor, group: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of :func:`per_token_group_quant_fp8` (plain torch, fp32)."""
+    m, k = x.shape
+    ng = -(-k // group)
+    pad = torch.zeros(m, ng * group, dtype=torch.float32, device=x.device)
+    pad[:, :k] = x.float()
+    tiles = pad.view(m, ng, group)
+    scale = tiles.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX  # [M, ng]
+    q = (tiles / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, ng * group)[:, :k]
+    return q.to(FP8_DTYPE), scale
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> None:
+    n, k = weight.shape
+    bn, bk = block
+    if weight.dtype != FP8_DTYPE:
+        raise ValueError(f"weight must be {FP8_DTYPE}, got {weight.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x [..., {x.shape[-1]}] does not fit weight [{n}, {k}]")
+    if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):
+        raise ValueError(
+            f"weight_scale_inv {tuple(scale.shape)} != ceil(N/bn), ceil(K/bk) for weight "
+            f"[{n}, {k}] and block {tuple(block)}"
+        )
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """y = x · Wᵀ with W = weight · scale block-wise (module docstring for the exact sum).
+
+    x [..., K] bf16/fp16/fp32; weight e4m3 [N, K]; weight_scale_inv fp32 [ceil(N/bn), ceil(K/bk)]
+    with block = (bn, bk). Activations are quantised per token per group of bk along K.
+    Returns [..., N] in x.dtype (accumulated in fp32, rounded once at the end)."""
+    _check(x, weight, weight_scale_inv, block)
+    bk = block[1]
+    fast = kernel_module("triton.fp8_gemm", x, bk >= 16 and bk & (bk - 1) == 0)
+    if fast is not None:
+        return fast.fp8_block_gemm(x, weight, weight_scale_inv, block)
+    return fp8_block_linear_ref(x, weight, weight_scale_inv, block)
+
+
+def fp8_block_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """The reference of :func:`fp8_block_linear`: quantise x per token-group of bk, then for each
+    K block add (xq_blk · wq_blkᵀ in fp32) · sx[:, kb] · sw[n // bn, kb]. Memory O(M·N + N·bk)."""
+    _check(x, weight, weight_scale_inv, block)
+    n, k = weight.shape
+    bn, bk = block
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    xq, sx = per_token_group_quant_fp8_ref(x2, bk)
+    sw = weight_scale_inv.float().repeat_interleave(bn, 0)[:n]  # [N, ceil(K/bk)]
+    out = torch.zeros(x2.shape[0], n, dtype=torch.float32, device=x.device)
+    for kb in range(sw.shape[1]):
+        k0, k1 = kb * bk, min(k, (kb + 1) * bk)
+        part = xq[:, k0:k1].float() @ weight[:, k0:k1].float().t()  # [M, N]
+        out += part * sx[:, kb : kb + 1] * sw[:, kb][None, :]
+    return out.to(x.dtype).reshape(*lead, n)
+
+
+def fp8_block_linear_cost(
+    m: int, n: int, k: int, block: tuple[int, int] = (128, 128), x_bytes: int = 2
+) -> tuple[int, int]:
+    """(flops, bytes) of one call: 2·M·N·K; the e4m3 weight and its scales read once, x read,
+    xq and its scales written and read back by the GEMM, y written in x's dtype."""
+    bn, bk = block
+    ng = -(-k // bk)
+    weight = n * k + -(-n // bn) * ng * 4
+    acts = m * k * x_bytes + 2 * (m * k + m * ng * 4) + m * n * x_bytes
+    return 2 * m * n * k, weight + acts
