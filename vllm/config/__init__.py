@@ -4,6 +4,7 @@ Errors name the CLI flag. Derived values are properties, never patched in later.
 below the engine receive only the sub-config (or fields) they need.
 """
 
+from vllm.config.compilation import CompilationConfig  # noqa: F401
 from vllm.config.vllm_config import (  # noqa: F401
     AttentionConfig,
     CacheConfig,

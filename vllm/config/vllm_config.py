@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from vllm.config.arch import ModelArch
+from vllm.config.compilation import CompilationConfig
 
 BLOCK_SIZE = 64  # tokens per physical KV block (the cache layouts assume it)
 
@@ -249,6 +250,9 @@ class VllmConfig:
     speculative_config: SpeculativeConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None
     offload_config: OffloadConfig = field(default_factory=OffloadConfig)
+    compilation_config: CompilationConfig = field(
+        default_factory=lambda: CompilationConfig(cudagraph_mode="NONE")
+    )
 
     def __post_init__(self) -> None:
         self.validate()

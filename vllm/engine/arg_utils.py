@@ -24,6 +24,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.arch import ModelArch
+from vllm.config.compilation import CompilationConfig
 from vllm.config.vllm_config import DeviceConfig, resolve_dtype
 
 DEFAULT_MODEL = "tiny-glm-5.3"
@@ -69,7 +70,8 @@ class EngineArgs:
     speculative_config: str | dict | None = None
     kv_transfer_config: str | dict | None = None
     kv_offloading_size: float | None = None
-    enforce_eager: bool = True
+    enforce_eager: bool = False
+    compilation_config: str | dict | None = None
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -168,6 +170,12 @@ class EngineArgs:
             speculative_config=SpeculativeConfig.from_json(self.speculative_config),
             kv_transfer_config=KVTransferConfig.from_json(self.kv_transfer_config),
             offload_config=OffloadConfig(kv_offloading_size_gib=self.kv_offloading_size),
+            compilation_config=CompilationConfig.from_json(
+                self.compilation_config,
+                # graphs are a CUDA feature: a CPU run validates the flag, then runs eagerly
+                enforce_eager=self.enforce_eager or device != "cuda",
+                max_num_seqs=self.max_num_seqs,
+            ),
         )
 
 
@@ -203,8 +211,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--enforce-eager",
         action="store_true",
-        default=True,
-        help="no CUDA graphs (the default for now)",
+        default=False,
+        help="run every step eagerly: no CUDA graphs",
+    )
+    g.add_argument(
+        "--compilation-config",
+        "-cc",
+        default=None,
+        help='CUDA graphs of decode steps, e.g. \'{"cudagraph_mode": "FULL_AND_PIECEWISE", '
+        '"cudagraph_capture_sizes": [1, 2, 4, 8]}\' (CPU runs are always eager)',
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
