@@ -126,7 +126,7 @@ def local_decode_topk(
         block_table,
         meta.token_req[tok],
         ctx,
-        max(meta.seq_lens_cpu[r] for r in meta.decode_reqs()),
+        meta.decode_ctx_bound(),
     )
     return indexer_topk(logits, ctx, meta.index_topk)
 

@@ -61,6 +61,9 @@ class MLAMetadata:
     slot_mapping: torch.Tensor  # [T_kv] local slot per new row, −1 = not stored on this rank
     positions_cpu: np.ndarray | None = None  # host copy of `positions` (prefill key ranges)
     decode_tokens: torch.Tensor | None = None  # [T_dec] rows of this rank's decode tokens
+    # a fixed bound on the decode tokens' context lengths (CUDA graphs: shapes cannot follow the
+    # batch); None: the longest decode request of this step
+    max_decode_ctx: int | None = None
     # ---- features (None: off) -------------------------------------------------------------------
     cp: CPMetadata | None = None
     hisparse: HiSparseMetadata | None = None
@@ -76,6 +79,13 @@ class MLAMetadata:
     def decode_reqs(self) -> list[int]:
         """Request rows that run the decode path this step."""
         return [r for r in range(self.num_reqs) if not self.is_prefill_cpu[r]]
+
+    def decode_ctx_bound(self) -> int:
+        """Width of the decode tokens' per-position buffers (indexer logits): no decode token's
+        context is longer."""
+        if self.max_decode_ctx is not None:
+            return self.max_decode_ctx
+        return max(self.seq_lens_cpu[r] for r in self.decode_reqs())
 
     def token_slices(self):
         """(request row, start, end) of this rank's query tokens, skipping empty requests."""

@@ -7,7 +7,8 @@ outputs are dropped). Steps with a prefill chunk, or more requests than the larg
 eagerly. Upstream's piecewise capture of mixed batches is not implemented: ``FULL_AND_PIECEWISE``
 (upstream's default) and ``FULL_DECODE_ONLY`` both mean "full graphs for decode, eager otherwise";
 ``PIECEWISE`` and ``FULL`` (which would capture mixed batches) are refused by name.
-``--enforce-eager`` (or ``"cudagraph_mode": "NONE"``) runs every step eagerly; so does a CPU run.
+``--enforce-eager`` (or ``"cudagraph_mode": "NONE"``) runs every step eagerly; so does a CPU run,
+unless the flag is given: then the same static-buffer decode path runs there without capture.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int = 0  # deltas since the last report
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_cudagraph_steps: int = 0  # steps that replayed a decode CUDA graph (deltas)
     extra: dict = {}
 
 

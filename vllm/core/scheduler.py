@@ -402,6 +402,7 @@ class Scheduler:
         )
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.take_prefix_cache_stats()
         s.extra = self.kv.extra_stats(self._worker_stats)
+        s.num_cudagraph_steps = int(self._worker_stats.get("cudagraph_steps", 0))
         self._worker_stats = {}
         self._stats = SchedulerStats()
         return s

@@ -98,7 +98,7 @@ class DCPKVAccess(KVAccess):
         tr = self._gather_rows(meta.token_req[tok], pad).flatten(0, 1)
         limit = self._gather_rows(meta.positions[tok] + 1, pad).flatten(0, 1)  # 0 for padding
         ctx = local_len(limit, n, self.i, self.rank)
-        longest = max(meta.seq_lens_cpu[r] for r in meta.decode_reqs())
+        longest = meta.decode_ctx_bound()
         max_ctx = max(1, local_len(longest, n, self.i, 0))
         logits = indexer_logits_paged(
             q, qs, w, attn.indexer_cache, meta.layout, meta.block_table, tr, ctx, max_ctx

@@ -172,8 +172,10 @@ class EngineArgs:
             offload_config=OffloadConfig(kv_offloading_size_gib=self.kv_offloading_size),
             compilation_config=CompilationConfig.from_json(
                 self.compilation_config,
-                # graphs are a CUDA feature: a CPU run validates the flag, then runs eagerly
-                enforce_eager=self.enforce_eager or device != "cuda",
+                # graphs are a CUDA feature: a CPU run is eager unless the flag is given, and
+                # then runs the graphs' static-buffer decode path uncaptured (tests use it)
+                enforce_eager=self.enforce_eager
+                or (device != "cuda" and self.compilation_config is None),
                 max_num_seqs=self.max_num_seqs,
             ),
         )
@@ -219,7 +221,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "-cc",
         default=None,
         help='CUDA graphs of decode steps, e.g. \'{"cudagraph_mode": "FULL_AND_PIECEWISE", '
-        '"cudagraph_capture_sizes": [1, 2, 4, 8]}\' (CPU runs are always eager)',
+        '"cudagraph_capture_sizes": [1, 2, 4, 8]}\' (default on CUDA; CPU runs are eager)',
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

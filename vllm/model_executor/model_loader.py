@@ -2,9 +2,10 @@
 
 Tensors stream one at a time from the files into parameters that already live on the target
 device, each cut to this rank's TP/EP shard on the way; the model is never held twice. FP8
-block-quantised weights (e4m3 + `weight_scale_inv`) are dequantised at load on CPU and kept in FP8
-on CUDA (linear layers; experts are dequantised). Every problem names the tensor: missing,
-unexpected, wrong shape.
+weights stay FP8 on every device: a checkpoint's e4m3 tensor and its `weight_scale_inv` (one fp32
+per 128 × 128 tile) are sharded together (`Linear.shard_full_scale`; experts below), and with
+`--quantization fp8` a bf16/fp32 tensor is quantised on the target device as it arrives. Every
+problem names the tensor: missing, unexpected, wrong shape, missing or misshapen scale.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import re
 import torch
 from safetensors import safe_open
 
+from vllm.config.quantization import FP8_WEIGHT_BLOCK, resolve_quantization
 from vllm.model_executor.layers.linear import (
     FP8_DTYPE,
     Linear,
+    cdiv,
     dequant_block_fp8,
-    shard_cols,
-    shard_rows,
+    quant_block_fp8,
+    shard_block,
+    shard_scale,
 )
 from vllm.model_executor.models.glm_moe_dsa import Experts, GlmMoeDsaForCausalLM
 

@@ -35,7 +35,9 @@ def _kv_plan(config: VllmConfig, runner, device: torch.device) -> KVCachePlan:
         used = total - free
         # the activations of a max_num_batched_tokens chunk, estimated from the model's shapes,
         # plus a fixed reserve (CUDA context, allocator slack, sampler, collectives' buffers)
-        reserve = runner.activation_bytes() + ACTIVATION_RESERVE_GIB * 2**30
+        reserve = (
+            runner.activation_bytes() + runner.graph_pool_bytes() + ACTIVATION_RESERVE_GIB * 2**30
+        )
         budget = int(total * cc.gpu_memory_utilization - used - reserve)
     plan = runner.plan_kv(budget)
     if plan.num_blocks < 1:

@@ -1,17 +1,32 @@
-"""Linear layers with optional FP8 block-quantised weights and tensor-parallel sharding.
+"""Linear layers: full-precision or FP8 block-quantised weights, with tensor-parallel sharding.
 
-A checkpoint's FP8 weight (e4m3, with a `weight_scale_inv` of one fp32 per 128×128 tile) is
-dequantised at load on CPU; on CUDA it is kept in FP8 and dequantised tile-wise in the matmul path.
-`shard` says how tensor parallelism splits the weight: "col" splits the output rows (optionally in
-units of `shard_unit` rows, i.e. whole heads), "row" splits the input columns, None replicates.
+An FP8 layer holds its weight e4m3 [out, in] and `weight_scale_inv` fp32 [ceil(out/bn),
+ceil(in/bk)] (W = weight · scale tile by tile: the checkpoint convention, despite the name) and
+runs :func:`vllm.kernels.fp8_gemm.fp8_block_linear` (activations quantised per token-group of bk;
+the dequantised weight is never built). `shard` says how tensor parallelism splits the weight:
+"col" splits the output rows (optionally in units of `shard_unit` rows, i.e. whole heads), "row"
+splits the input columns, None replicates.
+
+The block of a TP shard. Checkpoints tile the full weight in 128 × 128 blocks. A shard that starts
+on a block boundary, or lies inside one block, keeps 128 and the checkpoint's scales for the blocks
+it covers. A shard that starts inside a block and crosses into the next (96 rows of 192 at TP2)
+uses blocks of gcd(128, start) along that dimension, each inside one checkpoint block, with the
+checkpoint's scales repeated: exact, no requantisation. GLM-5.3's shards at TP <= 32 are all of
+the first two kinds.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-FP8_DTYPE = torch.float8_e4m3fn
+from vllm.kernels.fp8_gemm import FP8_DTYPE, fp8_block_linear
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def dequant_block_fp8(
@@ -30,16 +45,39 @@ def dequant_block_fp8(
 def quant_block_fp8(
     w: torch.Tensor, block: tuple[int, int] = (128, 128)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`dequant_block_fp8` with scale = tile amax / 448 (writes FP8 checkpoints)."""
+    """Inverse of :func:`dequant_block_fp8` with scale = tile amax / 448, on w's device (writes FP8
+    checkpoints; quantises bf16/fp32 checkpoints at load with ``--quantization fp8``)."""
     n, k = w.shape
     bn, bk = block
-    gn, gk = -(-n // bn), -(-k // bk)
-    pad = torch.zeros(gn * bn, gk * bk, dtype=torch.float32)
+    gn, gk = cdiv(n, bn), cdiv(k, bk)
+    pad = torch.zeros(gn * bn, gk * bk, dtype=torch.float32, device=w.device)
     pad[:n, :k] = w.float()
     tiles = pad.view(gn, bn, gk, bk)
     scale = tiles.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
     q = (tiles / scale[:, None, :, None]).clamp(-448, 448).view(gn * bn, gk * bk)[:n, :k]
     return q.to(FP8_DTYPE).contiguous(), scale
+
+
+def shard_block(start: int, length: int, block: int) -> int:
+    """Block size along one dimension for the shard [start, start + length) of a dimension that
+    the checkpoint tiles in ``block``: ``block`` when the shard starts on a block boundary or lies
+    inside one block, else gcd(block, start) (every local block then lies inside one of the
+    checkpoint's)."""
+    if start % block == 0 or start // block == (start + length - 1) // block:
+        return block
+    return math.gcd(block, start)
+
+
+def shard_scale(scale: torch.Tensor, dim: int, start: int, length: int, block: int) -> torch.Tensor:
+    """The checkpoint scales (tiles of ``block`` along ``dim``) of the shard [start, start +
+    length), in units of :func:`shard_block`."""
+    local = shard_block(start, length, block)
+    if local == block:
+        first = start // block
+        return scale.narrow(dim, first, (start + length - 1) // block - first + 1)
+    return scale.repeat_interleave(block // local, dim).narrow(
+        dim, start // local, cdiv(length, local)
+    )
 
 
 def shard_rows(t: torch.Tensor, rank: int, size: int, unit: int = 1) -> torch.Tensor:
@@ -62,8 +100,14 @@ def shard_cols(t: torch.Tensor, rank: int, size: int, unit: int = 1) -> torch.Te
     return t.narrow(-1, rank * per, per)
 
 
+def weight_block(arch) -> tuple[int, int] | None:
+    """The e4m3 block the model holds its linears and routed experts in (None: full precision).
+    ``arch`` is the model's ModelArch as the engine holds it (``vllm.config.quantization``)."""
+    return arch.fp8_block_size if arch.is_fp8_checkpoint else None
+
+
 class Linear(nn.Module):
-    """y = x Wᵀ; W [out, in] of this rank's shard."""
+    """y = x Wᵀ; W [out, in] of this rank's shard, e4m3 with block scales when ``quant_block``."""
 
     def __init__(
         self,
@@ -75,6 +119,7 @@ class Linear(nn.Module):
         tp_size: int = 1,
         shard_unit: int = 1,
         dtype: torch.dtype | None = None,
+        quant_block: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.shard, self.tp_rank, self.tp_size, self.shard_unit = (
@@ -88,11 +133,39 @@ class Linear(nn.Module):
         elif shard == "row":
             in_features //= tp_size
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
-        )
         self.weight_scale_inv: nn.Parameter | None = None
-        self.block = (128, 128)
+        self.block = quant_block or (128, 128)
+        if quant_block is None:
+            self.weight = nn.Parameter(
+                torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+            )
+            return
+        row0, col0 = self.shard_start
+        self.checkpoint_block = quant_block
+        self.block = (
+            shard_block(row0, out_features, quant_block[0]),
+            shard_block(col0, in_features, quant_block[1]),
+        )
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(
+                cdiv(out_features, self.block[0]),
+                cdiv(in_features, self.block[1]),
+                dtype=torch.float32,
+            ),
+            requires_grad=False,
+        )
+
+    @property
+    def shard_start(self) -> tuple[int, int]:
+        """(first row, first column) of this rank's shard in the full weight."""
+        if self.shard == "col":
+            return self.tp_rank * self.out_features, 0
+        if self.shard == "row":
+            return 0, self.tp_rank * self.in_features
+        return 0, 0
 
     def shard_full(self, t: torch.Tensor) -> torch.Tensor:
         """Cut this rank's part out of a full (unsharded) checkpoint tensor."""
@@ -102,12 +175,12 @@ class Linear(nn.Module):
             return shard_cols(t, self.tp_rank, self.tp_size, self.shard_unit)
         return t
 
-    def set_fp8(
-        self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
-    ) -> None:
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(scale_inv.float(), requires_grad=False)
-        self.block = block
+    def shard_full_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        """This rank's `weight_scale_inv` from the full checkpoint's (tiles of checkpoint_block)."""
+        row0, col0 = self.shard_start
+        bn, bk = self.checkpoint_block
+        s = shard_scale(scale, 0, row0, self.out_features, bn)
+        return shard_scale(s, 1, col0, self.in_features, bk)
 
     @property
     def is_fp8(self) -> bool:
@@ -119,5 +192,7 @@ class Linear(nn.Module):
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dense_weight(x.dtype) if self.is_fp8 else self.weight
+        if self.weight_scale_inv is not None:
+            return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block)
+        w = self.weight
         return nn.functional.linear(x, w.to(x.dtype) if w.dtype != x.dtype else w)

@@ -16,10 +16,11 @@ from vllm.attention.layer import IndexerInputs, SparseMLAAttention
 from vllm.attention.metadata import MLAMetadata
 from vllm.config.arch import ModelArch
 from vllm.distributed.parallel_state import ParallelContext
-from vllm.kernels.moe import fused_experts
+from vllm.kernels.fp8_gemm import FP8_DTYPE
+from vllm.kernels.moe import fp8_scale_shapes, fused_experts
 from vllm.model_executor.layers.hadamard import hadamard_transform
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
-from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.linear import Linear, weight_block
 from vllm.model_executor.layers.moe import route_tokens
 from vllm.model_executor.layers.rotary import apply_rope, rope_cos_sin
 
@@ -37,15 +38,17 @@ class Indexer(nn.Module):
         )
         self.interleave, self.tp = arch.indexer_rope_interleave, tp
         kw = dict(tp_rank=tp.rank_in_group, tp_size=tp.world_size)
+        q = weight_block(arch)
         self.wq_b = Linear(
             arch.q_lora_rank,
             self.n_heads * self.head_dim,
             shard="col",
             shard_unit=self.head_dim,
             dtype=dtype,
+            quant_block=q,
             **kw,
         )
-        self.wk = Linear(arch.hidden_size, self.head_dim, dtype=dtype)
+        self.wk = Linear(arch.hidden_size, self.head_dim, dtype=dtype, quant_block=q)
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6)
         # fp32, as HF keeps it: the per-head weights decide the selection
         self.weights_proj = Linear(
@@ -103,8 +106,9 @@ class MLAAttention(nn.Module):
             arch.rope_interleave,
             arch.rope_theta,
         )
-        kw = dict(tp_rank=tp.rank_in_group, tp_size=tp.world_size, dtype=dtype)
-        self.q_a_proj = Linear(arch.hidden_size, arch.q_lora_rank, dtype=dtype)
+        q = weight_block(arch)
+        kw = dict(tp_rank=tp.rank_in_group, tp_size=tp.world_size, dtype=dtype, quant_block=q)
+        self.q_a_proj = Linear(arch.hidden_size, arch.q_lora_rank, dtype=dtype, quant_block=q)
         self.q_a_layernorm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps, dtype)
         self.q_b_proj = Linear(
             arch.q_lora_rank,
@@ -114,7 +118,7 @@ class MLAAttention(nn.Module):
             **kw,
         )
         self.kv_a_proj_with_mqa = Linear(
-            arch.hidden_size, arch.kv_lora_rank + self.rope, dtype=dtype
+            arch.hidden_size, arch.kv_lora_rank + self.rope, dtype=dtype, quant_block=q
         )
         self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, arch.rms_norm_eps, dtype)
         self.kv_b_proj = Linear(
@@ -168,7 +172,13 @@ class MLP(nn.Module):
     """SwiGLU MLP, TP-sharded along the intermediate dimension (reduce done by the caller)."""
 
     def __init__(
-        self, hidden: int, inter: int, pc: ParallelContext, dtype: torch.dtype, shard: bool = True
+        self,
+        hidden: int,
+        inter: int,
+        pc: ParallelContext,
+        dtype: torch.dtype,
+        shard: bool = True,
+        quant_block: tuple[int, int] | None = None,
     ):
         super().__init__()
         kw = (
@@ -176,6 +186,7 @@ class MLP(nn.Module):
             if shard
             else dict(dtype=dtype)
         )
+        kw["quant_block"] = quant_block
         self.gate_proj = Linear(hidden, inter, shard="col" if shard else None, **kw)
         self.up_proj = Linear(hidden, inter, shard="col" if shard else None, **kw)
         self.down_proj = Linear(inter, hidden, shard="row" if shard else None, **kw)
@@ -211,7 +222,10 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts held by this rank: all of them (TP-sharded intermediates) or, under EP, the
-    contiguous range [expert_start, expert_start + num_local) at full width."""
+    contiguous range [expert_start, expert_start + num_local) at full width. FP8 (``weight_block``
+    of the arch): e4m3 weights with fp32 ``w13_weight_scale_inv`` [E_loc, 2·ceil(I/128),
+    ceil(H/128)] (gate's row blocks, then up's) and ``w2_weight_scale_inv`` [E_loc, ceil(H/128),
+    ceil(I/128)], the layout of :func:`vllm.kernels.moe.experts_ref`."""
 
     def __init__(self, arch: ModelArch, pc: ParallelContext, dtype: torch.dtype):
         super().__init__()
@@ -224,14 +238,24 @@ class Experts(nn.Module):
             self.tp_size, self.tp_rank = pc.tp.world_size, pc.tp.rank_in_group
             inter //= self.tp_size
         self.inter = inter
+        self.block = weight_block(arch)
+        wdtype = dtype if self.block is None else FP8_DTYPE
         self.w13_weight = nn.Parameter(
-            torch.empty(self.num_local, 2 * inter, h, dtype=dtype), requires_grad=False
+            torch.empty(self.num_local, 2 * inter, h, dtype=wdtype), requires_grad=False
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(self.num_local, h, inter, dtype=dtype), requires_grad=False
+            torch.empty(self.num_local, h, inter, dtype=wdtype), requires_grad=False
         )
-        self.w13_scale_inv: nn.Parameter | None = None
-        self.w2_scale_inv: nn.Parameter | None = None
+        self.w13_weight_scale_inv: nn.Parameter | None = None
+        self.w2_weight_scale_inv: nn.Parameter | None = None
+        if self.block is not None:
+            s13, s2 = fp8_scale_shapes(self.num_local, h, inter, self.block[0])
+            self.w13_weight_scale_inv = nn.Parameter(
+                torch.empty(s13, dtype=torch.float32), requires_grad=False
+            )
+            self.w2_weight_scale_inv = nn.Parameter(
+                torch.empty(s2, dtype=torch.float32), requires_grad=False
+            )
 
     def forward(self, x, weights, ids):
         if self.ep is not None:
@@ -246,7 +270,16 @@ class Experts(nn.Module):
     def run_local(self, x, weights, ids):
         """This rank's experts over rows x [N, H] with global ids/weights [N, k]; pairs whose
         expert another rank owns contribute 0 (the one seam every caller, EP included, uses)."""
-        return fused_experts(x, self.w13_weight, self.w2_weight, ids, weights, self.expert_start)
+        return fused_experts(
+            x,
+            self.w13_weight,
+            self.w2_weight,
+            ids,
+            weights,
+            self.expert_start,
+            w13_scale=self.w13_weight_scale_inv,
+            w2_scale=self.w2_weight_scale_inv,
+        )
 
 
 class MoE(nn.Module):
@@ -260,7 +293,13 @@ class MoE(nn.Module):
         self.gate = Router(arch)
         self.experts = Experts(arch, pc, dtype)
         self.shared_experts = (
-            MLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts, pc, dtype)
+            MLP(
+                arch.hidden_size,
+                arch.moe_intermediate_size * arch.n_shared_experts,
+                pc,
+                dtype,
+                quant_block=weight_block(arch),
+            )
             if arch.n_shared_experts
             else None
         )
@@ -291,7 +330,9 @@ class DecoderLayer(nn.Module):
         self.mlp = (
             MoE(arch, pc, dtype)
             if self.is_moe
-            else MLP(arch.hidden_size, arch.intermediate_size, pc, dtype)
+            else MLP(
+                arch.hidden_size, arch.intermediate_size, pc, dtype, quant_block=weight_block(arch)
+            )
         )
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
@@ -318,7 +359,7 @@ class MTPLayer(nn.Module):
         h = arch.hidden_size
         self.enorm = RMSNorm(h, arch.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(h, arch.rms_norm_eps, dtype)
-        self.eh_proj = Linear(2 * h, h, dtype=dtype)
+        self.eh_proj = Linear(2 * h, h, dtype=dtype, quant_block=weight_block(arch))
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(h, arch.rms_norm_eps, dtype)
         self.block = DecoderLayer(arch, layer_idx, True, pc, dtype, force_mqa)

@@ -22,6 +22,8 @@ from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.distributed.pcp_manager import RankStep, make_cp_planner
 from vllm.kv_cache_interface import KVCacheLayout, cdiv, kv_bytes_per_token
+from vllm.utils import logger
+from vllm.worker.gpu.cudagraph import DecodeGraphs
 from vllm.worker.gpu.input_batch import StepInputs, build_step_inputs
 from vllm.worker.gpu.kv_cache import WorkerKVCache
 from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample
@@ -56,6 +58,7 @@ class ModelRunner:
         self.planner = make_cp_planner(config.parallel_config, pc)
         self.staging = HostStaging(device)
         self.kv_cache, self.hooks, self.kv_access = self._kv_features()
+        self.graphs: DecodeGraphs | None = None  # built once the KV cache exists
 
     def _kv_features(self) -> tuple[WorkerKVCache, StepHooks, KVAccess]:
         """Where this rank's KV lives, chosen once: the device cache (rows reached locally, or
@@ -116,6 +119,44 @@ class ModelRunner:
     def initialize_kv_cache(self, plan: KVCachePlan) -> None:
         self.num_blocks = plan.num_blocks
         self.kv_cache.allocate(plan, self.kv_access)
+        cc = self.config.compilation_config
+        if cc.use_cudagraph:
+            why_not = self._graphs_unsupported()
+            if why_not:
+                logger.info("CUDA graphs off: %s; every step runs eagerly", why_not)
+                return
+            max_ctx = min(
+                self.config.model_config.max_model_len, plan.num_blocks * self.layout.block_size
+            )
+            self.graphs = DecodeGraphs(self, cc.cudagraph_capture_sizes, max_ctx)
+            self.graphs.capture_all()
+
+    def _graphs_unsupported(self) -> str | None:
+        """Why this configuration's decode step cannot be captured (None: it can)."""
+        par, cfg = self.config.parallel_config, self.config
+        if cfg.attention_config.hisparse is not None:
+            return "HiSparse's host-pool fetches are not captured yet"
+        if par.prefill_context_parallel_size > 1 or par.decode_context_parallel_size > 1:
+            return "PCP/DCP decode is not captured yet"
+        if par.data_parallel_size > 1 or par.enable_expert_parallel:
+            return "the EP all-to-all reads its split counts on the host"
+        return None
+
+    def graph_pool_bytes(self) -> int:
+        """Estimated device memory of the decode graphs' pool (kept out of the KV budget): a
+        step's activations at the largest captured batch, its logits, and the indexer's
+        [batch, context] scores at the longest context."""
+        cc = self.config.compilation_config
+        if not cc.use_cudagraph or self._graphs_unsupported():
+            return 0
+        n = cc.max_capture_size
+        acts = activation_bytes(
+            self.arch,
+            self.config.model_config.dtype,
+            n,
+            tp_size=self.pc.tp.world_size,
+        )
+        return acts + n * self.arch.vocab_size * 8 + n * self.config.model_config.max_model_len * 8
 
     # ---- one step ------------------------------------------------------------------------------
     def update_states(self, so: SchedulerOutput) -> dict[str, int]:
@@ -142,12 +183,17 @@ class ModelRunner:
         inp = build_step_inputs(so, self.states, self.device, start_of, self.staging)
         self.connector.start_load_kv(so)
         self.hooks.before_forward(inp)
-        step, meta = self.prepare(inp)
-        hidden = self.forward(step, meta)
+        size = self.graphs.padded_size(inp) if self.graphs is not None else None
+        hidden = logits = None
+        if size is not None:  # a decode-only step: replay its CUDA graph, logits included
+            logits = self.graphs.run(inp, size)
+        else:
+            step, meta = self.prepare(inp)
+            hidden = self.forward(step, meta)
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
         self._grammar = (so.grammar_req_ids, so.grammar_bitmask)
-        return self._sample(inp, hidden, so.step)
+        return self._sample(inp, hidden, so.step, logits)
 
     def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
         """This rank's share of the step and its attention metadata."""
@@ -257,13 +303,18 @@ class ModelRunner:
                 out[i] = sent[j]
         return self.staging.to_device(out)
 
-    def _sample(self, inp: StepInputs, hidden: torch.Tensor, step: int) -> ModelRunnerOutput:
+    def _sample(
+        self, inp: StepInputs, hidden: torch.Tensor | None, step: int, logits=None
+    ) -> ModelRunnerOutput:
+        """Sample the rows that produce a token, from ``hidden`` (every token's final hidden
+        state) or, after a graph replay, from ``logits`` (one row per request)."""
         st = self.states
         rows = inp.sample_rows
         host: dict[str, torch.Tensor] = {}
         if len(rows):
-            last = self.staging.to_device(inp.query_start_loc[rows + 1] - 1)
-            logits = self.model.compute_logits(hidden[last])
+            if logits is None:
+                last = self.staging.to_device(inp.query_start_loc[rows + 1] - 1)
+                logits = self.model.compute_logits(hidden[last])
             sb = self._sampling_batch(inp, rows)
             sampled, lp = sample(logits, sb)
             sampled = self.planner.broadcast_sampled(sampled)
@@ -285,7 +336,10 @@ class ModelRunner:
             host.update(plp_chosen=res[0], plp_rank=res[1], plp_ids=res[2], plp_vals=res[3])
         h = to_host(host)  # the step's one device -> host sync
         self.staging.synced()
-        return self._build_output(inp, rows, h, plp_plan, step)
+        out = self._build_output(inp, rows, h, plp_plan, step)
+        if hidden is None:
+            out.stats["cudagraph_steps"] = 1
+        return out
 
     def _prompt_logprob_plan(self, inp: StepInputs):
         """(batch row, hidden rows, next prompt ids, n) for requests wanting prompt logprobs."""

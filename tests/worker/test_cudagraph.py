@@ -1,0 +1,152 @@
+"""Decode CUDA graphs: `--compilation-config` validation, and the graphs' static-buffer decode path
+against the eager one. On CPU the static path runs uncaptured (same buffers, same padding), so
+batches that shrink, grow, get preempted or hit the prefix cache between replays are checked here;
+tests/worker/test_cudagraph_gpu.py replays real graphs on CUDA."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.config.compilation import CompilationConfig, default_capture_sizes
+from vllm.engine.arg_utils import EngineArgs
+
+
+def _cc(value, eager=False, seqs=256):
+    return CompilationConfig.from_json(value, enforce_eager=eager, max_num_seqs=seqs)
+
+
+def test_defaults_follow_upstream():
+    c = _cc(None)
+    assert c.cudagraph_mode == "FULL_AND_PIECEWISE" and c.use_cudagraph
+    assert c.cudagraph_capture_sizes[:5] == (1, 2, 4, 8, 16)
+    assert c.max_capture_size == 256
+    assert default_capture_sizes(300)[-1] == 288
+    # a decode batch never exceeds --max-num-seqs: larger sizes are dropped
+    assert _cc(None, seqs=20).cudagraph_capture_sizes == (1, 2, 4, 8, 16)
+    assert _cc('{"cudagraph_capture_sizes": [8, 2, 2]}').cudagraph_capture_sizes == (2, 8)
+    assert _cc(None, eager=True).cudagraph_mode == "NONE"
+    assert not _cc(None, eager=True).use_cudagraph
+    assert _cc('{"cudagraph_mode": "full_decode_only"}').cudagraph_mode == "FULL_DECODE_ONLY"
+    c = _cc('{"cudagraph_capture_sizes": [1, 3, 6]}')
+    assert [c.padded_size(n) for n in (1, 2, 3, 4, 6, 7)] == [1, 3, 3, 6, 6, None]
+
+
+@pytest.mark.parametrize(
+    "value, field",
+    [
+        ('{"cudagraph_mode": "PIECEWISE"}', "cudagraph_mode"),
+        ('{"cudagraph_mode": "FULL"}', "cudagraph_mode"),
+        ('{"cudagraph_mode": "fast"}', "cudagraph_mode"),
+        ('{"cudagraph_mode": 3}', "cudagraph_mode"),
+        ('{"cudagraph_capture_sizes": [0, 1]}', "cudagraph_capture_sizes"),
+        ('{"cudagraph_capture_sizes": "1,2"}', "cudagraph_capture_sizes"),
+        ('{"cudagraph_capture_sizes": [true]}', "cudagraph_capture_sizes"),
+        ('{"cudagraph_capture_sizes": [512]}', "cudagraph_capture_sizes"),
+        ('{"max_cudagraph_capture_size": 0}', "max_cudagraph_capture_size"),
+        ('{"max_cudagraph_capture_size": "8"}', "max_cudagraph_capture_size"),
+        ('{"level": 3}', "unknown keys"),
+        ("[1, 2]", "JSON object"),
+        ("{not json", "JSON object"),
+    ],
+)
+def test_bad_values_name_the_field(value, field):
+    with pytest.raises(ValueError, match=field) as e:
+        _cc(value)
+    assert "--compilation-config" in str(e.value)
+
+
+def test_engine_args_wire_the_flag(tiny_ckpt):
+    cfg = EngineArgs(model=tiny_ckpt).create_engine_config()
+    assert cfg.compilation_config.cudagraph_mode == "NONE"  # CPU, no flag: eager
+    cfg = EngineArgs(
+        model=tiny_ckpt, compilation_config={"cudagraph_capture_sizes": [1, 4]}
+    ).create_engine_config()
+    assert cfg.compilation_config.cudagraph_capture_sizes == (1, 4)
+    cfg = EngineArgs(
+        model=tiny_ckpt, compilation_config='{"cudagraph_capture_sizes": [1]}', enforce_eager=True
+    ).create_engine_config()
+    assert not cfg.compilation_config.use_cudagraph
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        EngineArgs(
+            model=tiny_ckpt, compilation_config='{"cudagraph_mode": "PIECEWISE"}'
+        ).create_engine_config()
+
+
+# ---- the static-buffer decode path against eager, on the tiny checkpoint --------------------
+PROMPTS = [list(range(7 + 3 * i, 7 + 3 * i + n)) for i, n in enumerate((5, 40, 70, 130, 33, 9))]
+# different lengths: the batch shrinks 6 -> 1 while decoding, so padded rows change every few steps
+MAX_TOKENS = [3, 30, 9, 17, 24, 5]
+
+
+def _run(m: LLM, seeds: bool = False):
+    params = [
+        SamplingParams(
+            temperature=0.8 if seeds and i % 2 else 0.0,
+            top_p=0.9,
+            seed=100 + i,
+            max_tokens=n,
+            ignore_eos=True,
+            logprobs=2 if i == 1 else None,
+        )
+        for i, n in enumerate(MAX_TOKENS)
+    ]
+    outs = m.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    toks = [o.outputs[0].token_ids for o in outs]
+    lps = outs[1].outputs[0].logprobs
+    return toks, [{t: d[t].logprob for t in d} for d in lps]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_ckpt):
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=8)
+    eager = LLM(tiny_ckpt, **kw)
+    graphs = LLM(tiny_ckpt, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}, **kw)
+    yield eager, graphs
+    eager.shutdown()
+    graphs.shutdown()
+
+
+def _graph_steps(m: LLM, since: int) -> int:
+    return sum(s.num_cudagraph_steps for s in m.stats_history[since:])
+
+
+def test_static_decode_equals_eager(pair):
+    """Chunked prompts join while others decode (mixed steps run eagerly, decode-only steps take
+    the static path), requests finish at different steps (padding changes), greedy and seeded
+    sampled rows, logprobs; the prefix-cache rerun hits and must give the same tokens."""
+    eager, graphs = pair
+    since = len(graphs.stats_history)
+    ref, got = _run(eager, seeds=True), _run(graphs, seeds=True)
+    assert _graph_steps(graphs, since) >= 15
+    assert _graph_steps(eager, 0) == 0
+    assert got[0] == ref[0]
+    for g, r in zip(got[1], ref[1], strict=True):
+        assert g.keys() == r.keys()
+        np.testing.assert_allclose([g[t] for t in r], list(r.values()), atol=1e-4)
+    again = _run(graphs, seeds=True)  # every prompt's full blocks are cached now
+    assert again[0] == ref[0]
+
+
+def test_static_decode_under_preemption(tiny_ckpt, pair):
+    """A KV budget too small for the batch forces recompute mid-decode; the replayed rows after
+    a preemption must still read the right slots and blocks."""
+    from vllm.kv_cache_interface import kv_bytes_per_token
+
+    eager, _ = pair
+    mc = eager.config.model_config
+    per_block = 64 * kv_bytes_per_token(mc.arch, "auto", mc.dtype, num_mtp_layers=0)
+    tight = LLM(
+        tiny_ckpt,
+        kv_cache_memory_bytes=7 * per_block,
+        max_num_batched_tokens=64,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
+    )
+    try:
+        got = _run(tight)
+        assert sum(s.num_preemptions for s in tight.stats_history) > 0
+        assert _graph_steps(tight, 0) > 0
+    finally:
+        tight.shutdown()
+    assert got[0] == _run(eager)[0]
