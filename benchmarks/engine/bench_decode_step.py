@@ -1,0 +1,199 @@
+"""Engine decode step: wall time against the GPU time of its kernels, with and without CUDA graphs.
+
+The model runner runs in this process on a GLM-5.3-shaped slice (real attention, indexer and
+vocabulary; `--layers` layers, random weights, fp8_ds_mla). B requests start with C tokens of
+context already in the cache (rows written by the cache-write kernels from random values, so
+nothing is prefilled), then decode `--steps` steps. Per step: wall time of `runner.execute` (which
+ends with the step's one device->host sync: everything the step does), and, over a profiled
+window, the summed device time of the kernels it ran (torch.profiler). Both modes run in the same
+process on the same inputs; greedy tokens must agree.
+
+    python benchmarks/engine/bench_decode_step.py --batch 64,256 --context 8192,65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from vllm.core.messages import (  # noqa: E402
+    CachedRequestData,
+    KVCachePlan,
+    NewRequestData,
+    SamplingOptions,
+    SchedulerOutput,
+)
+from vllm.distributed.parallel_state import ParallelContext  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.kernels.kv_cache import write_indexer_cache, write_mla_cache  # noqa: E402
+from vllm.model_executor.model_loader import build_model  # noqa: E402
+from vllm.model_executor.tiny import GLM_SLICE, TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
+from vllm.worker.gpu.model_runner import ModelRunner  # noqa: E402
+
+
+def checkpoint(layers: int) -> str:
+    d = tempfile.mkdtemp(prefix="glm-slice-")
+    cfg = {**TINY_CONFIG, **GLM_SLICE, "vocab_size": 154880, "num_hidden_layers": layers}
+    write_checkpoint(d, cfg, tiny_state_dict(cfg, seed=3), tokenizer=False)
+    return d
+
+
+def fill_cache(runner: ModelRunner, num_tokens: int) -> None:
+    """Valid rows (written by the production cache writers) in the first num_tokens slots."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lay = runner.layout
+    step = 1 << 20
+    for attn in runner.model.attention_layers():
+        for a in range(0, num_tokens, step):
+            n = min(step, num_tokens - a)
+            slots = torch.arange(a, a + n, device="cuda")
+            kv = torch.randn(n, lay.kv_lora_rank, device="cuda", generator=g)
+            pe = torch.randn(n, lay.rope_dim, device="cuda", generator=g)
+            write_mla_cache(attn.kv_cache, kv, pe, slots, lay)
+            if attn.indexer_cache is not None:
+                k = torch.randn(n, lay.index_head_dim, device="cuda", generator=g)
+                write_indexer_cache(attn.indexer_cache, k, slots, lay)
+    torch.cuda.synchronize()
+
+
+def decode_run(path, batch, context, steps, graphs: bool, top_p: float) -> dict:
+    per_req_blocks = -(-(context + steps + 8) // 64)
+    blocks = batch * per_req_blocks + 1
+    cfg = EngineArgs(
+        model=path,
+        device="cuda",
+        kv_cache_dtype="fp8_ds_mla",
+        max_num_seqs=batch,
+        max_model_len=per_req_blocks * 64,
+        max_num_batched_tokens=max(2048, batch),
+        num_gpu_blocks_override=blocks,
+        kv_cache_memory_bytes=1,
+        enforce_eager=not graphs,
+        compilation_config={"cudagraph_capture_sizes": [batch]} if graphs else None,
+    ).create_engine_config()
+    dev = torch.device("cuda")
+    model = build_model(path, dtype=cfg.model_config.dtype, device=dev)
+    runner = ModelRunner(cfg, model, ParallelContext.single(), dev)
+    t0 = time.perf_counter()
+    runner.initialize_kv_cache(KVCachePlan(blocks))
+    capture_s = time.perf_counter() - t0
+    fill_cache(runner, blocks * 64)
+    sampling = SamplingOptions(
+        temperature=0.8 if top_p < 1 else 0.0, top_p=top_p, seed=1, max_tokens=10**6
+    )
+    new = [
+        NewRequestData(
+            str(i),
+            [(7 * j + i) % 1000 + 3 for j in range(context)],
+            context,
+            list(range(i * per_req_blocks, (i + 1) * per_req_blocks)),
+            context - 1,
+            sampling,
+        )
+        for i in range(batch)
+    ]
+    ids = [r.req_id for r in new]
+    so = SchedulerOutput(
+        step=0,
+        new_reqs=new,
+        num_scheduled_tokens={r: 1 for r in ids},
+        total_num_scheduled_tokens=batch,
+    )
+    walls, tokens, prof_ms, prof = [], [], None, None
+    warm, window = 4, 8
+    for s in range(steps + 1):
+        if s > 0:
+            so = SchedulerOutput(
+                step=s,
+                cached_reqs=[CachedRequestData(r, [], context - 1 + s) for r in ids],
+                num_scheduled_tokens={r: 1 for r in ids},
+                total_num_scheduled_tokens=batch,
+            )
+        if s == warm:
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        t0 = time.perf_counter()
+        ro = runner.execute(so)
+        walls.append(time.perf_counter() - t0)
+        tokens.append([t[0] for t in ro.sampled_token_ids])
+        if s == warm + window - 1:
+            prof.__exit__(None, None, None)
+            kernels = sum(
+                e.self_device_time_total
+                for e in prof.key_averages()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+            )
+            prof_ms = kernels / 1e3 / window
+    steady = walls[warm + window :]
+    med = statistics.median(steady)
+    del runner, model
+    torch.cuda.empty_cache()
+    return {
+        "mode": "graph" if graphs else "eager",
+        "batch": batch,
+        "context": context,
+        "top_p": top_p,
+        "capture_s": capture_s,
+        "step_ms_median": med * 1e3,
+        "step_ms_mean": statistics.mean(steady) * 1e3,
+        "step_ms_max": max(steady) * 1e3,
+        "max_over_median": max(steady) / med,
+        "gpu_ms_per_step": prof_ms,
+        "wall_over_gpu": med * 1e3 / prof_ms if prof_ms else None,
+        "steps_timed": len(steady),
+        "tokens": tokens,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="64,256")
+    ap.add_argument("--context", default="8192,65536")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--top-p", type=float, default=1.0, help="< 1: sampled rows with top-p")
+    ap.add_argument("--max-tokens-in-cache", type=int, default=8 << 20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    path = checkpoint(args.layers)
+    rows = []
+    for b in map(int, args.batch.split(",")):
+        for c in map(int, args.context.split(",")):
+            if b * c > args.max_tokens_in_cache:
+                print(f"skip B={b} C={c}: {b * c} tokens > --max-tokens-in-cache", flush=True)
+                continue
+            pair = [decode_run(path, b, c, args.steps, g, args.top_p) for g in (False, True)]
+            same = pair[0]["tokens"] == pair[1]["tokens"]
+            for r in pair:
+                r["tokens_equal_eager"] = same
+                r.pop("tokens")
+                rows.append(r)
+                print("row:", json.dumps(r), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": "decode_step", **r}) + "\n")
+    hdr = "mode   B    ctx     wall ms  gpu ms  wall/gpu  max/med  capture s  tokens=eager"
+    print(hdr)
+    for r in rows:
+        print(
+            f"{r['mode']:6} {r['batch']:<4} {r['context']:<7} {r['step_ms_median']:7.2f} "
+            f"{r['gpu_ms_per_step'] or 0:7.2f} {r['wall_over_gpu'] or 0:8.2f} "
+            f"{r['max_over_median']:8.2f} {r['capture_s']:9.2f}  {r['tokens_equal_eager']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
