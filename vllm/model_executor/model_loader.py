@@ -72,14 +72,39 @@ class _Loader:
         with safe_open(fp, "pt", device="cpu") as f:
             return f.get_tensor(name)
 
-    def _read(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _read(
+        self, name: str, expect: tuple[int, ...], fp8: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Checkpoint tensor ``name``, its shape checked against ``expect``, as (e4m3 weight,
+        fp32 scale of 128 × 128 tiles) when the target is ``fp8``, else (full precision, None)."""
         t = self._get(name)
+        if tuple(t.shape) != tuple(expect):
+            raise CheckpointError(
+                f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(expect)}"
+            )
+        block = FP8_WEIGHT_BLOCK
         if t.dtype == FP8_DTYPE:
-            sname = name[: -len("weight")] + "weight_scale_inv"
-            if sname not in self.files:
-                raise CheckpointError(f"FP8 tensor {name} has no {sname}")
-            return t, self._get(sname)
+            scale = self._scale(name, t)
+            if fp8:
+                return t, scale
+            return dequant_block_fp8(t, scale, block, torch.float32), None
+        if fp8:  # --quantization fp8: this tensor only, on the target device
+            return quant_block_fp8(t.to(self.device), block)
         return t, None
+
+    def _scale(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        sname = name[: -len("weight")] + "weight_scale_inv"
+        if sname not in self.files:
+            raise CheckpointError(f"FP8 tensor {name} has no {sname}")
+        scale = self._get(sname)
+        n, k = t.shape[-2:]
+        expect = (cdiv(n, FP8_WEIGHT_BLOCK[0]), cdiv(k, FP8_WEIGHT_BLOCK[1]))
+        if tuple(scale.shape) != expect:
+            raise CheckpointError(
+                f"tensor {sname} has shape {tuple(scale.shape)}, expected {expect}: one scale per "
+                f"128 × 128 block of {name} {tuple(t.shape)} (weight_block_size [128, 128])"
+            )
+        return scale.float()
 
     # -- name mapping ------------------------------------------------------------------------------
     def map_name(self, name: str) -> str | None:
@@ -123,36 +148,20 @@ class _Loader:
         self._check_complete()
 
     def _load_param(self, name: str, target: str) -> None:
-        if target not in self.params:
-            if target.endswith(".weight_scale_inv"):
-                return
+        if target not in self.params or target.endswith("weight_scale_inv"):
             raise CheckpointError(
                 f"unexpected tensor {name} in checkpoint (the model has no parameter {target})"
             )
         mod_name, _, pname = target.rpartition(".")
         module = self.modules[mod_name]
-        t, scale = self._read(name)
         param = self.params[target]
         if isinstance(module, Linear) and pname == "weight":
-            full_shape = self._full_shape(module)
-            if tuple(t.shape) != full_shape:
-                raise CheckpointError(
-                    f"tensor {name} has shape {tuple(t.shape)}, expected {full_shape}"
-                )
-            if scale is not None and self.device.type == "cuda" and module.tp_size == 1:
-                module.set_fp8(t.to(self.device), scale.to(self.device), self.arch.fp8_block_size)
-                self.params[target] = module.weight
-            else:
-                if scale is not None:
-                    t = dequant_block_fp8(t, scale, self.arch.fp8_block_size, torch.float32)
-                param.data.copy_(module.shard_full(t).to(param.dtype))
-        else:
+            t, scale = self._read(name, self._full_shape(module), module.is_fp8)
+            param.data.copy_(module.shard_full(t).to(param.dtype))
             if scale is not None:
-                t = dequant_block_fp8(t, scale, self.arch.fp8_block_size, torch.float32)
-            if tuple(t.shape) != tuple(param.shape):
-                raise CheckpointError(
-                    f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(param.shape)}"
-                )
+                module.weight_scale_inv.data.copy_(module.shard_full_scale(scale))
+        else:
+            t, _ = self._read(name, tuple(param.shape), fp8=False)
             param.data.copy_(t.to(param.dtype))
         self.loaded.add(target)
 
@@ -178,21 +187,41 @@ class _Loader:
         local = e - experts.expert_start
         if not 0 <= local < experts.num_local:
             return  # another EP rank's expert
-        t, scale = self._read(name)
-        if scale is not None:
-            t = dequant_block_fp8(t, scale, self.arch.fp8_block_size, torch.float32)
-        a = self.arch
-        inter_full, h = a.moe_intermediate_size, a.hidden_size
-        expect = (h, inter_full) if kind == "down_proj" else (inter_full, h)
-        if tuple(t.shape) != expect:
-            raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected {expect}")
-        if kind == "down_proj":
-            experts.w2_weight.data[local].copy_(shard_cols(t, experts.tp_rank, experts.tp_size))
+        inter_full, h = self.arch.moe_intermediate_size, self.arch.hidden_size
+        down = kind == "down_proj"
+        expect = (h, inter_full) if down else (inter_full, h)
+        t, scale = self._read(name, expect, experts.block is not None)
+        w, s = self._expert_shard(experts, t, scale, -1 if down else -2)
+        if down:
+            experts.w2_weight.data[local].copy_(w)
+            if s is not None:
+                experts.w2_weight_scale_inv.data[local].copy_(s)
         else:
-            t = shard_rows(t, experts.tp_rank, experts.tp_size)
             lo = 0 if kind == "gate_proj" else experts.inter
-            experts.w13_weight.data[local, lo : lo + experts.inter].copy_(t)
+            experts.w13_weight.data[local, lo : lo + experts.inter].copy_(w)
+            if s is not None:
+                g = s.shape[0]  # ceil(I_local / 128) row blocks per half
+                slo = 0 if kind == "gate_proj" else g
+                experts.w13_weight_scale_inv.data[local, slo : slo + g].copy_(s)
         self.expert_parts.setdefault(prefix, set()).add((local, kind))
+
+    def _expert_shard(
+        self, experts: Experts, t: torch.Tensor, scale: torch.Tensor | None, dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's TP shard of one expert tensor along the intermediate ``dim`` (rows of
+        gate/up, columns of down) and its scales."""
+        n = experts.inter
+        start = experts.tp_rank * n
+        w = t.narrow(dim, start, n)
+        if scale is None:
+            return w, None
+        b = FP8_WEIGHT_BLOCK[0]
+        if shard_block(start, n, b) == b:
+            return w, shard_scale(scale, dim, start, n, b)
+        # the shard starts inside a block and crosses into the next: one scale per local 128-block
+        # cannot express that (vllm.kernels.moe.experts_ref), so this shard is requantised
+        full = dequant_block_fp8(t, scale, FP8_WEIGHT_BLOCK, torch.float32)
+        return quant_block_fp8(full.narrow(dim, start, n), FP8_WEIGHT_BLOCK)
 
     def _check_complete(self) -> None:
         for n in self.params:
@@ -208,7 +237,7 @@ class _Loader:
                                 f"missing tensor {self._ckpt_name(mod_name)}.{e}.{kind}.weight in checkpoint"
                             )
                 continue
-            if pname == "weight_scale_inv":
+            if pname == "weight_scale_inv":  # loaded with its weight
                 continue
             if n not in self.loaded:
                 raise CheckpointError(f"missing tensor {self._ckpt_name(n)} in checkpoint")
@@ -240,10 +269,13 @@ def build_model(
     force_mqa: bool = False,
     load_mtp: bool = True,
     progress: bool = False,
+    quantization: str | None = None,
 ):
+    """The model of checkpoint folder ``path`` on ``device``: FP8 weights (an FP8 checkpoint, or
+    ``quantization="fp8"``) allocated e4m3 from the start, everything else in ``dtype``."""
     from vllm.config.arch import ModelArch
 
-    arch = ModelArch.from_pretrained(path)
+    arch = resolve_quantization(ModelArch.from_pretrained(path), quantization)
     with torch.device(device):
         model = GlmMoeDsaForCausalLM(arch, pc, dtype, force_mqa=force_mqa, load_mtp=load_mtp)
     return load_model(path, model, device, progress)
