@@ -12,7 +12,10 @@ covers the rows/columns that exist.
 
 CUDA tensors: ``vllm/kernels/triton/fp8_gemm.py`` (per-token-group quant kernel + block-scaled
 GEMM, configs by M from a fixed table, no host sync, CUDA-graph capturable); elsewhere the
-references below (a loop over K blocks, memory O(M·N)).
+references below (a loop over K blocks, memory O(M·N)). torch 2.11 also exposes cuBLASLt's
+DeepSeek-style block scaling on sm_90 (:func:`fp8_block_linear_cublas`); it serves the batches
+of at least ``CUBLAS_MIN_M`` rows once ``benchmarks/kernels/bench_fp8_gemm.py`` shows it ahead
+(``docs/design/fp8.md``); until then the Triton kernel serves every size.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ FP8_MAX = 448.0
 # amax floor of a quantisation group (upstream vLLM's eps): an all-zero group gets scale
 # 1e-10 / 448 and quantises to zeros instead of dividing by zero
 AMAX_FLOOR = 1e-10
+# rows from which CUDA calls take cuBLAS's block-scaled GEMM; None: never (not yet measured ahead)
+CUBLAS_MIN_M: int | None = None
 
 
 def per_token_group_quant_fp8(
@@ -87,9 +92,45 @@ def fp8_block_linear(
     _check(x, weight, weight_scale_inv, block)
     bk = block[1]
     fast = kernel_module("triton.fp8_gemm", x, bk >= 16 and bk & (bk - 1) == 0)
-    if fast is not None:
-        return fast.fp8_block_gemm(x, weight, weight_scale_inv, block)
-    return fp8_block_linear_ref(x, weight, weight_scale_inv, block)
+    if fast is None:
+        return fp8_block_linear_ref(x, weight, weight_scale_inv, block)
+    m = x.numel() // max(1, x.shape[-1])
+    if CUBLAS_MIN_M is not None and m >= CUBLAS_MIN_M and cublas_supports(x, weight, block):
+        return fp8_block_linear_cublas(x, weight, weight_scale_inv)
+    return fast.fp8_block_gemm(x, weight, weight_scale_inv, block)
+
+
+def cublas_supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether :func:`fp8_block_linear_cublas` takes this call: an sm_90 GPU, block (128, 128),
+    N and K multiples of 16, a bf16/fp16 x (torch 2.11's checks in ``_scaled_mm``)."""
+    n, k = weight.shape
+    return (
+        x.is_cuda
+        and torch.cuda.get_device_capability(x.device) == (9, 0)
+        and tuple(block) == (128, 128)
+        and n % 16 == 0
+        and k % 16 == 0
+        and x.dtype in (torch.bfloat16, torch.float16)
+    )
+
+
+def fp8_block_linear_cublas(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
+) -> torch.Tensor:
+    """:func:`fp8_block_linear` by cuBLASLt's block scaling (``torch._scaled_mm`` with 1x128
+    activation scales and 128x128 weight scales; :func:`cublas_supports` says when). Activations
+    are quantised by the Triton kernel, whose M-contiguous scales are the layout cuBLAS wants; the
+    weight scales go as their transposed view (scale_b [ceil(K/128), ceil(N/128)])."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return torch.empty(*lead, n, dtype=x.dtype, device=x.device)
+    xq, sx = kernel_module("triton.fp8_gemm", x).quant_per_token_group(x2, 128)
+    y = torch._scaled_mm(
+        xq, weight.t(), scale_a=sx, scale_b=weight_scale_inv.t(), out_dtype=x.dtype
+    )  # use_fast_accum stays False: cuBLAS refuses it with block scaling
+    return y.reshape(*lead, n)
 
 
 def fp8_block_linear_ref(
