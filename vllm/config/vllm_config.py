@@ -47,6 +47,7 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     seed: int = 0
     max_logprobs: int = 20
+    quantization: str | None = None  # --quantization: None (the checkpoint's format) or "fp8"
 
     @property
     def vocab_size(self) -> int:
@@ -284,6 +285,9 @@ class VllmConfig:
 
         pc.validate()
         pc.validate_for_model(self.model_config.arch)
+        from vllm.config.quantization import resolve_quantization
+
+        resolve_quantization(self.model_config.arch, self.model_config.quantization)
         self._check_devices()
         normalize_cache_dtype(cc.cache_dtype)
         if cc.block_size != BLOCK_SIZE:

@@ -40,6 +40,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     served_model_name: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     max_model_len: int | None = None
     max_logprobs: int = 20
@@ -125,6 +126,7 @@ class EngineArgs:
             served_model_name=name,
             arch=arch,
             dtype=dtype,
+            quantization=self.quantization,
             max_model_len=max_len,
             skip_tokenizer_init=self.skip_tokenizer_init,
             seed=self.seed,
@@ -203,6 +205,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--dtype",
         default=d.dtype,
         help="auto (checkpoint dtype on CUDA, float32 on CPU), bfloat16, float32",
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="fp8: hold linears and routed experts as e4m3 with 128x128 block scales, "
+        "quantising a bf16/fp32 checkpoint as it loads (FP8 checkpoints are detected from "
+        "config.json's quantization_config)",
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument(

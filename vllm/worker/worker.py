@@ -49,6 +49,28 @@ def _kv_plan(config: VllmConfig, runner, device: torch.device) -> KVCachePlan:
     return plan
 
 
+def _weights(config: VllmConfig, pc, device: torch.device):
+    """This rank's weights by kind, from the shapes alone; on CUDA, checked against the GPU before
+    anything is allocated (a ValueError naming the shortfall in GiB)."""
+    from vllm.config.quantization import resolve_quantization
+    from vllm.model_executor.weight_bytes import check_weights_fit, weight_bytes_per_rank
+
+    mc = config.model_config
+    weights = weight_bytes_per_rank(
+        resolve_quantization(mc.arch, mc.quantization),
+        mc.dtype,
+        tp_size=pc.tp.world_size,
+        tp_rank=pc.tp.rank_in_group,
+        ep_size=pc.ep.world_size if pc.ep is not None else None,
+        num_mtp=mc.arch.num_nextn_predict_layers if config.speculative_config is not None else 0,
+    )
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        util = config.cache_config.gpu_memory_utilization
+        check_weights_fit(weights, free, total, util, f"GPU {device.index} ({mc.model})")
+    return weights
+
+
 def worker_main(
     config: VllmConfig,
     global_rank: int,
@@ -93,6 +115,7 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
     pc = init_distributed(config, global_rank, dist_init, device)
     rank_in_replica = global_rank - dp_rank * pc_cfg.world_size
     mc = config.model_config
+    weights = _weights(config, pc, device)
     model = build_model(
         mc.model,
         dtype=mc.dtype,
@@ -101,11 +124,22 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
         force_mqa=config.attention_config.sparse_mla_force_mqa,
         load_mtp=config.speculative_config is not None,
         progress=rank_in_replica == 0 and os.environ.get("VLLM_NO_PROGRESS", "0") != "1",
+        quantization=mc.quantization,
     )
     runner = ModelRunner(config, model, pc, device)
     plan = _kv_plan(config, runner, device)
     # every rank of the replica allocates the same number of blocks of each pool
     plan = KVCachePlan(*(pc.min_over_world(n) for n in msgspec.structs.astuple(plan)))
+    if rank_in_replica == 0:
+        allocated = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        logger.info(
+            "rank %d: weights per GPU %s%s; KV cache %.2f GiB (%d blocks)",
+            global_rank,
+            weights.describe(),
+            f", {allocated / 2**30:.2f} GiB allocated after loading" if allocated else "",
+            plan.num_blocks * runner.kv_bytes_per_block() / 2**30,
+            plan.num_blocks,
+        )
     runner.initialize_kv_cache(plan)
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
