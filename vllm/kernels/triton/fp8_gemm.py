@@ -56,7 +56,7 @@ def _group_quant_kernel(
     BLOCK_G: tl.constexpr,
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
-    SOFT: tl.constexpr,  # interpreter: exact integer e4m3 encoder
+    SOFT_FP8: tl.constexpr,  # interpreter: exact integer e4m3 encoder
 ):
     row = tl.program_id(0).to(tl.int64)
     offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
@@ -66,7 +66,7 @@ def _group_quant_kernel(
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR), QMAX)  # [BLOCK_G]
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-    tl.store(q_ptr + row * stride_qm + cols, e4m3_bits(q, SOFT), mask=mask)
+    tl.store(q_ptr + row * stride_qm + cols, e4m3_bits(q, SOFT_FP8), mask=mask)
     tl.store(s_ptr + row * stride_sm + offs_g * stride_sg, scale, mask=offs_g < num_groups)
 
 
@@ -86,7 +86,7 @@ def quant_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tens
     grid = (m, triton.cdiv(ng, block_g))
     _group_quant_kernel[grid](
         x, q.view(torch.uint8), s, k, ng, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-        GROUP=group, BLOCK_G=block_g, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, SOFT=_UPCAST, num_warps=4,
+        GROUP=group, BLOCK_G=block_g, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, SOFT_FP8=_UPCAST, num_warps=4,
     )  # fmt: skip
     return q, s
 

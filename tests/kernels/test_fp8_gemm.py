@@ -1,0 +1,251 @@
+"""FP8 block-scaled linear: the reference against exact arithmetic, the Triton kernels against
+the reference.
+
+CPU, reference: quantisation error per element within half an e4m3 step (2^-4 relative, 2^-10 ·
+scale in the subnormal range); the product against x · dequant(W)ᵀ in fp64 within
+Σ_k |err(x_k)| · |W_nk| (the weights are exact after dequantisation, so activation rounding is the
+only error). Interpreter, fp32: the quantiser bit-exact; the GEMM within 1e-5 (the same per-block
+products and scale order, only the fp32 sum order inside a block differs). GPU: GLM-5.3 shapes in
+bf16 against the reference on the same device, rtol 1e-2 with atol 1e-2 · max|y| (the output's
+bf16 rounding is 2^-9 relative; Hopper's fp8 tensor cores add with ~14 bits inside a 128-deep
+block, which is why the scales are applied per block).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.kernels import fp8_gemm
+from vllm.kernels.fp8_gemm import (
+    FP8_DTYPE,
+    fp8_block_linear,
+    fp8_block_linear_cost,
+    fp8_block_linear_ref,
+    per_token_group_quant_fp8_ref,
+)
+from vllm.model_executor.layers.linear import dequant_block_fp8, quant_block_fp8
+
+# GLM-5.3's linears as (name, N, K) (benchmarks/kernels/bench_fp8_gemm.py times these)
+GLM_LINEARS = [
+    ("q_a", 2048, 6144),
+    ("q_b", 16384, 2048),
+    ("kv_a", 576, 6144),
+    ("o_proj", 6144, 16384),
+    ("mlp_gate_up", 24576, 6144),
+    ("mlp_down", 6144, 12288),
+    ("lm_head", 154880, 6144),
+]
+
+
+def fp8_weight(n, k, block=(128, 128), device="cpu", seed=0):
+    """Random e4m3 [N, K] weight with positive block scales; W = wq · s has entries ~ 1/sqrt(K)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    wq = (torch.randn(n, k, generator=g, device=device) * 64).clamp(-448, 448).to(FP8_DTYPE)
+    gn, gk = -(-n // block[0]), -(-k // block[1])
+    scale = (torch.rand(gn, gk, generator=g, device=device) + 0.5) / (64 * k**0.5)
+    return wq, scale
+
+
+def _quant_err_bound(x: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Per element: half an e4m3 step, relative 2^-4 for normals, 2^-10 · scale in the
+    subnormal range (spacing 2^-9 · scale)."""
+    s = scale.repeat_interleave(group, 1)[:, : x.shape[1]]
+    return torch.maximum(x.abs().double() * 2**-4, s.double() * 2**-10)
+
+
+# ---- CPU: the references ----------------------------------------------------------------------
+@pytest.mark.parametrize("m,k,group", [(7, 300, 128), (1, 17, 128), (4, 256, 64), (0, 128, 128)])
+def test_quant_ref_error_bound(m, k, group):
+    g = torch.Generator().manual_seed(m * k)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-6, 3, k)  # wide dynamic range per row
+    if m > 1:
+        x[1] = 0.0  # an all-zero row: scale = floor / 448, zeros back
+    q, s = per_token_group_quant_fp8_ref(x, group)
+    assert q.dtype == FP8_DTYPE and q.shape == x.shape
+    assert s.dtype == torch.float32 and s.shape == (m, -(-k // group))
+    deq = q.float() * s.repeat_interleave(group, 1)[:, :k]
+    assert ((deq.double() - x.double()).abs() <= _quant_err_bound(x, s, group)).all()
+    if m > 1:
+        assert q[1].float().eq(0).all()
+        assert torch.equal(s[1], torch.full_like(s[1], fp8_gemm.AMAX_FLOOR / 448.0))
+    if m:  # the group's amax maps to ±448 exactly
+        assert q.float().abs().amax() == 448.0
+
+
+@pytest.mark.parametrize(
+    "lead,n,k,block",
+    [((5,), 200, 300, (128, 128)), ((2, 3), 33, 17, (128, 128)), ((1,), 128, 256, (128, 128)),
+     ((9,), 70, 96, (32, 64)), ((0,), 64, 130, (128, 128))],
+)  # fmt: skip
+def test_ref_against_dequantised_weight(lead, n, k, block):
+    """fp8_block_linear_ref == x · dequant(W)ᵀ up to the activations' rounding (bound above)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    wq, ws = quant_block_fp8(w, block)
+    x = torch.randn(*lead, k, generator=g)
+    got = fp8_block_linear_ref(x, wq, ws, block)
+    assert got.shape == (*lead, n) and got.dtype == x.dtype
+    x2 = x.reshape(-1, k)
+    exact = x2.double() @ dequant_block_fp8(wq, ws, block).double().t()
+    _, sx = per_token_group_quant_fp8_ref(x2, block[1])
+    bound = _quant_err_bound(x2, sx, block[1]) @ dequant_block_fp8(wq, ws, block).double().abs().t()
+    err = (got.reshape(-1, n).double() - exact).abs()
+    assert (err <= bound + 1e-5 * exact.abs() + 1e-6).all()  # + the fp32 sum's rounding
+
+
+def test_ref_bf16_input_and_public_on_cpu():
+    wq, ws = fp8_weight(96, 200)
+    x = torch.randn(4, 200).to(torch.bfloat16)
+    ref = fp8_block_linear_ref(x, wq, ws)
+    assert ref.dtype == torch.bfloat16
+    assert torch.equal(fp8_block_linear(x, wq, ws), ref)  # CPU tensors take the reference
+
+
+def test_checks():
+    wq, ws = fp8_weight(64, 256)
+    with pytest.raises(ValueError, match="weight_scale_inv"):
+        fp8_block_linear(torch.randn(2, 256), wq, ws[:, :1])
+    with pytest.raises(ValueError, match="does not fit"):
+        fp8_block_linear(torch.randn(2, 255), wq, ws)
+    with pytest.raises(ValueError, match="float8"):
+        fp8_block_linear(torch.randn(2, 256), wq.float(), ws)
+
+
+def test_cost():
+    flops, nbytes = fp8_block_linear_cost(1, 2048, 6144)
+    assert flops == 2 * 2048 * 6144
+    assert 2048 * 6144 < nbytes < 2048 * 6144 * 1.01  # decode: the e4m3 weight dominates
+
+
+# ---- CPU: Triton interpreter, tiny shapes ------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,group", [(5, 300, 128), (1, 17, 128), (3, 1024, 128), (2, 96, 32)])
+def test_quant_interpreter_bit_exact(interp, m, k, group, dtype):
+    mod = interp("fp8_gemm")
+    g = torch.Generator().manual_seed(m + k)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-4, 3, k)).to(dtype)
+    if m > 2:
+        x[2] = 0.0
+    q, s = mod.quant_per_token_group(x, group)
+    qr, sr = per_token_group_quant_fp8_ref(x, group)
+    assert s.shape == sr.shape and s.stride(0) == 1  # M-contiguous scales
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s, sr)
+
+
+def test_quant_interpreter_no_rows(interp):
+    q, s = interp("fp8_gemm").quant_per_token_group(torch.randn(0, 256), 128)
+    assert q.shape == (0, 256) and s.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "lead,n,k,split",
+    [
+        ((5,), 200, 300, None),  # partial N and K tiles
+        ((1,), 64, 1024, None),  # M = 1: the table's split-K (2 splits of 4 K blocks)
+        ((3,), 33, 17, None),  # K below one block
+        ((2, 10), 130, 260, None),  # leading dims, two row tiles of 16
+        ((2,), 64, 1024, 3),  # forced uneven split: 3 + 3 + 2 K blocks
+        ((0,), 64, 256, None),  # no rows
+    ],
+)
+def test_gemm_interpreter(interp, lead, n, k, split):
+    mod = interp("fp8_gemm")
+    wq, ws = fp8_weight(n, k, seed=n)
+    x = torch.randn(*lead, k, generator=torch.Generator().manual_seed(k))
+    cfg = None
+    if split:
+        m = x.numel() // k
+        cfg = mod.gemm_config(m, n, k, 128, 132) | {"split_k": split, "k_blocks_per_split": 3}
+    got = mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg)
+    ref = fp8_block_linear_ref(x, wq, ws)
+    assert got.shape == ref.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_interpreter_bf16_and_other_block(interp):
+    """bf16 in and out (the interpreter's fp32 -> bf16 store may miss by one bf16 step: 2^-8),
+    and a (64, 32) block: scale rows by n // 64, one K step per 32 columns."""
+    mod = interp("fp8_gemm")
+    wq, ws = fp8_weight(100, 160, block=(64, 32), seed=5)
+    x = torch.randn(6, 160).to(torch.bfloat16)
+    got = mod.fp8_block_gemm(x, wq, ws, (64, 32))
+    ref = fp8_block_linear_ref(x, wq, ws, (64, 32))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-3)
+
+
+def test_gemm_config_table():
+    from vllm.kernels.triton.fp8_gemm import gemm_config
+
+    c = gemm_config(1, 576, 6144, 128, 132)  # kv_a at decode: 9 tiles, split to fill the GPU
+    assert c["block_m"] == 16 and c["split_k"] * c["k_blocks_per_split"] >= 48
+    assert c["split_k"] > 1 and (c["split_k"] - 1) * c["k_blocks_per_split"] < 48
+    assert gemm_config(8192, 6144, 16384, 128, 132)["split_k"] == 1  # prefill: no split
+
+
+# ---- GPU: GLM-5.3 shapes -----------------------------------------------------------------------
+GPU_MS = [1, 16, 64, 256, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", GLM_LINEARS)
+@pytest.mark.parametrize("m", GPU_MS)
+def test_gemm_gpu_glm_shapes(name, n, k, m):
+    if name == "lm_head" and m > 256:
+        pytest.skip("the lm_head runs on the sampled rows only")
+    from vllm.kernels.triton.fp8_gemm import fp8_block_gemm
+
+    wq, ws = fp8_weight(n, k, device="cuda", seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    got = fp8_block_gemm(x, wq, ws)
+    ref = fp8_block_linear_ref(x.float(), wq, ws)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    atol = 1e-2 * ref.abs().max().item()
+    torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=atol)
+    assert torch.equal(fp8_block_gemm(x, wq, ws), got)  # deterministic (split-K summed in order)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 200, 300), (37, 1000, 1100), (300, 576, 6144)])
+def test_gemm_gpu_odd_shapes(m, n, k):
+    from vllm.kernels.triton.fp8_gemm import fp8_block_gemm, quant_per_token_group
+
+    wq, ws = fp8_weight(n, k, device="cuda", seed=k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, s = quant_per_token_group(x)
+    qr, sr = per_token_group_quant_fp8_ref(x, 128)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    ref = fp8_block_linear_ref(x.float(), wq, ws)
+    got = fp8_block_gemm(x, wq, ws).float()
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_cublas_block_scaled_gpu(m):
+    """torch's block-scaled mm (cuBLASLt, sm_90) computes the same product."""
+    n, k = 2048, 6144
+    wq, ws = fp8_weight(n, k, device="cuda", seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    if not fp8_gemm.cublas_supports(x, wq, (128, 128)):
+        pytest.skip("cuBLAS block scaling needs sm_90")
+    ref = fp8_block_linear_ref(x.float(), wq, ws)
+    got = fp8_gemm.fp8_block_linear_cublas(x, wq, ws).float()
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_public_gpu_dispatch_and_graph_capture():
+    """CUDA calls take a kernel (never the reference) and replay inside a CUDA graph."""
+    wq, ws = fp8_weight(2048, 6144, device="cuda")
+    x = torch.randn(8, 6144, device="cuda", dtype=torch.bfloat16)
+    eager = fp8_block_linear(x, wq, ws)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_block_linear(x, wq, ws)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, fp8_block_linear(x, wq, ws), rtol=0, atol=0)
+    assert not torch.equal(out, eager)
