@@ -127,7 +127,7 @@ def sort_pairs_by_expert(
     counts = torch.zeros(e_loc + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, expert, torch.ones_like(expert))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[e_loc] = 0
+    padded[e_loc:].zero_()  # a device fill: an indexed store of a host scalar is a copy
     padded_end = padded.cumsum(0)  # [E_loc + 1]
     padded_start = padded_end - padded
     sorted_expert = expert[order]

@@ -80,6 +80,7 @@ class DecodeGraphs:
         hidden = r.model(r.states.last_sampled[idx], pos, meta)
         return r.model.compute_logits(hidden)
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every size, largest first (the smaller ones reuse its memory pool)."""
         if not self.capture:
