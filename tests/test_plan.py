@@ -128,6 +128,42 @@ def test_hisparse_capacity(glm):
     assert hs["max_context_tokens"] == MILLION and hs["concurrency"] == 8
 
 
+# ---- weights -------------------------------------------------------------------------------
+def test_weights_per_gpu_glm_fp8_ep8(glm):
+    """GLM-5.3 FP8 at the seed's EP8 deployments (attention replicated): routed experts
+    75 MoE layers × 256 / 8 experts × 3 × 2048 × 6144 e4m3 bytes + one fp32 scale per 128×128
+    tile = 90.6 GB per GPU; the rest (attention 12.9 GB + 4.6 GB of fp32 absorbed W_UK/W_UV,
+    shared experts 2.8, dense MLP 0.7, bf16 embeddings and lm_head 3.8, router and norms 0.5) is
+    replicated: 116 GB = 108.1 GiB per GPU, inside an H200's 139 GiB with 13 GiB left for KV at
+    --gpu-memory-utilization 0.9. bf16 needs 208 GiB: it does not fit."""
+    inputs = PlanInputs(mtp=False)
+    layouts = [parse_layout(s) for s in ("DP8xEP8", "PCP8xDCP8xEP8", "DP8", "TP8")]
+    rows = _by_layout(make_plan(glm, layouts, inputs=inputs))
+    dec, pre = rows["DP8xEP8"], rows["PCP8xDCP8xEP8"]
+    routed = 75 * 256 // 8 * (3 * 2048 * 6144 + 3 * 16 * 48 * 4)
+    assert dec["weights_fp8_by_kind_gib"]["routed experts"] * GiB == pytest.approx(routed)
+    assert 105 < dec["weights_fp8_gib"] < 112  # 108.1 GiB = 116 GB: the issue's "~110 GB"
+    assert 200 < dec["weights_bf16_gib"] < 215
+    assert pre["weights_fp8_gib"] == dec["weights_fp8_gib"]  # PCP/DCP shard no weights
+    assert dec["kv_room_fp8_gib"] == pytest.approx(139 * 0.9 - dec["weights_fp8_gib"] - 4)
+    assert dec["fits_fp8"] and not dec["fits_bf16"]
+    assert not rows["DP8"]["fits_fp8"]  # every expert on every GPU: 700 GiB
+    assert rows["TP8"]["fits_fp8"] and rows["TP8"]["weights_fp8_gib"] < dec["weights_fp8_gib"]
+    whole = make_plan(glm, layouts[:1], inputs=inputs)["weights_gb"]
+    assert whole["fp8"]["routed experts"] == pytest.approx(725.0, abs=0.5)
+    assert 19 < sum(whole["fp8"].values()) - whole["fp8"]["routed experts"] < 27
+
+
+def test_cli_prints_weights(capsys):
+    assert cli.main(["--layouts", "DP8xEP8", "PCP8xDCP8xEP8", "--no-mtp"]) == 0
+    out = capsys.readouterr().out
+    assert "weights per GPU, FP8 (GiB)" in out and "108.10" in out
+    assert "fits an H200: FP8 / bf16" in out and "yes / no" in out
+    assert cli.main(["--dp", "8", "--ep", "8", "--no-mtp", "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert row["layout"] == "DP8xEP8" and row["fits_fp8"]
+
+
 # ---- parsing -------------------------------------------------------------------------------
 def test_parse_layout_and_tokens():
     assert parse_layout("PCP8×DCP8") == Layout(pcp=8, dcp=8)
@@ -135,6 +171,8 @@ def test_parse_layout_and_tokens():
     assert parse_layout("TP2xPCP4").name == "TP2xPCP4"
     assert parse_tokens("1M") == MILLION and parse_tokens("128K") == 131_072
     assert parse_tokens("2,048") == 2048
+    assert parse_layout("PCP8xDCP8xEP8") == Layout(pcp=8, dcp=8, ep=8)
+    assert parse_layout("DP8×EP8").name == "DP8xEP8"
     for bad in ("PCP8yDCP8", "", "TP8xTP2", "EP8"):
         with pytest.raises(ValueError, match="bad layout"):
             parse_layout(bad)
@@ -148,7 +186,8 @@ def test_cli_table_and_json(capsys):
     assert cli.main(["--json", "--context", "1M"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["kv_bytes_per_token"] == 54_728
-    assert [r["layout"] for r in plan["layouts"]] == ["DP8", "TP8", "PCP8", "PCP8xDCP8"]
+    assert [r["layout"] for r in plan["layouts"]] == ["DP8xEP8", "TP8", "PCP8xEP8", "PCP8xDCP8xEP8"]
+    assert plan["layouts"][0]["fits_fp8"] and not plan["layouts"][0]["fits_bf16"]
 
 
 def test_cli_model_folder(tmp_path, capsys):
@@ -185,6 +224,8 @@ def test_add_parser_on_subparsers(capsys):
         (["--context", "lots"], "bad token count"),
         (["--hisparse", "--host-pool-gib", "512"], "exceeds the host memory"),
         (["--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
+        (["--layouts", "DP8xEP4"], "must span every GPU"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     ],
 )
 def test_cli_bad_input(argv, message, capsys):

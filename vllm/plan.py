@@ -28,6 +28,12 @@ Formulas (GLM-5.3 numbers in brackets; d = kv_lora_rank + rope = 576, r = kv_lor
   (d) and partial outputs (r) per head, the fp32 LSE of every other rank, and on full layers the
   (fp32 score, int32 position) top-k candidates of every other rank. Time = bytes / link bandwidth
   (bandwidth term only; small decode messages are latency-bound in practice).
+* Weights per GPU (`vllm.model_executor.weight_bytes`, the function the worker checks at start-up):
+  the model's parameters under the layout's TP and EP, FP8 (e4m3 + one fp32 scale per 128×128
+  tile for linears and routed experts) or bf16 [FP8, EP8, attention replicated: routed experts
+  725 GB / 8 = 90.6 GB + 25.5 GB of the rest = 116 GB = 108.1 GiB]. It fits when
+  usable HBM × gpu_memory_utilization − weights − the worker's 4 GiB reserve leaves room for KV
+  [139 GiB × 0.9 − 108.1 − 4 = 13.0 GiB].
 * HiSparse (SPEC §6): the host pool holds each request's MLA rows (its shard under DCP); the GPU
   keeps the indexer keys of the whole context plus a hot buffer of (n_spec + 2)·k rows per MLA
   layer ((2·k) without MTP), not divided by DCP (conservative).
@@ -38,12 +44,14 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from vllm.config.arch import GLM_5_3, ModelArch
+from vllm.config.quantization import resolve_quantization
 from vllm.kv_cache_interface import BLOCK_SIZE, KVCacheLayout, cdiv, kv_bytes_per_token
+from vllm.model_executor.weight_bytes import WeightBytes, weight_bytes_per_rank
 
 GiB = 1 << 30
 GB = 1e9
@@ -52,7 +60,9 @@ LSE_BYTES = 4  # fp32 log-sum-exp per head
 CANDIDATE_BYTES = 8  # fp32 score + int32 global position, per DCP top-k candidate
 ACT_BYTES = 2  # bf16 queries / outputs on the wire and in HBM
 BUILTIN_MODELS = {"glm-5.3": GLM_5_3, "glm5.3": GLM_5_3, "glm_5_3": GLM_5_3}
-DEFAULT_LAYOUTS = ("DP8", "TP8", "PCP8", "PCP8xDCP8")
+# the seed's decode (DP8 + EP8) and prefill (PCP8 × DCP8 × EP8) deployments, and TP8 / PCP8
+DEFAULT_LAYOUTS = ("DP8xEP8", "TP8", "PCP8xEP8", "PCP8xDCP8xEP8")
+ACTIVATION_RESERVE_GIB = 4.0  # the worker's fixed reserve (VLLM_CUDA_ACTIVATION_RESERVE_GIB)
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ class Hardware:
 
     name: str = "H200 SXM"
     hbm_gb: float = 141.0
+    hbm_gib_usable: float = 139.0  # what one H200 leaves a process after the CUDA context
     kv_gib_per_gpu: float = 15.0  # HBM left for KV once GLM-5.3 weights are loaded (seed)
     host_gib_per_gpu: float = 256.0  # assumed 2 TiB host memory per 8-GPU node
     hbm_tbs: float = 4.21  # measured device-to-device copy; datasheet 4.8
@@ -87,12 +98,14 @@ H200 = Hardware()
 # ---- inputs ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Layout:
-    """One deployment of `dp` replicas of `tp·pcp` GPUs each; DCP reuses a replica's TP/PCP ranks."""
+    """One deployment of `dp` replicas of `tp·pcp` GPUs each; DCP reuses a replica's TP/PCP ranks;
+    EP (--enable-expert-parallel) splits the routed experts over every GPU, so ep is 1 or dp·tp·pcp."""
 
     dp: int = 1
     tp: int = 1
     pcp: int = 1
     dcp: int = 1
+    ep: int = 1
     hisparse: bool = False
 
     @property
@@ -105,7 +118,20 @@ class Layout:
         return "x".join(parts) + ("+HS" if self.hisparse else "")
 
     def _axes(self) -> tuple[tuple[str, int], ...]:
-        return (("dp", self.dp), ("tp", self.tp), ("pcp", self.pcp), ("dcp", self.dcp))
+        return (
+            ("dp", self.dp),
+            ("tp", self.tp),
+            ("pcp", self.pcp),
+            ("dcp", self.dcp),
+            ("ep", self.ep),
+        )
+
+    def check_ep(self) -> None:
+        if self.ep not in (1, self.num_gpus):
+            raise ValueError(
+                f"EP{self.ep} must span every GPU of the layout (DP·TP·PCP = {self.num_gpus}): "
+                "--enable-expert-parallel splits the experts over all of them"
+            )
 
     def validate(self, arch: ModelArch) -> None:
         for axis, n in self._axes():
@@ -121,13 +147,16 @@ class Layout:
                 f"DCP{self.dcp} reuses the TP/PCP ranks of one replica, so it must divide "
                 f"TP·PCP = {group} (e.g. PCP8xDCP8)"
             )
+        self.check_ep()
+        if self.ep > 1 and arch.n_routed_experts % self.ep:
+            raise ValueError(f"EP{self.ep} does not divide the {arch.n_routed_experts} experts")
 
 
-_AXIS_RE = re.compile(r"^(dp|tp|pcp|dcp)(\d+)$")
+_AXIS_RE = re.compile(r"^(dp|tp|pcp|dcp|ep)(\d+)$")
 
 
 def parse_layout(text: str) -> Layout:
-    """'DP8', 'TP8', 'PCP8', 'PCP8xDCP8' (also '×' or '*'), optional '+HS' / '+hisparse' suffix."""
+    """'DP8', 'TP8', 'PCP8', 'PCP8xDCP8', 'DP8xEP8' (also '×' or '*'), optional '+HS' suffix."""
     s = text.strip().lower().replace("×", "x").replace("*", "x").replace(" ", "")
     hisparse = False
     for suffix in ("+hisparse", "+hs"):
@@ -139,7 +168,7 @@ def parse_layout(text: str) -> Layout:
         m = _AXIS_RE.match(part)
         if m is None:
             raise ValueError(
-                f"bad layout {text!r}: expected terms like DP8, TP8, PCP8, DCP8 joined by 'x', "
+                f"bad layout {text!r}: expected terms like DP8, TP8, PCP8, DCP8, EP8 joined by 'x', "
                 f"optionally ending in '+HS' (e.g. PCP8xDCP8+HS), got term {part!r}"
             )
         if m.group(1) in sizes:
@@ -147,7 +176,12 @@ def parse_layout(text: str) -> Layout:
         sizes[m.group(1)] = int(m.group(2))
     if not sizes:
         raise ValueError(f"bad layout {text!r}: empty")
-    return Layout(hisparse=hisparse, **sizes)
+    layout = Layout(hisparse=hisparse, **sizes)
+    try:
+        layout.check_ep()
+    except ValueError as e:
+        raise ValueError(f"bad layout {text!r}: {e}") from None
+    return layout
 
 
 _SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -189,6 +223,7 @@ class PlanInputs:
     num_speculative_tokens: int = 3
     host_pool_gib: float = 48.0  # HiSparse pinned pool per GPU
     link_gbs: float = H200.nvlink_gbs
+    gpu_memory_utilization: float = 0.9  # the engine's default
 
 
 # ---- byte accounting ---------------------------------------------------------------------------
@@ -216,6 +251,29 @@ def request_kv_bytes(
     """HBM one request of `num_tokens` holds on one rank: DCP ranks own ceil(L / 64N) blocks."""
     blocks = cdiv(num_tokens, BLOCK_SIZE * dcp)
     return blocks * BLOCK_SIZE * token_bytes(arch, cache_dtype, mtp)
+
+
+# ---- weights -----------------------------------------------------------------------------------
+def layout_weights(arch: ModelArch, layout: Layout, weights: str, mtp: bool) -> WeightBytes:
+    """Weights one GPU of ``layout`` holds (rank 0 of its TP group), ``weights`` "fp8" (linears
+    and routed experts e4m3 with 128×128 block scales, the rest bf16) or "bf16"."""
+    held = replace(arch, quantization_config=None)
+    if weights == "fp8":
+        held = resolve_quantization(held, "fp8")
+    return weight_bytes_per_rank(
+        held,
+        torch.bfloat16,
+        tp_size=layout.tp,
+        ep_size=layout.ep if layout.ep > 1 else None,
+        num_mtp=num_mtp_layers(arch, mtp),
+    )
+
+
+def kv_room_gib(weights: WeightBytes, hw: Hardware, inputs: PlanInputs) -> float:
+    """HBM one GPU has left for the KV cache (and activations beyond the reserve) after its
+    weights: usable × gpu_memory_utilization − weights − the worker's fixed reserve."""
+    usable = hw.hbm_gib_usable * inputs.gpu_memory_utilization
+    return usable - weights.total / GiB - ACTIVATION_RESERVE_GIB
 
 
 # ---- compute model -----------------------------------------------------------------------------
@@ -325,6 +383,13 @@ class LayoutPlan:
     hisparse: bool
     kv_bytes_per_token_per_gpu: float
     request_kv_gib_per_gpu: float  # at context_tokens
+    weights_fp8_gib: float  # per GPU
+    weights_fp8_by_kind_gib: dict[str, float]
+    weights_bf16_gib: float
+    kv_room_fp8_gib: float  # HBM left for KV after the weights (kv_room_gib)
+    kv_room_bf16_gib: float
+    fits_fp8: bool  # weights + reserve fit the usable HBM
+    fits_bf16: bool
     max_context_tokens: int  # longest request that fits, capped at max_position_embeddings
     max_context_fit_tokens: int  # uncapped memory limit
     max_context_limited_by: str  # "hbm" | "host pool" | "max_position"
@@ -384,6 +449,9 @@ def plan_layout(arch: ModelArch, layout: Layout, hw: Hardware, inputs: PlanInput
     queries = inputs.decode_batch * (1 + (inputs.num_speculative_tokens if inputs.mtp else 0))
     dd_f, dd_s = dcp_decode_bytes(arch, queries, dcp, decode_heads)
     ms = lambda f, s: 1e3 * per_model(arch, f, s, n_mtp) / link
+    w8 = layout_weights(arch, layout, "fp8", inputs.mtp)
+    w16 = layout_weights(arch, layout, "bf16", inputs.mtp)
+    room8, room16 = kv_room_gib(w8, hw, inputs), kv_room_gib(w16, hw, inputs)
     return LayoutPlan(
         layout=layout.name,
         num_gpus=layout.num_gpus,
@@ -392,6 +460,13 @@ def plan_layout(arch: ModelArch, layout: Layout, hw: Hardware, inputs: PlanInput
         hisparse=layout.hisparse,
         kv_bytes_per_token_per_gpu=token_bytes(arch, inputs.cache_dtype, inputs.mtp) / dcp,
         request_kv_gib_per_gpu=request_kv_bytes(arch, L, inputs.cache_dtype, inputs.mtp, dcp) / GiB,
+        weights_fp8_gib=w8.total / GiB,
+        weights_fp8_by_kind_gib={k: v / GiB for k, v in w8.by_kind.items()},
+        weights_bf16_gib=w16.total / GiB,
+        kv_room_fp8_gib=room8,
+        kv_room_bf16_gib=room16,
+        fits_fp8=room8 > 0,
+        fits_bf16=room16 > 0,
         max_context_tokens=min(fit, cap),
         max_context_fit_tokens=fit,
         max_context_limited_by=by if fit < cap else "max_position",
@@ -431,8 +506,15 @@ def make_plan(
             f"--host-pool-gib {inputs.host_pool_gib} exceeds the host memory per GPU "
             f"({hw.host_gib_per_gpu} GiB, --host-mem-gib)"
         )
+    if not 0 < inputs.gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"--gpu-memory-utilization must be in (0, 1], got {inputs.gpu_memory_utilization}"
+        )
     lay = cache_layout(arch, inputs.cache_dtype)
     per_token = token_bytes(arch, inputs.cache_dtype, inputs.mtp)
+    whole = {
+        w: layout_weights(arch, Layout(), w, inputs.mtp).by_kind for w in ("fp8", "bf16")
+    }  # the whole model: one GPU without TP or EP
     return {
         "model": model_name,
         "arch": {
@@ -453,5 +535,6 @@ def make_plan(
         "indexer_key_bytes": lay.indexer_bytes_per_token,
         "kv_bytes_per_token": per_token,
         "request_kv_gib": per_token * inputs.context_tokens / GiB,
+        "weights_gb": {w: {k: v / GB for k, v in by.items()} for w, by in whole.items()},
         "layouts": [asdict(plan_layout(arch, x, hw, inputs)) for x in layouts],
     }

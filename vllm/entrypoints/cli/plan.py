@@ -1,6 +1,6 @@
 """`vllm plan`: capacity and cost of a deployment, from a model config and a hardware description.
 
-    vllm plan                                   # built-in GLM-5.3, DP8 / TP8 / PCP8 / PCP8xDCP8
+    vllm plan                                   # built-in GLM-5.3, DP8xEP8 / TP8 / PCP8xEP8 / PCP8xDCP8xEP8
     vllm plan ./ckpt --pcp 8 --dcp 8 --hisparse --context 1M
     vllm plan --layouts DP8+HS PCP8xDCP8+HS --host-pool-gib 48 --json
 
@@ -14,6 +14,7 @@ import json
 import sys
 from dataclasses import replace
 
+from vllm.model_executor.weight_bytes import KINDS
 from vllm.plan import (
     DEFAULT_LAYOUTS,
     H200,
@@ -26,9 +27,10 @@ from vllm.plan import (
 )
 
 DESCRIPTION = (
-    "Capacity and cost model for serving a sparse-MLA model: KV bytes per token, longest context, "
-    "concurrency, sparse-MLA FLOP/byte, indexer crossover and PCP/DCP all-gather traffic, for one "
-    "or several layouts (DP/TP/PCP/DCP, with or without HiSparse)."
+    "Capacity and cost model for serving a sparse-MLA model: weights per GPU (FP8 and bf16) and "
+    "whether they fit, KV bytes per token, longest context, concurrency, sparse-MLA FLOP/byte, "
+    "indexer crossover and PCP/DCP all-gather traffic, for one or several layouts (DP/TP/PCP/DCP/"
+    "EP, with or without HiSparse)."
 )
 
 
@@ -44,12 +46,17 @@ def _fill_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--layouts",
         nargs="+",
         metavar="LAYOUT",
-        help="layouts to compare, e.g. DP8 TP8 PCP8 PCP8xDCP8 (commas also separate); "
+        help="layouts to compare, e.g. DP8xEP8 TP8 PCP8xDCP8xEP8 (commas also separate); "
         "'+HS' turns HiSparse on for one layout (default: " + ",".join(DEFAULT_LAYOUTS) + ")",
     )
     for flag, name in (("--dp", "data"), ("--tp", "tensor"), ("--pcp", "prefill context")):
         g.add_argument(flag, type=int, help=f"{name} parallel size of a single layout")
     g.add_argument("--dcp", type=int, help="decode context parallel size (reuses TP/PCP ranks)")
+    g.add_argument(
+        "--ep",
+        type=int,
+        help="expert parallel size of a single layout: 1 or DP·TP·PCP (experts over every GPU)",
+    )
     g.add_argument("--hisparse", action="store_true", help="HiSparse on for every layout")
     g.add_argument("--host-pool-gib", type=float, default=48.0, help="HiSparse pool per GPU")
     w = p.add_argument_group("workload")
@@ -66,6 +73,13 @@ def _fill_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     w.add_argument("--num-speculative-tokens", type=int, default=3)
     h = p.add_argument_group("hardware (H200 defaults)")
     h.add_argument("--kv-hbm-gib", type=float, default=H200.kv_gib_per_gpu, help="HBM for KV")
+    h.add_argument(
+        "--hbm-gib",
+        type=float,
+        default=H200.hbm_gib_usable,
+        help="HBM one process can use per GPU, for the weights check",
+    )
+    h.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="as the engine's")
     h.add_argument("--host-mem-gib", type=float, default=H200.host_gib_per_gpu, help="per GPU")
     h.add_argument("--link-gbs", type=float, default=H200.nvlink_gbs, help="GB/s each way")
     h.add_argument("--hbm-tbs", type=float, default=H200.hbm_tbs, help="HBM TB/s")
@@ -82,10 +96,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _layouts(args: argparse.Namespace) -> list[Layout]:
-    sizes = {a: getattr(args, a) for a in ("dp", "tp", "pcp", "dcp")}
+    sizes = {a: getattr(args, a) for a in ("dp", "tp", "pcp", "dcp", "ep")}
     given = {a: n for a, n in sizes.items() if n is not None}
     if given and args.layouts:
-        raise ValueError("give either --layouts or --dp/--tp/--pcp/--dcp, not both")
+        raise ValueError("give either --layouts or --dp/--tp/--pcp/--dcp/--ep, not both")
     if given:
         layouts = [Layout(**given)]
     else:
@@ -112,6 +126,7 @@ def _build(args: argparse.Namespace) -> dict:
         host_gib_per_gpu=args.host_mem_gib,
         hbm_tbs=args.hbm_tbs,
         bf16_tflops=args.bf16_tflops,
+        hbm_gib_usable=args.hbm_gib,
     )
     inputs = PlanInputs(
         context_tokens=parse_tokens(args.context),
@@ -122,8 +137,24 @@ def _build(args: argparse.Namespace) -> dict:
         num_speculative_tokens=args.num_speculative_tokens,
         host_pool_gib=args.host_pool_gib,
         link_gbs=args.link_gbs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     return make_plan(arch, _layouts(args), hw, inputs, model_name=name)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _weights_line(plan: dict) -> str:
+    w = plan["weights_gb"]
+    total = {k: sum(by.values()) for k, by in w.items()}
+    mtp = ", MTP layer included" if plan["arch"]["num_mtp_layers"] else ""
+    return (
+        f"weights FP8 {total['fp8']:,.0f} GB (routed experts {w['fp8']['routed experts']:,.0f} GB,"
+        f" the rest {total['fp8'] - w['fp8']['routed experts']:,.1f} GB), bf16 "
+        f"{total['bf16']:,.0f} GB{mtp}; per GPU below, counted as the worker counts them"
+    )
 
 
 def _k(n: int) -> str:
@@ -135,6 +166,7 @@ def format_table(plan: dict) -> str:
     ctx, chunk = _k(inp["context_tokens"]), _k(inp["prefill_chunk_tokens"])
     queries = inp["decode_batch"] * (1 + (inp["num_speculative_tokens"] if inp["mtp"] else 0))
     link = f"{inp['link_gbs']:g} GB/s"
+    room = f" [{hw['hbm_gib_usable']:g}·{inp['gpu_memory_utilization']:g} − weights − 4]"
     lines = [
         f"model {plan['model']}: {a['num_layers']} layers ({a['num_full_indexer_layers']} with an "
         f"indexer) + {a['num_mtp_layers']} MTP, {a['num_attention_heads']} heads, "
@@ -142,6 +174,7 @@ def format_table(plan: dict) -> str:
         f"KV per token {plan['kv_bytes_per_token']:,} B (MLA row {plan['mla_row_bytes']} B, "
         f"indexer key {plan['indexer_key_bytes']} B); a {inp['context_tokens']:,}-token request "
         f"needs {plan['request_kv_gib']:.1f} GiB",
+        _weights_line(plan),
         f"{hw['name']}: {hw['kv_gib_per_gpu']:g} GiB HBM for KV per GPU, host {hw['host_gib_per_gpu']:g}"
         f" GiB per GPU (HiSparse pool {inp['host_pool_gib']:g}), link {link}, BF16 ridge "
         f"{hw['ridge_flop_per_byte']:.0f} FLOP/B (measured {hw['ridge_flop_per_byte_measured']:.0f})",
@@ -152,6 +185,18 @@ def format_table(plan: dict) -> str:
         ("attention heads per GPU", lambda r: str(r["heads_per_gpu"])),
         ("KV bytes per token per GPU", lambda r: f"{r['kv_bytes_per_token_per_gpu']:,.0f}"),
         (f"KV of a {ctx} request per GPU (GiB)", lambda r: f"{r['request_kv_gib_per_gpu']:.2f}"),
+        ("weights per GPU, FP8 (GiB)", lambda r: f"{r['weights_fp8_gib']:.2f}"),
+        *[
+            (f"  {kind}", lambda r, kind=kind: f"{r['weights_fp8_by_kind_gib'][kind]:.2f}")
+            for kind in KINDS
+        ],
+        ("weights per GPU, bf16 (GiB)", lambda r: f"{r['weights_bf16_gib']:.2f}"),
+        (f"HBM left for KV, FP8 (GiB){room}", lambda r: f"{r['kv_room_fp8_gib']:.2f}"),
+        ("  bf16 (GiB)", lambda r: f"{r['kv_room_bf16_gib']:.2f}"),
+        (
+            f"fits an {hw['name'].split()[0]}: FP8 / bf16",
+            lambda r: f"{_yes(r['fits_fp8'])} / {_yes(r['fits_bf16'])}",
+        ),
         ("longest context (tokens)", lambda r: f"{r['max_context_tokens']:,}"),
         ("  limited by", lambda r: r["max_context_limited_by"]),
         (f"concurrency at {ctx} (requests)", lambda r: f"{r['concurrency']:,}"),
