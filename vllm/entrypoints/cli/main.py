@@ -1,7 +1,8 @@
 """`vllm` — the command line.
 
 vllm serve [MODEL] [flags]        OpenAI-compatible server (MODEL defaults to the built-in tiny GLM-5.3)
-vllm tiny-checkpoint DIR [--fp8]  write the built-in tiny checkpoint as an HF folder
+vllm tiny-checkpoint DIR [--fp8] [--slice]  write the built-in tiny checkpoint (or the
+                                  GLM-5.3-shaped slice) as an HF folder, FP8 block-quantised or not
 vllm plan [MODEL] [flags]         capacity / cost model of a deployment
 """
 
@@ -39,15 +40,23 @@ def _tiny_parser(sub) -> None:
     p.add_argument(
         "--fp8", action="store_true", help="store linear weights as FP8 e4m3 with 128x128 scales"
     )
+    p.add_argument(
+        "--slice",
+        action="store_true",
+        help="the GLM-5.3-shaped slice instead (real attention and indexer dimensions, hidden "
+        "1024, 4 layers, 4 experts; for GPU tests and benchmarks)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_tiny)
 
 
 def _tiny(args) -> int:
-    from vllm.model_executor.tiny import write_tiny_checkpoint
+    from vllm.model_executor.tiny import write_slice_checkpoint, write_tiny_checkpoint
 
-    path = write_tiny_checkpoint(args.output, fp8=args.fp8, seed=args.seed)
-    print(f"wrote tiny GLM-5.3 checkpoint to {path}")
+    write = write_slice_checkpoint if args.slice else write_tiny_checkpoint
+    path = write(args.output, fp8=args.fp8, seed=args.seed)
+    what = "GLM-5.3-shaped slice" if args.slice else "tiny GLM-5.3"
+    print(f"wrote {what} checkpoint{' (FP8)' if args.fp8 else ''} to {path}")
     return 0
 
 

@@ -289,6 +289,19 @@ def write_tiny_checkpoint(path: str, fp8: bool = False, seed: int = 0) -> str:
     return path
 
 
+def slice_config(**overrides) -> dict:
+    """The full config.json of the GLM-5.3-shaped slice (TINY_CONFIG + GLM_SLICE + overrides)."""
+    return {**TINY_CONFIG, **GLM_SLICE, **overrides}
+
+
+def write_slice_checkpoint(path: str, fp8: bool = False, seed: int = 0, **overrides) -> str:
+    """The GLM-5.3-shaped slice as an HF folder; fp8=True stores it as upstream's FP8 checkpoints
+    are stored (e4m3 linears and experts, 128×128 `weight_scale_inv`, `quantization_config`)."""
+    cfg = slice_config(**overrides)
+    write_checkpoint(path, cfg, tiny_state_dict(cfg, seed), fp8=fp8)
+    return path
+
+
 def default_tiny_path(fp8: bool = False) -> str:
     root = os.environ.get(
         "VLLM_CACHE_ROOT", os.path.join(os.path.expanduser("~"), ".cache", "vllm")
