@@ -32,7 +32,7 @@ GLM_LINEARS = [
     ("q_b", 16384, 2048),
     ("kv_a", 576, 6144),
     ("o_proj", 6144, 16384),
-    ("mlp_gate_up", 24576, 6144),
+    ("mlp_gate|up", 12288, 6144),  # each of gate and up
     ("mlp_down", 6144, 12288),
     ("lm_head", 154880, 6144),
 ]

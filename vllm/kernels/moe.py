@@ -188,3 +188,33 @@ def fused_experts_cost(
         + num_tokens * hidden * elem_bytes  # output
     )
     return flops, weights + acts
+
+
+def fused_experts_fp8_cost(
+    num_tokens: int,
+    top_k: int,
+    num_local_experts: int,
+    hidden: int,
+    inter: int,
+    num_valid_pairs: int | None = None,
+    num_experts_hit: int | None = None,
+    x_bytes: int = 2,
+) -> tuple[int, int]:
+    """(flops, bytes) of the FP8 grouped form (``moe_grouped_fp8``), as
+    :func:`fused_experts_cost`: each chosen expert's e4m3 weights and fp32 block scales once; x
+    read and written/read back as e4m3 (each valid pair reads its row); the e4m3 SiLU·up written
+    and read once with its scales; the fp32 [P, H] partial sums written and read; the output."""
+    pairs = num_tokens * top_k
+    valid = pairs if num_valid_pairs is None else num_valid_pairs
+    hit = min(num_local_experts, valid) if num_experts_hit is None else num_experts_hit
+    flops = 2 * valid * 3 * inter * hidden
+    scales = 3 * -(-inter // 128) * -(-hidden // 128) * 4
+    weights = hit * (3 * inter * hidden + scales)
+    acts = (
+        num_tokens * hidden * (x_bytes + 1)  # x read, e4m3 x written
+        + valid * hidden  # e4m3 x rows gathered by GEMM 1
+        + 2 * valid * inter  # e4m3 SiLU·up: written, read by GEMM 2
+        + 2 * pairs * hidden * 4  # fp32 partial sums: zeroed/written, summed over k
+        + num_tokens * hidden * x_bytes  # output
+    )
+    return flops, weights + acts

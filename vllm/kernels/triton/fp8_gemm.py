@@ -182,10 +182,13 @@ SPLIT_PROGRAMS_PER_SM = 2
 SPLIT_MAX_M = 64
 
 
-def gemm_config(m: int, n: int, k: int, block_k: int, num_sms: int) -> dict:
-    """The fixed config for an [M, K] x [N, K]ᵀ call: tile sizes from :data:`TILES` and, for
+def gemm_config(
+    m: int, n: int, k: int, block_k: int, num_sms: int, tile: tuple | None = None
+) -> dict:
+    """The fixed config for an [M, K] x [N, K]ᵀ call: tile sizes from :data:`TILES` (or ``tile``
+    = (block_m, block_n, num_warps, num_stages), the benchmark's sweep) and, for
     M <= SPLIT_MAX_M, the K split that fills the GPU."""
-    _, block_m, block_n, warps, stages = next(t for t in TILES if m <= t[0])
+    block_m, block_n, warps, stages = tile or next(t[1:] for t in TILES if m <= t[0])
     nkb = triton.cdiv(k, block_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = 1

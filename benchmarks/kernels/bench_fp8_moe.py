@@ -1,0 +1,105 @@
+"""FP8 routed experts (``vllm/kernels/triton/moe_grouped_fp8.py``: e4m3 experts with 128x128 block
+scales, activations per token-group of 128) against the bf16 path at GLM-5.3's expert shape
+(H 6144, I 2048, top-8 of 256).
+
+Shapes: prefill, 8K tokens with all 256 experts local (TP-only layout); decode, 64/128/256
+tokens with the 32 local experts of one EP8 rank. The bf16 reference column is what
+``fused_experts`` runs for bf16 experts at that size (the dense form for T <= 64, else the bf16
+grouped kernel); decode sizes are timed as CUDA-graph replays, prefill eagerly. Bytes: each chosen
+expert's weights once plus the activations (``fused_experts_fp8_cost``); the roofline uses the
+fp8 matmul peak and the copy bandwidth measured in this process. ``--sweep`` also times other row
+tiles, warp counts and down-projection column tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms, time_ms_graph
+from vllm.kernels.fp8_gemm import FP8_DTYPE
+from vllm.kernels.moe import fused_experts, fused_experts_cost, fused_experts_fp8_cost
+from vllm.kernels.triton import moe_grouped_fp8 as fp8
+from vllm.kernels.triton.utils import resource_report
+from vllm.model_executor.layers.linear import dequant_block_fp8
+
+H, INTER, K, E_TOTAL = 6144, 2048, 8, 256
+GRAPH_MAX_T = 256
+SWEEP = [
+    dict(block_m=16, num_warps=4, num_stages=4),
+    dict(block_m=16, num_warps=4, num_stages=4, block_n=64),
+    dict(block_m=32, num_warps=4, num_stages=4),
+    dict(block_m=64, num_warps=4, num_stages=3),
+    dict(block_m=64, num_warps=8, num_stages=3),
+    dict(block_m=64, num_warps=8, num_stages=3, block_n=64),
+    dict(block_m=128, num_warps=8, num_stages=3),
+]
+
+
+def _experts(e_loc: int, g: torch.Generator):
+    """Random e4m3 experts with block scales (W entries ~ 1/sqrt(fan-in)) and their bf16
+    dequantisation (the bf16 path's weights)."""
+    gi, gh = INTER // 128, H // 128
+    q13 = torch.empty(e_loc, 2 * INTER, H, dtype=FP8_DTYPE, device="cuda")
+    q2 = torch.empty(e_loc, H, INTER, dtype=FP8_DTYPE, device="cuda")
+    for e in range(e_loc):  # one expert at a time: the fp32 temporaries stay small
+        q13[e] = (torch.randn(2 * INTER, H, device="cuda", generator=g) * 64).clamp(-448, 448)
+        q2[e] = (torch.randn(H, INTER, device="cuda", generator=g) * 64).clamp(-448, 448)
+    s13 = (torch.rand(e_loc, 2 * gi, gh, device="cuda", generator=g) + 0.5) / (64 * H**0.5)
+    s2 = (torch.rand(e_loc, gh, gi, device="cuda", generator=g) + 0.5) / (64 * INTER**0.5)
+    w13 = torch.empty(e_loc, 2 * INTER, H, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.empty(e_loc, H, INTER, dtype=torch.bfloat16, device="cuda")
+    for e in range(e_loc):
+        w13[e] = dequant_block_fp8(q13[e], s13[e], (128, 128), torch.bfloat16)
+        w2[e] = dequant_block_fp8(q2[e], s2[e], (128, 128), torch.bfloat16)
+    return q13, q2, s13, s2, w13, w2
+
+
+def bench(t: int, e_loc: int, sweep: bool, experts) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(t)
+    q13, q2, s13, s2, w13, w2 = experts
+    x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    ids = torch.rand(t, E_TOTAL, device="cuda", generator=g).topk(K, dim=-1).indices
+    w = torch.rand(t, K, device="cuda", generator=g)
+    local = ids < e_loc  # offset 0: this rank owns experts [0, e_loc)
+    hit, valid = int(torch.unique(ids[local]).numel()), int(local.sum())
+    timer = time_ms_graph if t <= GRAPH_MAX_T else time_ms
+    shape = f"T={t} E_loc={e_loc} hit={hit}"
+    bf16_ms = timer(lambda: fused_experts(x, w13, w2, ids, w, 0))
+    f16, b16 = fused_experts_cost(t, K, e_loc, H, INTER, valid, hit)
+    rows = [row("moe_bf16_fused", shape, bf16_ms, f16, b16, "bf16", bf16_ms, f"{valid} pairs")]
+    flops, nbytes = fused_experts_fp8_cost(t, K, e_loc, H, INTER, valid, hit)
+    args = (x, q13, q2, ids, w, 0, s13, s2)
+    table = fp8._config(t * K, e_loc)
+    ms = timer(lambda: fp8.experts_grouped_fp8(*args))
+    res = f"{resource_report('moe_fp8_gate_up')} | {resource_report('moe_fp8_down')}"
+    note = f"bf16 {bf16_ms:.3f} ms; block_m {table['block_m']} w{table['num_warps']}; {res}"
+    rows.append(row("moe_fp8_grouped", shape, ms, flops, nbytes, "fp8", bf16_ms, note))
+    same = lambda c: all(c.get(k) == table.get(k) for k in ("block_m", "num_warps", "block_n"))
+    for cfg in SWEEP if sweep else []:
+        if same(cfg):
+            continue
+        s_ms = timer(lambda cfg=cfg: fp8.experts_grouped_fp8(*args, cfg))
+        note = f"table {ms:.3f} ms; {cfg}"
+        rows.append(row("moe_fp8_sweep", shape, s_ms, flops, nbytes, "fp8", bf16_ms, note))
+    return rows
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--out", dest="json", help="same as --json")
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    decode = [64] if args.quick else [64, 128, 256]
+    experts = _experts(32, g)
+    rows += [r for t in decode for r in bench(t, 32, args.sweep, experts)]
+    del experts
+    torch.cuda.empty_cache()
+    if not args.quick:  # 256 experts: 9.7 GB in e4m3 and 19.3 GB in bf16
+        rows += bench(8192, 256, args.sweep, _experts(256, g))
+    print_rows(rows)
+    dump_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
