@@ -55,7 +55,7 @@ def _sweep_cfgs(m: int, n: int, k: int) -> list[dict]:
         tri.gemm_config(m, n, k, 128, _num_sms(), t)
         for t in (SWEEP_SMALL if m <= 64 else SWEEP_LARGE)
     ]
-    if m <= tri.SPLIT_MAX_M and base["split_k"] > 1:
+    if base["split_k"] > 1:
         cfgs.append(base | dict(split_k=1, k_blocks_per_split=math.ceil(k / 128)))
     return [c for c in cfgs if c != base]
 

@@ -13,8 +13,9 @@ is one scale group: acc += dot(xq_tile, wq_tileᵀ) · sx[:, kb] · sw[n // bn, 
 the tensor cores, fp32 accumulate; the scale multiply per K block, as DeepSeek-V3 does). Tiles
 come from a fixed table by M (:func:`gemm_config`), not autotuned, so the serving path compiles a
 handful of variants at warm-up and never times configurations. Decode sizes (M <= 64) use 16- to
-64-row tiles and split K across programs until the grid covers the GPU twice (each split writes
-fp32 partials, summed by one torch reduction in a fixed order: deterministic, no atomics). Nothing
+64-row tiles; a grid of fewer than two programs per SM (decode, narrow N) splits K until it covers
+the GPU twice (each split writes fp32 partials, summed by one torch reduction in a fixed order:
+deterministic, no atomics). Nothing
 reads a device value on the host: CUDA-graph capturable.
 
 Quantisation: one program per row and BLOCK_G groups; IEEE division (``div_rn``: the reference's
@@ -177,23 +178,20 @@ TILES = [
     (256, 64, 128, 4, 4),
     (1 << 62, 128, 128, 8, 3),
 ]
-# decode sizes split K until the grid holds this many programs per SM (at least 4 K blocks each)
+# grids smaller than this many programs per SM split K (at least 4 K blocks per split)
 SPLIT_PROGRAMS_PER_SM = 2
-SPLIT_MAX_M = 64
 
 
 def gemm_config(
     m: int, n: int, k: int, block_k: int, num_sms: int, tile: tuple | None = None
 ) -> dict:
     """The fixed config for an [M, K] x [N, K]ᵀ call: tile sizes from :data:`TILES` (or ``tile``
-    = (block_m, block_n, num_warps, num_stages), the benchmark's sweep) and, for
-    M <= SPLIT_MAX_M, the K split that fills the GPU."""
+    = (block_m, block_n, num_warps, num_stages), the benchmark's sweep) and the K split that
+    fills the GPU when the output has few tiles (decode sizes; narrow N such as kv_a's 576)."""
     block_m, block_n, warps, stages = tile or next(t[1:] for t in TILES if m <= t[0])
     nkb = triton.cdiv(k, block_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = 1
-    if m <= SPLIT_MAX_M:
-        split = max(1, min(nkb // 4, SPLIT_PROGRAMS_PER_SM * num_sms // tiles))
+    split = max(1, min(nkb // 4, SPLIT_PROGRAMS_PER_SM * num_sms // tiles))
     per_split = triton.cdiv(nkb, split)
     return dict(
         block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
