@@ -1,7 +1,15 @@
 """Decode CUDA graphs on one GPU: the engine with graphs gives the greedy tokens of the eager
 engine on a GLM-5.3-shaped slice (real attention and indexer dims, so the production decode
 kernels run inside the graphs), while batches shrink, grow, hit the prefix cache and get
-preempted between replays; a batch larger than every captured size still runs (eagerly)."""
+preempted between replays; a batch larger than every captured size still runs (eagerly).
+
+"The same greedy tokens" is checked up to near-ties: a graph pads the batch to its captured size,
+so its GEMMs run at another M than the eager step's, and bf16 results differ in the last bits
+(the eager engine itself is not batch-invariant: the same prompts scheduled differently, e.g.
+with prefix hits, flip near-ties of this random-weight model). A sequence may leave the reference
+only where the reference's top-2 logprobs were within NEAR_TIE; after that the sequences no longer
+share a context and are not compared. A stale or misplaced input row gives garbage from its first
+token, far outside that margin."""
 
 from __future__ import annotations
 
@@ -33,14 +41,32 @@ def _prompts():
     return [torch.randint(10, 1000, (n,), generator=g).tolist() for n in LENGTHS]
 
 
+NEAR_TIE = 0.05  # nats: bf16 logits of this model differ by ~1e-2 between batch shapes
+
+
 def _run(m: LLM, prompts=None):
     prompts = prompts or _prompts()
     sp = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=2)
         for n in MAX_TOKENS[: len(prompts)]
     ]
     outs = m.generate([{"prompt_token_ids": p} for p in prompts], sp)
-    return [o.outputs[0].token_ids for o in outs]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def assert_same_greedy(ref, got) -> int:
+    """Every sequence equals its reference until a near-tie of the reference; returns the
+    number of tokens compared."""
+    compared = 0
+    for (rt, rlp), (gt, _) in zip(ref, got, strict=True):
+        assert len(rt) == len(gt)
+        for j, (a, b) in enumerate(zip(rt, gt, strict=True)):
+            if a != b:
+                top = sorted((v.logprob for v in rlp[j].values()), reverse=True)
+                assert top[0] - top[1] < NEAR_TIE, (j, a, b, top)
+                break
+            compared += 1
+    return compared
 
 
 def _graph_steps(m: LLM) -> int:
@@ -61,19 +87,19 @@ def test_graphs_equal_eager(slice_ckpt, cache_dtype):
     eager = LLM(slice_ckpt, enforce_eager=True, **kw)
     try:
         ref = _run(eager)
-        ref_again = _run(eager)
+        ref_again = _run(eager)  # prefix hits: other step compositions
     finally:
         eager.shutdown()
+    # 6 decoding requests exceed the largest captured size (4): those steps run eagerly
     graphs = LLM(slice_ckpt, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}, **kw)
     try:
         got = _run(graphs)
         assert _graph_steps(graphs) >= 10
-        assert _run(graphs) == ref_again  # prefix hits
-        # 6 decoding requests exceed the largest captured size (4): those steps run eagerly
+        got_again = _run(graphs)
     finally:
         graphs.shutdown()
-    assert ref == ref_again
-    assert got == ref
+    assert assert_same_greedy(ref, got) >= sum(MAX_TOKENS) // 2
+    assert assert_same_greedy(ref_again, got_again) >= sum(MAX_TOKENS) // 2
 
 
 def test_graphs_under_preemption(slice_ckpt):
@@ -98,4 +124,4 @@ def test_graphs_under_preemption(slice_ckpt):
         assert _graph_steps(m) > 0
     finally:
         m.shutdown()
-    assert got == ref
+    assert assert_same_greedy(ref, got) >= sum(MAX_TOKENS) // 2
