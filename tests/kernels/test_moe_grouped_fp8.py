@@ -4,11 +4,10 @@ CPU, reference: against the experts with dequantised weights in fp32, relative F
 below 0.1 (two roundings of the activations to e4m3, x and SiLU·up, ~2.6 % rms each); the scale
 layout is checked with gate and up halves 100x apart in magnitude, so a scale row read from the
 wrong half would be off by 100x. Interpreter, fp32: 1e-4, as the bf16 kernel's test (the same
-per-block products and scale order; fp32 sum order and the SiLU formula differ). GPU, GLM-5.3-like
-shapes: bf16 within 2e-2 relative Frobenius of the reference (which rounds gate, up and SiLU·up
-to bf16 before quantising SiLU·up; the kernel quantises the fp32 value, so an element near an
-e4m3 rounding boundary can land one step, 2^-4 relative, away), fp32 within 5e-3 (Hopper's fp8
-tensor cores add with ~14 bits inside a 128-deep block).
+per-block products and scale order; fp32 sum order and the SiLU formula differ); bf16 x: 5e-3
+relative Frobenius (the output's bf16 rounding, 2^-9 per element; measured 1.7e-3). GPU,
+GLM-5.3-like shapes: relative Frobenius 5e-3 in fp32 and 1e-2 in bf16 (Hopper's fp8 tensor cores
+add with ~14 bits inside a 128-deep block; bf16 adds the output rounding).
 """
 
 from __future__ import annotations
@@ -134,14 +133,13 @@ def test_grouped_fp8_interpreter_no_tokens(interp):
 
 
 def test_grouped_fp8_interpreter_bf16_table_config(interp):
-    """bf16 activations with the shipped row-tile table (no cfg): the kernel's fp32 SiLU·up
-    against the reference's bf16-rounded one (module docstring: 2e-2)."""
+    """bf16 activations with the shipped row-tile table (no cfg): only the output's rounding."""
     mod = interp("moe_grouped_fp8")
     x, q13, q2, ids, w, off, s13, s2 = _case(12, 4, 2, 128, 128, 0, 4, seed=7)
     x = x.to(torch.bfloat16)
     ref = moe.experts_ref(x, q13, q2, ids, w, off, s13, s2)
     got = mod.experts_grouped_fp8(x, q13, q2, ids, w, off, s13, s2)
-    assert got.dtype == torch.bfloat16 and _rel(got, ref) < 2e-2
+    assert got.dtype == torch.bfloat16 and _rel(got, ref) < 5e-3
 
 
 # ---- GPU: GLM-5.3-like shapes ------------------------------------------------------------------
@@ -172,7 +170,7 @@ def _gpu_case(t, e_loc, k, h, i, offset, e_total, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 5e-3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 5e-3)])
 @pytest.mark.parametrize("t,e_loc,k,h,i,offset,e_total", GPU_SHAPES)
 def test_grouped_fp8_gpu(t, e_loc, k, h, i, offset, e_total, dtype, tol):
     from vllm.kernels.triton import moe_grouped_fp8 as mod

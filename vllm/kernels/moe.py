@@ -102,8 +102,9 @@ def experts_ref(
     uses c // 128 of this rank's I. A loader whose TP shard of I starts inside a 128-block and
     spans two of the checkpoint's blocks cannot express that with one scale per local block and
     must requantise the shard. Semantics: each chosen expert is three
-    :func:`~vllm.kernels.fp8_gemm.fp8_block_linear_ref` calls (gate, up on x; down on
-    SiLU(gate)·up in x.dtype), so x and the intermediate are quantised per token-group of 128.
+    :func:`~vllm.kernels.fp8_gemm.fp8_block_linear_ref` calls in fp32 (gate, up on x; down on
+    SiLU(gate)·up), so x and the intermediate are quantised per token-group of 128 and nothing is
+    rounded to x.dtype before the output (the kernel never holds the intermediate in 16 bits).
     """
     fp8 = w13.dtype == FP8_DTYPE
     if fp8:
@@ -113,10 +114,10 @@ def experts_ref(
     e_loc, inter = w13.shape[0], w13.shape[1] // 2
     for e in torch.unique(local[(local >= 0) & (local < e_loc)]).tolist():
         tok, slot = torch.where(local == e)
-        if fp8:
-            gi = w13_scale.shape[1] // 2
-            gate = fp8_block_linear_ref(x[tok], w13[e, :inter], w13_scale[e, :gi])
-            up = fp8_block_linear_ref(x[tok], w13[e, inter:], w13_scale[e, gi:])
+        if fp8:  # intermediates in fp32 (x's e4m3 rounding is the same from x.dtype or fp32)
+            gi, xt = w13_scale.shape[1] // 2, x[tok].float()
+            gate = fp8_block_linear_ref(xt, w13[e, :inter], w13_scale[e, :gi])
+            up = fp8_block_linear_ref(xt, w13[e, inter:], w13_scale[e, gi:])
             h = nn.functional.silu(gate) * up
             y = fp8_block_linear_ref(h, w2[e], w2_scale[e])
         else:
