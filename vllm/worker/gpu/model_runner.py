@@ -18,6 +18,7 @@ from vllm.attention.kv_access import KVAccess, LocalKVAccess
 from vllm.attention.metadata import MLAMetadata, decode_token_rows
 from vllm.config import VllmConfig
 from vllm.core.messages import KVCachePlan, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from vllm.distributed.ep import ep_forward, max_tokens_across_ep
 from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.distributed.pcp_manager import RankStep, make_cp_planner
@@ -204,8 +205,14 @@ class ModelRunner:
 
     def forward(self, step: RankStep, meta: MLAMetadata) -> torch.Tensor:
         """The model over this rank's tokens -> [T, hidden] for every token, in batch order."""
-        hidden = self.model(step.input_ids, step.positions, meta)
+        hidden = self._run_model(step, meta)
         return self.planner.gather_hidden(hidden, step)
+
+    def _run_model(self, step: RankStep, meta: MLAMetadata) -> torch.Tensor:
+        """self.model over this rank's tokens, its MoE layers' EP dispatch shapes agreed with
+        every EP rank first (`distributed/ep.py`: one host all-reduce; nothing without EP)."""
+        with ep_forward(max_tokens_across_ep(self.pc, step.input_ids.shape[0])):
+            return self.model(step.input_ids, step.positions, meta)
 
     def metadata(self, inp: StepInputs, step: RankStep) -> MLAMetadata:
         """Attention metadata for this rank's share of the step."""
@@ -255,7 +262,7 @@ class ModelRunner:
             slot_mapping=torch.full_like(step.kv_positions, -1),
             cp=step.cp,
         )
-        self.planner.gather_hidden(self.model(step.input_ids, step.positions, meta), step)
+        self.planner.gather_hidden(self._run_model(step, meta), step)
 
     # ---- sampling --------------------------------------------------------------------------------
     def _sampling_batch(self, inp: StepInputs, rows: np.ndarray) -> SamplingBatch:
