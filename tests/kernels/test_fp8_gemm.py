@@ -110,6 +110,8 @@ def test_checks():
         fp8_block_linear(torch.randn(2, 255), wq, ws)
     with pytest.raises(ValueError, match="float8"):
         fp8_block_linear(torch.randn(2, 256), wq.float(), ws)
+    with pytest.raises(ValueError, match="float32"):
+        fp8_block_linear(torch.randn(2, 256), wq, ws.bfloat16())
 
 
 def test_cost():

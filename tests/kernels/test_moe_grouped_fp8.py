@@ -88,6 +88,8 @@ def test_ref_checks():
     bad = torch.ones(2, 1, 1)  # ceil(2I/128) rows: the layout this contract rules out
     with pytest.raises(ValueError, match="expected"):
         moe.experts_ref(x, q13, q2, ids, w, off, bad, s2)
+    with pytest.raises(ValueError, match="float32"):
+        moe.experts_ref(x, q13, q2, ids, w, off, s13.bfloat16(), s2)
 
 
 # ---- CPU: Triton interpreter, tiny shapes ------------------------------------------------------

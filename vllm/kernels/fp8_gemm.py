@@ -71,6 +71,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) ->
         raise ValueError(f"weight must be {FP8_DTYPE}, got {weight.dtype}")
     if x.shape[-1] != k:
         raise ValueError(f"x [..., {x.shape[-1]}] does not fit weight [{n}, {k}]")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale_inv must be float32, got {scale.dtype}")
     if tuple(scale.shape) != (-(-n // bn), -(-k // bk)):
         raise ValueError(
             f"weight_scale_inv {tuple(scale.shape)} != ceil(N/bn), ceil(K/bk) for weight "

@@ -69,6 +69,8 @@ def _check_fp8(w13, w2, w13_scale, w2_scale) -> None:
     e_loc, two_i, h = w13.shape
     if w2.dtype != FP8_DTYPE or w13_scale is None or w2_scale is None:
         raise ValueError("e4m3 experts need e4m3 w13 and w2 and both w13_scale and w2_scale")
+    if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
+        raise ValueError(f"expert scales must be float32, got {w13_scale.dtype} / {w2_scale.dtype}")
     s13, s2 = fp8_scale_shapes(e_loc, h, two_i // 2)
     if tuple(w13_scale.shape) != s13 or tuple(w2_scale.shape) != s2:
         raise ValueError(
