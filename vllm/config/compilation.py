@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.config.flags import parse_json_flag
+
 MODES = ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 _REFUSED = {
     "PIECEWISE": "piecewise capture of mixed prefill/decode batches is not implemented",
@@ -51,8 +53,6 @@ class CompilationConfig:
 
     @classmethod
     def from_json(cls, value, *, enforce_eager: bool, max_num_seqs: int) -> CompilationConfig:
-        from vllm.config.vllm_config import parse_json_flag
-
         raw = parse_json_flag(value, "--compilation-config")
         unknown = set(raw) - set(_KEYS)
         if unknown:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field, replace
 
@@ -8,6 +7,7 @@ import torch
 
 from vllm.config.arch import ModelArch
 from vllm.config.compilation import CompilationConfig
+from vllm.config.flags import parse_json_flag
 
 BLOCK_SIZE = 64  # tokens per physical KV block (the cache layouts assume it)
 
@@ -20,20 +20,6 @@ _DTYPES = {
     "half": torch.float16,
     "float": torch.float32,
 }
-
-
-def parse_json_flag(value, flag: str) -> dict:
-    if value is None or value == "":
-        return {}
-    if isinstance(value, dict):
-        return dict(value)
-    try:
-        out = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} must be a JSON object: {e}") from e
-    if not isinstance(out, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {type(out).__name__}")
-    return out
 
 
 @dataclass(frozen=True)

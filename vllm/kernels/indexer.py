@@ -35,7 +35,8 @@ def indexer_logits_paged(
 ) -> torch.Tensor:
     """Decode scoring against paged keys in *local* position space: key j of request r lives at
     slot block_table[r, j // block_size]·block_size + j % block_size. q [T, H, D]; token_req [T];
-    ctx_lens [T] -> logits [T, max_ctx] fp32, −inf at j >= ctx_lens[t]."""
+    ctx_lens [T] -> logits [T, max_ctx] fp32; columns j >= ctx_lens[t] are unspecified (the
+    kernel does not write them; the reference writes −inf): read a row only below its context."""
     fast = kernel_module("triton.indexer_logits", q, is_pow2(layout.index_head_dim))
     if fast is not None:
         return fast.indexer_logits_paged(
@@ -148,7 +149,9 @@ def indexer_logits_paged_ref(
     j = torch.arange(max_ctx, device=q.device)
     for s in range(0, t, _PAGED_CHUNK):
         tr = token_req[s : s + _PAGED_CHUNK].long()
-        slots = block_table[tr][:, (j // bs)].long() * bs + j % bs  # [t, max_ctx]
+        # positions past the block table (a generous max_ctx) are invalid for every row
+        page = (j // bs).clamp(max=block_table.shape[1] - 1)
+        slots = block_table[tr][:, page].long() * bs + j % bs  # [t, max_ctx]
         valid = j.unsqueeze(0) < ctx_lens[s : s + _PAGED_CHUNK].unsqueeze(1)
         k, ks = read_indexer_cache(cache, torch.where(valid, slots, -1), layout)
         dots = torch.einsum("thd,tsd->tsh", q[s : s + _PAGED_CHUNK].float(), k).relu_()

@@ -8,8 +8,9 @@ Two kernels:
     [D, BLOCK_S] FP8 tensor-core dot per head, then ReLU and the weighted head sum in registers.
     Compute-bound (2·H·D FLOPs per output, 16 KB of fresh q per head and tile).
   * decode — each query against its own request's paged keys (the FP8 page layout: 64×128 e4m3
-    values, then 64 fp32 scales), in local position space, −inf past the context. A program owns
-    one token and BLOCK_S positions: one [BLOCK_S, D] × [D, H] dot. Memory-bound (132 B per key).
+    values, then 64 fp32 scales), in local position space, nothing written past the context. A
+    program owns one token and strides over its blocks of BLOCK_S positions: one [BLOCK_S, D] ×
+    [D, H] dot each. Memory-bound (132 B per key).
 
 When q and k are both FP8 the dots run in e4m3 (fp32 accumulate); otherwise operands are upcast to
 fp32 and the GPU uses tf32, which is exact for FP8- or bf16-valued inputs.
@@ -109,31 +110,36 @@ def _indexer_logits_paged_kernel(
 ):
     BOTH: tl.constexpr = Q_FP8 and K_FP8
     t = tl.program_id(1).to(tl.int64)
-    j = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] local positions
-    ctx = tl.load(ctx_ptr + t)
+    ctx = tl.minimum(tl.load(ctx_ptr + t), max_ctx)
     req = tl.load(token_req_ptr + t).to(tl.int64)
-    valid = j < ctx
-    page = tl.load(block_table_ptr + req * stride_bt + j // PAGE, mask=valid, other=0).to(tl.int64)
-    off = j % PAGE
     d = tl.arange(0, D)
-    if K_FP8:
-        page_base = cache_ptr + page * (PAGE * (D + 4))  # [BLOCK_S]
-        k = _load_operand((page_base + off * D)[:, None] + d[None, :], valid[:, None], True, BOTH)
-        ks_ptr = (page_base + PAGE * D + off * 4).to(tl.pointer_type(tl.float32))
-        ks = tl.load(ks_ptr, mask=valid, other=0.0)
-    else:
-        rows = (page * PAGE + off)[:, None] * D + d[None, :]
-        k = _load_operand(cache_ptr + rows, valid[:, None], False, False)
-        ks = tl.where(valid, 1.0, 0.0)
     hh = tl.arange(0, BLOCK_HEADS)
     hmask = hh < H
     qp = q_ptr + t * stride_qt + hh[:, None] * stride_qh + d[None, :]
     q = _load_operand(qp, hmask[:, None], Q_FP8, BOTH)  # [BLOCK_HEADS, D]
     c = tl.load(coef_ptr + t * H + hh, mask=hmask, other=0.0)
-    dots = tl.dot(k, tl.trans(q))  # [BLOCK_S, BLOCK_HEADS]
-    logit = tl.sum(tl.maximum(dots, 0.0) * c[None, :], axis=1) * ks
-    logit = tl.where(valid, logit, float("-inf"))
-    tl.store(out_ptr + t * stride_ot + j, logit, mask=j < max_ctx)
+    # the token's blocks of BLOCK_S positions, strided over the row's programs; positions past
+    # its context are never touched, so the cost follows the context, not max_ctx
+    for jb in range(tl.program_id(0), tl.cdiv(ctx, BLOCK_S), tl.num_programs(0)):
+        j = jb * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] local positions
+        valid = j < ctx
+        page = tl.load(block_table_ptr + req * stride_bt + j // PAGE, mask=valid, other=0)
+        page = page.to(tl.int64)
+        off = j % PAGE
+        if K_FP8:
+            page_base = cache_ptr + page * (PAGE * (D + 4))  # [BLOCK_S]
+            k = _load_operand(
+                (page_base + off * D)[:, None] + d[None, :], valid[:, None], True, BOTH
+            )
+            ks_ptr = (page_base + PAGE * D + off * 4).to(tl.pointer_type(tl.float32))
+            ks = tl.load(ks_ptr, mask=valid, other=0.0)
+        else:
+            rows = (page * PAGE + off)[:, None] * D + d[None, :]
+            k = _load_operand(cache_ptr + rows, valid[:, None], False, False)
+            ks = tl.where(valid, 1.0, 0.0)
+        dots = tl.dot(k, tl.trans(q))  # [BLOCK_S, BLOCK_HEADS]
+        logit = tl.sum(tl.maximum(dots, 0.0) * c[None, :], axis=1) * ks
+        tl.store(out_ptr + t * stride_ot + j, logit, mask=valid)
 
 
 def _as_operand(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -214,7 +220,10 @@ def indexer_logits_paged(
     of the indexer cache (``layout``: FP8 pages of block_size×D e4m3 values then block_size fp32
     scales, or [NB, block_size, D] model dtype with unit scales). q: [T, H, D] e4m3 or float;
     q_scale, w: [T, H]; token_req: [T] request row of each token; ctx_lens: [T].
-    Returns logits [T, max_ctx] fp32, −inf at j >= ctx_lens[t].
+    Returns logits [T, max_ctx] fp32; columns j >= ctx_lens[t] are not written (their values
+    are unspecified: callers read a row only below its context, as top-k's limit does). The grid
+    is (splits, T) with each program striding over its row's blocks, so a generous max_ctx (a
+    CUDA graph's fixed width) costs nothing past each row's context.
     """
     t, h, d = q.shape
     if d != layout.index_head_dim or d != next_pow2(d):
@@ -228,7 +237,8 @@ def indexer_logits_paged(
     block_s = next_pow2(block_s)
     kx = cache.view(torch.uint8) if layout.is_fp8 else cache.view(-1, d)
     bt = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    grid = (triton.cdiv(max_ctx, block_s), t)
+    # enough programs to fill the GPU at any batch; each strides over its row's blocks
+    grid = (min(triton.cdiv(max_ctx, block_s), max(8, triton.cdiv(4096, t))), t)
     _indexer_logits_paged_kernel[grid](
         qx, _coef(w, q_scale), kx, bt, token_req.contiguous(), ctx_lens.contiguous(), out,
         max_ctx, qx.stride(0), qx.stride(1), bt.stride(0), out.stride(0),
