@@ -150,3 +150,35 @@ def test_static_decode_under_preemption(tiny_ckpt, pair):
     finally:
         tight.shutdown()
     assert got[0] == _run(eager)[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("num_prompts", [1, 6])
+def test_static_decode_dp_ep_equals_eager(tiny_ckpt, num_prompts):
+    """DP2 + EP2: both replicas agree on one size per step (an idle replica replays an all-padding
+    step beside the other's); the MoE dispatch takes EP's fixed-capacity path inside it."""
+    kw = dict(
+        max_num_batched_tokens=64, max_num_seqs=8, data_parallel_size=2, enable_expert_parallel=True
+    )
+    prompts = PROMPTS[:num_prompts]
+    max_tokens = MAX_TOKENS if num_prompts > 1 else [20]
+
+    def run(**extra):
+        m = LLM(tiny_ckpt, **kw, **extra)
+        try:
+            outs = m.generate(
+                [{"prompt_token_ids": p} for p in prompts],
+                [
+                    SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                    for n in max_tokens
+                ],
+            )
+            return [o.outputs[0].token_ids for o in outs], _graph_steps(m, 0)
+        finally:
+            m.shutdown()
+
+    ref, eager_steps = run()
+    got, graph_steps = run(compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
+    assert eager_steps == 0 and graph_steps >= 10
+    assert got == ref

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from vllm.attention.metadata import MLAMetadata
+from vllm.distributed.ep import ep_forward
 from vllm.utils import logger
 
 
@@ -42,15 +43,18 @@ class DecodeGraphs:
         self.pool = None
 
     # ---- which steps replay ----------------------------------------------------------------
-    def padded_size(self, inp) -> int | None:
-        """The captured size this step replays, or None to run it eagerly."""
+    def decode_batch(self, inp) -> int | None:
+        """This step's requests if it can replay (decode only, one token each, within the
+        largest size); None: it must run eagerly."""
         b = len(inp.req_ids)
         if b == 0 or b > self.sizes[-1] or inp.num_tokens != b or inp.is_prefill.any():
             return None
-        if len(inp.sample_rows) != b:
-            return None
+        return b if len(inp.sample_rows) == b else None
+
+    def size_for(self, num_reqs: int) -> int | None:
+        """The smallest captured size holding ``num_reqs`` rows (None: none does)."""
         for s in self.sizes:
-            if s >= b:
+            if s >= num_reqs:
                 return s
         return None
 
@@ -77,7 +81,9 @@ class DecodeGraphs:
             max_decode_ctx=self.max_ctx,
         )
         meta.slot_mapping = meta.slots_for(rows, pos)
-        hidden = r.model(r.states.last_sampled[idx], pos, meta)
+        # every EP rank replays the same size (agreed per step): the MoE dispatch shapes follow it
+        with ep_forward(size):
+            hidden = r.model(r.states.last_sampled[idx], pos, meta)
         return r.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -112,10 +118,13 @@ class DecodeGraphs:
 
     # ---- one step ------------------------------------------------------------------------------
     def run(self, inp, size: int) -> torch.Tensor:
-        """Replay (or, on CPU, run) the step of ``inp`` at ``size``: logits [B, vocab] fp32."""
-        b = len(inp.req_ids)
+        """Replay (or, on CPU, run) the step of ``inp`` at ``size``: logits [B, vocab] fp32.
+        ``inp`` None: an idle DP replica's step, every row padding (its collectives match the
+        other EP ranks'; nothing is written)."""
+        b = len(inp.req_ids) if inp is not None else 0
         h = np.empty((3, size), dtype=np.int64)
-        h[0, :b], h[1, :b], h[2, :b] = inp.idx_np, inp.positions_np, inp.seq_lens
+        if b:
+            h[0, :b], h[1, :b], h[2, :b] = inp.idx_np, inp.positions_np, inp.seq_lens
         h[0, b:], h[1, b:], h[2, b:] = 0, -1, 0
         self.inputs[:, :size].copy_(self.runner.staging.to_device(h))
         if size in self.graphs:

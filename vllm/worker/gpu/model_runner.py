@@ -18,7 +18,7 @@ from vllm.attention.kv_access import KVAccess, LocalKVAccess
 from vllm.attention.metadata import MLAMetadata, decode_token_rows
 from vllm.config import VllmConfig
 from vllm.core.messages import KVCachePlan, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from vllm.distributed.ep import ep_forward, max_tokens_across_ep
+from vllm.distributed.ep import ep_forward, fixed_capacity, max_tokens_across_ep
 from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.distributed.pcp_manager import RankStep, make_cp_planner
@@ -129,8 +129,28 @@ class ModelRunner:
             max_ctx = min(
                 self.config.model_config.max_model_len, plan.num_blocks * self.layout.block_size
             )
-            self.graphs = DecodeGraphs(self, cc.cudagraph_capture_sizes, max_ctx)
+            sizes = cc.cudagraph_capture_sizes
+            if self.pc.ep is not None and self.pc.ep.world_size > 1:
+                # a graph's MoE dispatch must take EP's fixed-capacity path (no host read)
+                tp = self.pc.tp.world_size
+                sizes = tuple(s for s in sizes if fixed_capacity(s, tp) is not None)
+                if not sizes:
+                    logger.info("CUDA graphs off: no capture size fits EP's fixed capacity")
+                    return
+            self.graphs = DecodeGraphs(self, sizes, max_ctx)
             self.graphs.capture_all()
+
+    def _graph_size(self, num_reqs: int | None) -> int | None:
+        """The captured size this step replays, agreed by every EP rank (one host all-reduce,
+        as the eager path's): a rank whose step cannot replay (``num_reqs`` None) sends every
+        rank eager; otherwise all replay the size of the largest batch (0: an idle replica)."""
+        ep = self.pc.ep
+        if ep is None or ep.world_size == 1:
+            return self.graphs.size_for(num_reqs) if num_reqs else None
+        t = torch.tensor([int(num_reqs is None), num_reqs or 0], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=ep.cpu_group)
+        eager, most = t.tolist()
+        return None if eager or most == 0 else self.graphs.size_for(most)
 
     def _graphs_unsupported(self) -> str | None:
         """Why this configuration's decode step cannot be captured (None: it can)."""
@@ -139,8 +159,6 @@ class ModelRunner:
             return "HiSparse's host-pool fetches are not captured yet"
         if par.prefill_context_parallel_size > 1 or par.decode_context_parallel_size > 1:
             return "PCP/DCP decode is not captured yet"
-        if par.data_parallel_size > 1 or par.enable_expert_parallel:
-            return "the EP all-to-all reads its split counts on the host"
         return None
 
     def graph_pool_bytes(self) -> int:
@@ -184,7 +202,7 @@ class ModelRunner:
         inp = build_step_inputs(so, self.states, self.device, start_of, self.staging)
         self.connector.start_load_kv(so)
         self.hooks.before_forward(inp)
-        size = self.graphs.padded_size(inp) if self.graphs is not None else None
+        size = self._graph_size(self.graphs.decode_batch(inp)) if self.graphs else None
         hidden = logits = None
         if size is not None:  # a decode-only step: replay its CUDA graph, logits included
             logits = self.graphs.run(inp, size)
@@ -243,7 +261,13 @@ class ModelRunner:
         return meta
 
     def _dummy_step(self) -> None:
-        """DP replicas sharing EP: a step with no requests whose collectives match the others'."""
+        """DP replicas sharing EP: a step with no requests whose collectives match the others'
+        (replaying the graph they replay, all rows padding, when they replay one)."""
+        if self.graphs is not None:
+            size = self._graph_size(0)
+            if size is not None:
+                self.graphs.run(None, size)
+                return
         step = self.planner.dummy_step(self.device)
         if step is None:
             return
