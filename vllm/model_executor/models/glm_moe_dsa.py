@@ -2,8 +2,11 @@
 lightning indexer with IndexShare, sigmoid-routed MoE with a shared expert, and the MTP layer.
 
 Math only. Parameter names follow the HF checkpoint, except that routed experts are stacked
-(`mlp.experts.w13_weight` [E, 2I, H], `mlp.experts.w2_weight` [E, H, I]); the loader maps the
-per-expert checkpoint tensors onto them. Tensor parallelism shards heads (MLA and indexer) and
+(`mlp.experts.w13_weight` [E, 2I, H], `mlp.experts.w2_weight` [E, H, I], with
+`w13_weight_scale_inv`/`w2_weight_scale_inv` when FP8); the loader maps the per-expert checkpoint
+tensors onto them. With an FP8 `quantization_config` in the arch (`vllm.config.quantization`)
+every Linear but lm_head and the indexer's fp32 `weights_proj`, and the routed experts, are e4m3
+with 128×128 block scales. Tensor parallelism shards heads (MLA and indexer) and
 MLP intermediates through the `tp` group; expert parallelism goes through `distributed/ep.py`.
 """
 
