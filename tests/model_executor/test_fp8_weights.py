@@ -47,7 +47,7 @@ from vllm.distributed.parallel_state import GroupCoordinator, ParallelContext
 from vllm.engine.arg_utils import EngineArgs
 from vllm.kernels.fp8_gemm import FP8_DTYPE, per_token_group_quant_fp8_ref
 from vllm.model_executor.layers.linear import Linear, dequant_block_fp8
-from vllm.model_executor.model_loader import CheckpointError, build_model
+from vllm.model_executor.model_loader import CheckpointError, build_model, load_model
 from vllm.model_executor.models import glm_moe_dsa
 from vllm.model_executor.models.glm_moe_dsa import Experts, GlmMoeDsaForCausalLM
 from vllm.model_executor.simple_forward import prompt_logits
@@ -484,3 +484,36 @@ def test_slice_fp8_on_cuda(tmp_path):
         got = prompt_logits(model, ids, device="cuda").float().cpu()
         want = prompt_logits(ref, ids, device="cuda").float().cpu()
         assert _rel(got, want).mean() < 0.2 and _agree(got, want) >= 0.7
+
+
+def test_tp_shard_starting_inside_a_block(tmp_path):
+    """Intermediates of 192 at TP2: rank 1's rows/columns 96..191 start inside the checkpoint's
+    first 128-block and end in the second. Linears keep e4m3 as stored, in 32-wide blocks with
+    the checkpoint's scales repeated: dequantised, exactly the full weight's slice. Routed experts
+    (whose kernel takes 128-blocks only) requantise the shard: within one more e4m3 rounding."""
+    cfg = {**TINY_CONFIG, "intermediate_size": 192, "moe_intermediate_size": 192}
+    path = str(tmp_path / "ckpt")
+    write_checkpoint(path, cfg, tiny_state_dict(cfg, seed=1), tokenizer=False, fp8=True)
+    full = build_model(path)
+    arch = ModelArch.from_pretrained(path)
+    with torch.device("cpu"):
+        rank1 = GlmMoeDsaForCausalLM(arch, _fake_pc(2, 1, None), torch.float32)
+    load_model(path, rank1)
+    mlp, mlp1 = full.model.layers[0].mlp, rank1.model.layers[0].mlp
+    assert mlp1.gate_proj.block == (32, 128) and mlp1.down_proj.block == (128, 32)
+    for name in ("gate_proj", "up_proj"):
+        want = getattr(mlp, name).dense_weight(torch.float32)[96:]
+        assert torch.equal(getattr(mlp1, name).dense_weight(torch.float32), want)
+    want = mlp.down_proj.dense_weight(torch.float32)[:, 96:]
+    assert torch.equal(mlp1.down_proj.dense_weight(torch.float32), want)
+    x = torch.randn(5, 96)  # activations in 32-column groups: finer, so within the 2^-4 bound
+    err = (mlp1.down_proj(x) - x @ want.t()).abs()
+    assert (err <= 2**-4 * (x.abs() @ want.abs().t()) + 1e-6).all()
+    ex, ex1 = full.model.layers[1].mlp.experts, rank1.model.layers[1].mlp.experts
+    w13, w13_1 = dense_experts(ex, "w13_weight"), dense_experts(ex1, "w13_weight")
+    for half in (0, 1):  # gate rows, then up rows
+        want = w13[:, half * 192 + 96 : (half + 1) * 192]
+        got = w13_1[:, half * 96 : (half + 1) * 96]
+        assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() * 2**-12).all()
+    want, got = dense_experts(ex, "w2_weight")[:, :, 96:], dense_experts(ex1, "w2_weight")
+    assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() * 2**-12).all()
