@@ -36,9 +36,13 @@ def test_fp8_checkpoint_stays_fp8_on_cuda(tiny_ckpt_fp8):
     gpu = build_model(tiny_ckpt_fp8, dtype=torch.bfloat16, device="cuda")
     lin = gpu.model.layers[0].self_attn.q_b_proj
     assert lin.weight.dtype == torch.float8_e4m3fn and lin.weight_scale_inv is not None
-    cpu = build_model(tiny_ckpt_fp8, dtype=torch.float32, device="cpu")  # dequantised at load
+    cpu = build_model(tiny_ckpt_fp8, dtype=torch.float32, device="cpu")  # e4m3 too (references)
     ids = list(range(20, 60))
     a = prompt_logits(gpu, ids, device="cuda").float().cpu()
     b = prompt_logits(cpu, ids)
     rel = ((a - b).norm(dim=-1) / b.norm(dim=-1)).mean()
-    assert rel < 0.05  # bf16 activations vs fp32 on the same FP8 weights
+    # bf16 activations vs fp32 on the same FP8 weights; both sides round activations to e4m3 per
+    # 128-group, and a bf16 difference that crosses an e4m3 rounding boundary moves a value by a
+    # whole e4m3 step (2^-4 relative), which this random toy model amplifies (measured on an
+    # H200: 0.107; tests/model_executor/test_fp8_weights.py states the whole-model bound)
+    assert rel < 0.2

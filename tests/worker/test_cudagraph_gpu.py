@@ -41,7 +41,9 @@ def _prompts():
     return [torch.randint(10, 1000, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-NEAR_TIE = 0.05  # nats: bf16 logits of this model differ by ~1e-2 between batch shapes
+# nats: logits are bf16, whose step at this model's magnitudes (8-16) is 0.0625-0.125; a padded
+# batch moved one by a step on the H200 (gap 0.0625 at the first divergence)
+NEAR_TIE = 0.25
 
 
 def _run(m: LLM, prompts=None):
