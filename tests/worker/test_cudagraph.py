@@ -169,10 +169,7 @@ def test_static_decode_dp_ep_equals_eager(tiny_ckpt, num_prompts):
         try:
             outs = m.generate(
                 [{"prompt_token_ids": p} for p in prompts],
-                [
-                    SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-                    for n in max_tokens
-                ],
+                [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
             )
             return [o.outputs[0].token_ids for o in outs], _graph_steps(m, 0)
         finally:
