@@ -108,7 +108,7 @@ def decode_run(path, batch, context, steps, graphs: bool, top_p: float) -> dict:
         num_scheduled_tokens={r: 1 for r in ids},
         total_num_scheduled_tokens=batch,
     )
-    walls, tokens, prof_ms, prof = [], [], None, None
+    walls, tokens, prof_ms, prof, top_kernels = [], [], None, None, []
     warm, window = 4, 8
     for s in range(steps + 1):
         if s > 0:
@@ -129,12 +129,13 @@ def decode_run(path, batch, context, steps, graphs: bool, top_p: float) -> dict:
         tokens.append([t[0] for t in ro.sampled_token_ids])
         if s == warm + window - 1:
             prof.__exit__(None, None, None)
-            kernels = sum(
-                e.self_device_time_total
-                for e in prof.key_averages()
-                if e.device_type == torch.autograd.DeviceType.CUDA
-            )
-            prof_ms = kernels / 1e3 / window
+            ka = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+            prof_ms = sum(e.self_device_time_total for e in ka) / 1e3 / window
+            top = sorted(ka, key=lambda e: -e.self_device_time_total)[:8]
+            top_kernels = [
+                (e.key[:60], round(e.self_device_time_total / 1e3 / window, 3), e.count // window)
+                for e in top
+            ]
     steady = walls[warm + window :]
     med = statistics.median(steady)
     del runner, model
@@ -152,6 +153,7 @@ def decode_run(path, batch, context, steps, graphs: bool, top_p: float) -> dict:
         "gpu_ms_per_step": prof_ms,
         "wall_over_gpu": med * 1e3 / prof_ms if prof_ms else None,
         "steps_timed": len(steady),
+        "top_kernels_ms_per_step": top_kernels,
         "tokens": tokens,
     }
 
