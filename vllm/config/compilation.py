@@ -64,7 +64,7 @@ class CompilationConfig:
             why = _REFUSED.get(str(mode).upper(), f"choose one of {list(MODES)}")
             raise ValueError(f"--compilation-config cudagraph_mode {mode!r}: {why}")
         mode = "NONE" if enforce_eager else mode.upper()
-        top = raw.get("max_cudagraph_capture_size", max_num_seqs)
+        top = raw.get("max_cudagraph_capture_size", max(1, max_num_seqs))
         if isinstance(top, bool) or not isinstance(top, int) or top < 1:
             raise ValueError(
                 f"--compilation-config max_cudagraph_capture_size must be an integer >= 1, "
@@ -72,7 +72,7 @@ class CompilationConfig:
             )
         sizes = raw.get("cudagraph_capture_sizes")
         if sizes is None:
-            sizes = default_capture_sizes(min(top, max_num_seqs))
+            sizes = default_capture_sizes(max(1, min(top, max_num_seqs)))
         elif not isinstance(sizes, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes
         ):
