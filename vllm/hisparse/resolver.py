@@ -35,8 +35,9 @@ def prefetch(
         return [None] * len(gpu_caches)
     cur = torch.cuda.current_stream(stream.device)
     stream.wait_stream(cur)
-    for t in (res.src, res.dest, res.miss):
-        t.record_stream(stream)  # keep them alive for the allocator until the copies finish
+    if not torch.cuda.is_current_stream_capturing():  # a graph's pool outlives its replays
+        for t in (res.src, res.dest, res.miss):
+            t.record_stream(stream)  # keep them alive for the allocator until the copies finish
     events = []
     with torch.cuda.stream(stream):
         for gpu, host in zip(gpu_caches, host_pools, strict=True):

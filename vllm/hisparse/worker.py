@@ -123,6 +123,7 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.backup_event = None
         self.step = 0
+        self.step_t = torch.zeros(1, dtype=torch.int64, device=device)  # the step, for graphs
         self.kv_access = HiSparseKVAccess(self)
 
     # ---- memory (WorkerKVCache) --------------------------------------------------------------------
@@ -210,6 +211,7 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
     def before_forward(self, inp) -> None:
         """Blocks freed by drops may be reused this step: order after last step's backups."""
         self.step += 1
+        self.step_t.fill_(self.step)
         if self.backup_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.backup_event)
 
@@ -224,6 +226,22 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
             block_table_full=self.block_table,
             idx_block_table=idx_bt,
             idx_slot_mapping=idx_bt[inp.token_req.long(), pos // bs].long() * bs + pos % bs,
+        )
+
+    def graph_metadata(self, meta: MLAMetadata, slots, positions) -> None:
+        """A captured decode step: the same tables, gathered on the device; the LRU stamp read
+        from ``step_t``, set before each replay; padding rows (position −1) write no keys."""
+        bs = self.layout.block_size
+        idx_bt = self.idx_table[slots]
+        pos = positions.clamp_min(0)
+        islot = idx_bt[meta.token_req, pos // bs].long() * bs + pos % bs
+        meta.hisparse = HiSparseMetadata(
+            step=self.step_t,
+            req_slots=[],  # host list: prefill only
+            req_slots_t=slots,
+            block_table_full=self.block_table,
+            idx_block_table=idx_bt,
+            idx_slot_mapping=torch.where(positions >= 0, islot, -1),
         )
 
     def after_forward(self, inp) -> None:

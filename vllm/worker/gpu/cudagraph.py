@@ -81,6 +81,7 @@ class DecodeGraphs:
             max_decode_ctx=self.max_ctx,
         )
         meta.slot_mapping = meta.slots_for(rows, pos)
+        r.hooks.graph_metadata(meta, idx, pos)
         # every EP rank replays the same size (agreed per step): the MoE dispatch shapes follow it
         with ep_forward(size):
             hidden = r.model(r.states.last_sampled[idx], pos, meta)

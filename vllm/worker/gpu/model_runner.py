@@ -126,9 +126,10 @@ class ModelRunner:
             if why_not:
                 logger.info("CUDA graphs off: %s; every step runs eagerly", why_not)
                 return
-            max_ctx = min(
-                self.config.model_config.max_model_len, plan.num_blocks * self.layout.block_size
-            )
+            # the longest context a request can have here: the device pool, or HiSparse's host
+            # pool, which holds every page
+            held = max(plan.num_blocks, plan.num_host_blocks) * self.layout.block_size
+            max_ctx = min(self.config.model_config.max_model_len, held)
             sizes = cc.cudagraph_capture_sizes
             if self.pc.ep is not None and self.pc.ep.world_size > 1:
                 # a graph's MoE dispatch must take EP's fixed-capacity path (no host read)
@@ -154,9 +155,7 @@ class ModelRunner:
 
     def _graphs_unsupported(self) -> str | None:
         """Why this configuration's decode step cannot be captured (None: it can)."""
-        par, cfg = self.config.parallel_config, self.config
-        if cfg.attention_config.hisparse is not None:
-            return "HiSparse's host-pool fetches are not captured yet"
+        par = self.config.parallel_config
         if par.prefill_context_parallel_size > 1 or par.decode_context_parallel_size > 1:
             return "PCP/DCP decode is not captured yet"
         return None

@@ -31,6 +31,12 @@ class StepHooks:
     def build_metadata(self, inp: StepInputs, meta: MLAMetadata) -> None:
         """Add the feature's part of the attention metadata (``meta.<feature>``)."""
 
+    def graph_metadata(
+        self, meta: MLAMetadata, slots: torch.Tensor, positions: torch.Tensor
+    ) -> None:
+        """The feature's part of a captured decode step's metadata, from device tensors only
+        (``slots`` [B] persistent slot per row, ``positions`` [B], −1 on padding rows)."""
+
     def after_forward(self, inp: StepInputs) -> None:
         """The model ran (work may still be queued on the device); sampling has not."""
 
