@@ -4,11 +4,14 @@ the reference.
 CPU, reference: quantisation error per element within half an e4m3 step (2^-4 relative, 2^-10 ·
 scale in the subnormal range); the product against x · dequant(W)ᵀ in fp64 within
 Σ_k |err(x_k)| · |W_nk| (the weights are exact after dequantisation, so activation rounding is the
-only error). Interpreter, fp32: the quantiser bit-exact; the GEMM within 1e-5 (the same per-block
-products and scale order, only the fp32 sum order inside a block differs). GPU: GLM-5.3 shapes in
-bf16 against the reference on the same device, rtol 1e-2 with atol 1e-2 · max|y| (the output's
-bf16 rounding is 2^-9 relative; Hopper's fp8 tensor cores add with ~14 bits inside a 128-deep
-block, which is why the scales are applied per block).
+only error); its scales are the correctly rounded fp32 amax / 448 (on the GPU too: the reference
+on CUDA equals the reference on the CPU bit for bit). Interpreter, fp32: the quantiser bit-exact;
+the GEMM within 1e-5 (the same per-block products and scale order, only the fp32 sum order inside
+a block differs). GPU: the quantiser bit-exact with the reference; GLM-5.3 shapes in bf16 against
+the reference on the same device, rtol 1e-2 with atol 1e-2 · max|y| (the output's bf16 rounding
+is 2^-9 relative; Hopper's fp8 tensor cores add with ~14 bits inside a 128-deep block, which is
+why the scales are applied per block); cuBLAS's block-scaled GEMM the same, at any M (its rows
+padded to 16).
 """
 
 from __future__ import annotations
@@ -47,6 +50,17 @@ def fp8_weight(n, k, block=(128, 128), device="cpu", seed=0):
     return wq, scale
 
 
+def _ieee_scales(x: torch.Tensor, group: int) -> torch.Tensor:
+    """max(amax, floor) / 448 per row and group, correctly rounded to fp32 (a float64 quotient of
+    fp32 operands rounds to the fp32 quotient exactly: 53 >= 2·24 + 2 bits)."""
+    m, k = x.shape
+    ng = -(-k // group)
+    pad = torch.zeros(m, ng * group, dtype=torch.float64, device=x.device)
+    pad[:, :k] = x.double()
+    amax = pad.view(m, ng, group).abs().amax(-1).clamp_min(fp8_gemm.AMAX_FLOOR).float()
+    return (amax.double() / 448.0).float()
+
+
 def _quant_err_bound(x: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """Per element: half an e4m3 step, relative 2^-4 for normals, 2^-10 · scale in the
     subnormal range (spacing 2^-9 · scale)."""
@@ -64,6 +78,7 @@ def test_quant_ref_error_bound(m, k, group):
     q, s = per_token_group_quant_fp8_ref(x, group)
     assert q.dtype == FP8_DTYPE and q.shape == x.shape
     assert s.dtype == torch.float32 and s.shape == (m, -(-k // group))
+    assert torch.equal(s, _ieee_scales(x, group))
     deq = q.float() * s.repeat_interleave(group, 1)[:, :k]
     assert ((deq.double() - x.double()).abs() <= _quant_err_bound(x, s, group)).all()
     if m > 1:
@@ -134,6 +149,21 @@ def test_quant_interpreter_bit_exact(interp, m, k, group, dtype):
     assert s.shape == sr.shape and s.stride(0) == 1  # M-contiguous scales
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert torch.equal(s, sr)
+
+
+@pytest.mark.parametrize("m,row_multiple", [(1, 16), (37, 16), (32, 16), (5, 4)])
+def test_quant_interpreter_padded_rows(interp, m, row_multiple):
+    """Rows padded for cuBLAS: the first M rows as without padding, the others an all-zero row's
+    (xq 0, scale floor / 448), scales still M-contiguous over the padded rows."""
+    mod = interp("fp8_gemm")
+    x = torch.randn(m, 300, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    q, s = mod.quant_per_token_group(x, 128, row_multiple)
+    m_pad = -(-m // row_multiple) * row_multiple
+    assert q.shape == (m_pad, 300) and s.shape == (m_pad, 3) and s.stride() == (1, m_pad)
+    qr, sr = per_token_group_quant_fp8_ref(x, 128)
+    assert torch.equal(q[:m].view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s[:m], sr)
+    assert q[m:].view(torch.uint8).eq(0).all()
+    assert torch.equal(s[m:], torch.full_like(s[m:], fp8_gemm.AMAX_FLOOR / 448.0))
 
 
 def test_quant_interpreter_no_rows(interp):
@@ -210,40 +240,71 @@ def test_gemm_gpu_glm_shapes(name, n, k, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quant_ref_same_bits_on_cuda(dtype):
+    """The reference computes the same bits on CUDA as on the CPU (CUDA torch would turn a division
+    by the Python number 448 into a multiplication by its reciprocal: one ulp off in ~60 % of the
+    groups, and then 0.1 % of bf16 inputs, sitting exactly on an e4m3 tie, round the other way)."""
+    x = torch.randn(300, 6144, device="cuda").to(dtype)
+    q, s = per_token_group_quant_fp8_ref(x, 128)
+    qc, sc = per_token_group_quant_fp8_ref(x.cpu(), 128)
+    assert torch.equal(s.cpu(), sc) and torch.equal(s.cpu(), _ieee_scales(x.cpu(), 128))
+    assert torch.equal(q.cpu().view(torch.uint8), qc.view(torch.uint8))
+
+
+def _assert_same_quant(q, s, qr, sr):
+    """Bit equality, naming the first differing values when there are some."""
+    bad_s = (s != sr).nonzero()
+    assert not len(bad_s), f"{len(bad_s)} scales differ, first {bad_s[0].tolist()}: " + (
+        f"{s[tuple(bad_s[0])].item()!r} vs reference {sr[tuple(bad_s[0])].item()!r}"
+    )
+    bad_q = (q.view(torch.uint8) != qr.view(torch.uint8)).nonzero()
+    assert not len(bad_q), f"{len(bad_q)} e4m3 values differ, first {bad_q[0].tolist()}: " + (
+        f"{q[tuple(bad_q[0])].item()} vs reference {qr[tuple(bad_q[0])].item()}"
+    )
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 200, 300), (37, 1000, 1100), (300, 576, 6144)])
 def test_gemm_gpu_odd_shapes(m, n, k):
     from vllm.kernels.triton.fp8_gemm import fp8_block_gemm, quant_per_token_group
 
     wq, ws = fp8_weight(n, k, device="cuda", seed=k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    q, s = quant_per_token_group(x)
-    qr, sr = per_token_group_quant_fp8_ref(x, 128)
-    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+    _assert_same_quant(*quant_per_token_group(x), *per_token_group_quant_fp8_ref(x, 128))
     ref = fp8_block_linear_ref(x.float(), wq, ws)
     got = fp8_block_gemm(x, wq, ws).float()
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 64, 4096])
+@pytest.mark.parametrize("m", [1, 37, 64, 4096])
 def test_cublas_block_scaled_gpu(m):
-    """torch's block-scaled mm (cuBLASLt, sm_90) computes the same product."""
+    """torch's block-scaled mm (cuBLASLt, sm_90) computes the same product at any M: rows are
+    padded to CUBLAS_ROW_MULTIPLE (M = 1 unpadded is refused: CUBLAS_STATUS_NOT_SUPPORTED)."""
     n, k = 2048, 6144
     wq, ws = fp8_weight(n, k, device="cuda", seed=m)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     if not fp8_gemm.cublas_supports(x, wq, (128, 128)):
         pytest.skip("cuBLAS block scaling needs sm_90")
     ref = fp8_block_linear_ref(x.float(), wq, ws)
-    got = fp8_gemm.fp8_block_linear_cublas(x, wq, ws).float()
-    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    got = fp8_gemm.fp8_block_linear_cublas(x, wq, ws)
+    assert got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
 @pytest.mark.gpu
-def test_public_gpu_dispatch_and_graph_capture():
-    """CUDA calls take a kernel (never the reference) and replay inside a CUDA graph."""
+@pytest.mark.parametrize("m", [8, 72])
+def test_public_gpu_dispatch_and_graph_capture(m, monkeypatch):
+    """CUDA calls take a kernel (never the reference): Triton below CUBLAS_MIN_M rows, cuBLAS from
+    there on sm_90 (72 rows: padded to 80); both replay inside a CUDA graph."""
     wq, ws = fp8_weight(2048, 6144, device="cuda")
-    x = torch.randn(8, 6144, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16)
+    real, calls = fp8_gemm.fp8_block_linear_cublas, []
+    monkeypatch.setattr(fp8_gemm, "fp8_block_linear_cublas", lambda *a: calls.append(1) or real(*a))
     eager = fp8_block_linear(x, wq, ws)
+    want = m >= fp8_gemm.CUBLAS_MIN_M and fp8_gemm.cublas_supports(x, wq, (128, 128))
+    assert bool(calls) == want
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fp8_block_linear(x, wq, ws)

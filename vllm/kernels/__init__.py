@@ -9,7 +9,9 @@ reference (``<op>_ref``) that defines the semantics, and the cost model (``<op>_
   * ``indexer``           lightning-indexer scores, top-k selection, the DCP top-k merge
   * ``hisparse_resolve``  HiSparse: selected positions -> cache slots, hot-buffer LRU
   * ``row_copy``          masked row copies (HiSparse misses from pinned host memory)
-  * ``moe``               routed SwiGLU experts
+  * ``fp8_gemm``          block-scaled FP8 linear (w8a8: per-token-group activation quantisation,
+                          e4m3 weights with 128 x 128 scales)
+  * ``moe``               routed SwiGLU experts (bf16, or e4m3 with block scales)
 
 Implementations: Triton kernels in ``vllm/kernels/triton/`` (any CUDA GPU, and the Triton CPU
 interpreter in tests), the Gluon warp-specialised kernel for Hopper (``sparse_mla_ws``), and the

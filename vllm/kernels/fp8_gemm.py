@@ -11,11 +11,12 @@ the kernels). N and K need not be multiples of the block: the last tile is parti
 covers the rows/columns that exist.
 
 CUDA tensors: ``vllm/kernels/triton/fp8_gemm.py`` (per-token-group quant kernel + block-scaled
-GEMM, configs by M from a fixed table, no host sync, CUDA-graph capturable); elsewhere the
-references below (a loop over K blocks, memory O(M·N)). torch 2.11 also exposes cuBLASLt's
-DeepSeek-style block scaling on sm_90 (:func:`fp8_block_linear_cublas`); it serves the batches
-of at least ``CUBLAS_MIN_M`` rows once ``benchmarks/kernels/bench_fp8_gemm.py`` shows it ahead
-(``docs/design/fp8.md``); until then the Triton kernel serves every size.
+GEMM, configs by M from a fixed table, no host sync, CUDA-graph capturable) for M < ``CUBLAS_MIN_M``
+rows, and from there cuBLASLt's DeepSeek-style block scaling through ``torch._scaled_mm`` on sm_90
+(:func:`fp8_block_linear_cublas`, same quantiser): on an H200 it was 1.06x Triton's speed at M = 64
+and 1.6-1.9x from M = 256 (69-89 % of the fp8 peak at M >= 4096 but for the narrow kv_a, Triton
+38-47 %), and 0.91x at M = 16 (``docs/design/fp8.md``). Elsewhere the references below (a loop
+over K blocks, memory O(M·N)).
 """
 
 from __future__ import annotations
@@ -29,8 +30,15 @@ FP8_MAX = 448.0
 # amax floor of a quantisation group (upstream vLLM's eps): an all-zero group gets scale
 # 1e-10 / 448 and quantises to zeros instead of dividing by zero
 AMAX_FLOOR = 1e-10
-# rows from which CUDA calls take cuBLAS's block-scaled GEMM; None: never (not yet measured ahead)
-CUBLAS_MIN_M: int | None = None
+# rows from which CUDA calls take cuBLAS's block-scaled GEMM (H200, bench_fp8_gemm.py: the
+# geomean of triton_ms / cublas_ms over GLM-5.3's linears is 0.91 at M = 16, 1.06 at 64, 1.60 at
+# 256, 1.85 at 4096; docs/design/fp8.md has the per-shape rows)
+CUBLAS_MIN_M = 64
+# cuBLASLt wants the 1x128 activation scales' leading dimension (M, they are M-contiguous) 16-byte
+# aligned, i.e. M % 4 == 0 (M = 1 was refused: CUBLAS_STATUS_NOT_SUPPORTED); the quantiser pads
+# the rows to a multiple of 16, which costs nothing (cuBLAS's row tiles are >= 64) and also meets
+# the fp8 operands' 16-element rule should it cover M
+CUBLAS_ROW_MULTIPLE = 16
 
 
 def per_token_group_quant_fp8(
@@ -39,9 +47,10 @@ def per_token_group_quant_fp8(
     """x [M, K] (bf16/fp16/fp32) -> (xq e4m3 [M, K], scale fp32 [M, ceil(K/group)]).
 
     Per row m and group g = columns [g·group, (g+1)·group) ∩ [0, K):
-    scale[m, g] = max(amax |x[m, group]|, AMAX_FLOOR) / 448 and xq = x / scale (fp32 division,
-    round to nearest even into e4m3; |x / scale| <= 448 by construction, clamped anyway).
-    x · scale ≈ xq with a relative error of at most 2^-4 per element (3 mantissa bits)."""
+    scale[m, g] = max(amax |x[m, group]|, AMAX_FLOOR) / 448 and xq = x / scale (both IEEE fp32
+    divisions, correctly rounded: the exact bits on every device; then round to nearest even into
+    e4m3; |x / scale| <= 448 by construction, clamped anyway).
+    xq · scale ≈ x with a relative error of at most 2^-4 per element (3 mantissa bits)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
     fast = kernel_module("triton.fp8_gemm", x)
@@ -59,7 +68,11 @@ def per_token_group_quant_fp8_ref(
     pad = torch.zeros(m, ng * group, dtype=torch.float32, device=x.device)
     pad[:, :k] = x.float()
     tiles = pad.view(m, ng, group)
-    scale = tiles.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX  # [M, ng]
+    amax = tiles.abs().amax(-1).clamp_min(AMAX_FLOOR)  # [M, ng]
+    # IEEE fp32 amax / 448, as the kernels' div_rn. Divided by a tensor: CUDA torch turns
+    # `t / 448.0` into t * fp32(1/448), one ulp off the quotient in ~60 % of groups, and bf16
+    # inputs, 0.1 % of whose x / scale sit exactly on an e4m3 tie, then round the other way
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (tiles / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).view(m, ng * group)[:, :k]
     return q.to(FP8_DTYPE), scale
 
@@ -97,14 +110,16 @@ def fp8_block_linear(
     if fast is None:
         return fp8_block_linear_ref(x, weight, weight_scale_inv, block)
     m = x.numel() // max(1, x.shape[-1])
-    if CUBLAS_MIN_M is not None and m >= CUBLAS_MIN_M and cublas_supports(x, weight, block):
+    if m >= CUBLAS_MIN_M and cublas_supports(x, weight, block):
         return fp8_block_linear_cublas(x, weight, weight_scale_inv)
     return fast.fp8_block_gemm(x, weight, weight_scale_inv, block)
 
 
 def cublas_supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether :func:`fp8_block_linear_cublas` takes this call: an sm_90 GPU, block (128, 128),
-    N and K multiples of 16, a bf16/fp16 x (torch 2.11's checks in ``_scaled_mm``)."""
+    N and K multiples of 16, ceil(K/128) a multiple of 4 (the weight scales' leading dimension,
+    16-byte aligned as cuBLASLt wants; GLM-5.3's K of 2048-16384 all qualify), a bf16/fp16 x
+    (torch 2.11's checks in ``_scaled_mm``)."""
     n, k = weight.shape
     return (
         x.is_cuda
@@ -112,6 +127,7 @@ def cublas_supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int
         and tuple(block) == (128, 128)
         and n % 16 == 0
         and k % 16 == 0
+        and -(-k // 128) % 4 == 0
         and x.dtype in (torch.bfloat16, torch.float16)
     )
 
@@ -121,18 +137,21 @@ def fp8_block_linear_cublas(
 ) -> torch.Tensor:
     """:func:`fp8_block_linear` by cuBLASLt's block scaling (``torch._scaled_mm`` with 1x128
     activation scales and 128x128 weight scales; :func:`cublas_supports` says when). Activations
-    are quantised by the Triton kernel, whose M-contiguous scales are the layout cuBLAS wants; the
-    weight scales go as their transposed view (scale_b [ceil(K/128), ceil(N/128)])."""
+    are quantised by the Triton kernel, whose M-contiguous scales are the layout cuBLAS wants, into
+    rows padded to :data:`CUBLAS_ROW_MULTIPLE` (zero rows; their outputs are dropped); the weight
+    scales go as their transposed view (scale_b [ceil(K/128), ceil(N/128)])."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0:
+    m = x2.shape[0]
+    if m == 0:
         return torch.empty(*lead, n, dtype=x.dtype, device=x.device)
-    xq, sx = kernel_module("triton.fp8_gemm", x).quant_per_token_group(x2, 128)
+    quant = kernel_module("triton.fp8_gemm", x).quant_per_token_group
+    xq, sx = quant(x2, 128, CUBLAS_ROW_MULTIPLE)  # [M_pad, K], [M_pad, K/128] stride (1, M_pad)
     y = torch._scaled_mm(
         xq, weight.t(), scale_a=sx, scale_b=weight_scale_inv.t(), out_dtype=x.dtype
     )  # use_fast_accum stays False: cuBLAS refuses it with block scaling
-    return y.reshape(*lead, n)
+    return y[:m].reshape(*lead, n)  # the first M rows of a contiguous [M_pad, N]: a view
 
 
 def fp8_block_linear_ref(

@@ -18,11 +18,13 @@ the GPU twice (each split writes fp32 partials, summed by one torch reduction in
 deterministic, no atomics). Nothing
 reads a device value on the host: CUDA-graph capturable.
 
-Quantisation: one program per row and BLOCK_G groups; IEEE division (``div_rn``: the reference's
-fp32 ``/``), round to nearest even into e4m3. Scales are stored M-contiguous ([ng, M] storage,
-returned as the transposed view [M, ng]): coalesced loads in the GEMM, and the layout cuBLAS's
-1x128 block scaling wants. The CPU interpreter mis-rounds fp32 -> e4m3 and bf16 arithmetic, so
-there the encoder is the exact integer one and operands are fp32 after loading.
+Quantisation: one program per row and BLOCK_G groups; IEEE division for the scale and the
+quotient (``div_rn``, as the reference's fp32 tensor-by-tensor ``/``), round to nearest even into
+e4m3 (sm_90's cvt.rn.satfinite; inputs are clamped to ±448 first, so saturation never differs from
+torch's cast). Scales are stored M-contiguous ([ng, M] storage, returned as the transposed view
+[M, ng]): coalesced loads in the GEMM, and the layout cuBLAS's 1x128 block scaling wants, whose
+rows the caller may pad (``row_multiple``). The CPU interpreter mis-rounds fp32 -> e4m3 and bf16
+arithmetic, so there the encoder is the exact integer one and operands are fp32 after loading.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ _UPCAST = interpreting()
 @triton.jit
 def _group_quant_kernel(
     x_ptr,  # [M, K] bf16/fp16/fp32, strides (stride_xm, 1)
-    q_ptr,  # uint8 view of e4m3 [M, K], strides (stride_qm, 1)
-    s_ptr,  # fp32 [M, ng], strides (stride_sm, stride_sg)
+    q_ptr,  # uint8 view of e4m3 [M_pad, K], strides (stride_qm, 1)
+    s_ptr,  # fp32 [M_pad, ng], strides (stride_sm, stride_sg)
+    M,  # rows of x; rows M..M_pad-1 of q and s are written as an all-zero row's
     K,
     num_groups,
     stride_xm,
@@ -63,7 +66,7 @@ def _group_quant_kernel(
     offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
     cols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP]
     mask = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask & (row < M), other=0.0).to(tl.float32)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR), QMAX)  # [BLOCK_G]
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
@@ -71,22 +74,27 @@ def _group_quant_kernel(
     tl.store(s_ptr + row * stride_sm + offs_g * stride_sg, scale, mask=offs_g < num_groups)
 
 
-def quant_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq e4m3 [M, K], scale fp32 [M, ceil(K/group)] as an M-contiguous view).
+def quant_per_token_group(
+    x: torch.Tensor, group: int = 128, row_multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq e4m3 [M_pad, K], scale fp32 [M_pad, ceil(K/group)] as an M-contiguous view)
+    with M_pad = M rounded up to ``row_multiple``; the padding rows are an all-zero row's (xq 0,
+    scale AMAX_FLOOR / 448), for callers whose GEMM needs aligned rows (cuBLAS's 1x128 scales).
 
     Spec: :func:`vllm.kernels.fp8_gemm.per_token_group_quant_fp8`; ``group`` a power of two."""
     check_cuda_or_interpreter(x)
     m, k = x.shape
+    m_pad = -(-m // row_multiple) * row_multiple
     ng = triton.cdiv(k, group)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty(ng, m, dtype=torch.float32, device=x.device).t()  # [M, ng], stride (1, M)
-    if m == 0 or k == 0:
+    q = torch.empty(m_pad, k, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(ng, m_pad, dtype=torch.float32, device=x.device).t()  # [M_pad, ng], (1, M_pad)
+    if m_pad == 0 or k == 0:
         return q, s
     block_g = min(8, triton.next_power_of_2(ng))
-    grid = (m, triton.cdiv(ng, block_g))
+    grid = (m_pad, triton.cdiv(ng, block_g))
     _group_quant_kernel[grid](
-        x, q.view(torch.uint8), s, k, ng, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+        x, q.view(torch.uint8), s, m, k, ng, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
         GROUP=group, BLOCK_G=block_g, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, SOFT_FP8=_UPCAST, num_warps=4,
     )  # fmt: skip
     return q, s
