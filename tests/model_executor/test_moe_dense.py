@@ -65,7 +65,7 @@ def test_model_logits_with_dense_experts(tiny_ckpt, monkeypatch):
     ref = prompt_logits(model, ids, "auto", chunk=32, decode_from=60)
     used = []
 
-    def dense(*a, w13_scale=None, w2_scale=None):  # full-precision experts: no scales
+    def dense(*a, w13_scale=None, w2_scale=None, num_experts=None):  # no scales: full precision
         assert w13_scale is None and w2_scale is None
         used.append(a[0].shape[0])
         return moe.experts_dense(*a)

@@ -197,8 +197,12 @@ def _down_kernel(
     tl.store(o_ptrs, acc, mask=pmask[:, None] & nmask[None, :])
 
 
-def _config(num_pairs: int, num_local_experts: int) -> dict:
+def _config(num_pairs: int, num_local_experts: int, num_experts: int | None = None) -> dict:
+    """Row tile by the pairs expected on this rank's experts: all of them, or under EP (routing
+    spread over ``num_experts``) their share, which is what the tiles are filled with."""
     small = TUNE["small"]
+    if num_experts:
+        num_pairs = -(-num_pairs * num_local_experts // num_experts)
     if num_pairs <= small["max_pairs_per_expert"] * num_local_experts:
         return small
     return TUNE["large"]
@@ -214,9 +218,11 @@ def experts_grouped_fp8(
     w13_scale: torch.Tensor,
     w2_scale: torch.Tensor,
     cfg: dict | None = None,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """:func:`experts_ref`'s FP8 result by two grouped GEMMs, without a host sync (module
-    docstring). ``cfg`` overrides the row tile choice (tests, the benchmark's sweep). Scratch:
+    docstring). ``cfg`` overrides the row tile choice (tests, the benchmark's sweep);
+    ``num_experts``: the model's routed experts, when only some are local (EP). Scratch:
     e4m3 x [T, H], e4m3 intermediate [P, I] with its scales, fp32 partial sums [P, H]."""
     t, h = x.shape
     e_loc, two_i = w13.shape[0], w13.shape[1]
@@ -235,7 +241,7 @@ def experts_grouped_fp8(
     p = t * top_k
     if p == 0 or e_loc == 0:
         return torch.zeros_like(x)
-    cfg = cfg or _config(p, e_loc)
+    cfg = cfg or _config(p, e_loc, num_experts)
     bm, opts = cfg["block_m"], dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     sorted_pairs, block_expert = sort_pairs_by_expert(ids, expert_offset, e_loc, bm)
     nb = block_expert.numel()

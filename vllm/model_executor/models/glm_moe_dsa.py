@@ -235,6 +235,7 @@ class Experts(nn.Module):
         inter, h = arch.moe_intermediate_size, arch.hidden_size
         self.ep, self.pc = pc.ep, pc
         self.expert_start, self.num_local = pc.expert_shard(arch.n_routed_experts)
+        self.num_experts = arch.n_routed_experts
         if self.ep is not None:  # whole experts, full width
             self.tp_size, self.tp_rank = 1, 0
         else:  # every expert, TP-sharded intermediates
@@ -282,6 +283,7 @@ class Experts(nn.Module):
             self.expert_start,
             w13_scale=self.w13_weight_scale_inv,
             w2_scale=self.w2_weight_scale_inv,
+            num_experts=self.num_experts,
         )
 
 
