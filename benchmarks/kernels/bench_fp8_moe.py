@@ -69,8 +69,8 @@ def bench(t: int, e_loc: int, sweep: bool, experts) -> list[dict]:
     rows = [row("moe_bf16_fused", shape, bf16_ms, f16, b16, "bf16", bf16_ms, f"{valid} pairs")]
     flops, nbytes = fused_experts_fp8_cost(t, K, e_loc, H, INTER, valid, hit)
     args = (x, q13, q2, ids, w, 0, s13, s2)
-    table = fp8._config(t * K, e_loc)
-    ms = timer(lambda: fp8.experts_grouped_fp8(*args))
+    table = fp8._config(t * K, e_loc, E_TOTAL)  # as the model calls it: E_TOTAL routed experts
+    ms = timer(lambda: fp8.experts_grouped_fp8(*args, num_experts=E_TOTAL))
     res = f"{resource_report('moe_fp8_gate_up')} | {resource_report('moe_fp8_down')}"
     note = f"bf16 {bf16_ms:.3f} ms; block_m {table['block_m']} w{table['num_warps']}; {res}"
     rows.append(row("moe_fp8_grouped", shape, ms, flops, nbytes, "fp8", bf16_ms, note))
