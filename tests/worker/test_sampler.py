@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample, uniform_noise
+from vllm.kernels.sampling import uniform_noise
+from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample
 
 
 def _sb(b, **kw):

@@ -6,8 +6,10 @@ allowed_token_ids, bans (bad_words, min_tokens), logit_bias, penalties; greedy t
 of those; random rows then apply temperature, min-p, top-k and top-p, and sample.
 
 Randomness is counter-based: the uniform for (request seed, position, token) is a hash of the
-three, so a seeded request samples the same tokens whatever else is in the batch, and nothing is
-drawn from a stateful generator. Sampling is Gumbel-max over the filtered distribution.
+three (``uniform_noise``), so a seeded request samples the same tokens whatever else is in the
+batch, and nothing is drawn from a stateful generator. Sampling is Gumbel-max over the filtered
+distribution. Top-k / top-p and the Gumbel-max are ops of ``vllm.kernels.sampling`` (Triton
+kernels on CUDA: no sort of the vocabulary, no [B, V] noise tensor).
 """
 
 from __future__ import annotations
@@ -16,29 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.kernels.sampling import gumbel_sample, top_k_top_p
 from vllm.structured_output.bitmask import apply_token_bitmask
 from vllm.worker.gpu.logit_bias import apply_allowed, apply_logit_bias
 from vllm.worker.gpu.penalties import Penalties, apply_penalties
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finaliser on int64 tensors (constants < 2^31: products never overflow)."""
-    h = ((h >> 16) ^ h) * 0x45D9F3B & _M32
-    h = ((h >> 16) ^ h) * 0x45D9F3B & _M32
-    return (h >> 16) ^ h
-
-
-def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B] seeds, [B] positions -> [B, vocab] uniforms in (0, 1), a pure function of the inputs."""
-    s = (seeds ^ (seeds >> 32)) & _M32
-    b = _mix32(_mix32(s) ^ (positions & _M32))
-    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    h = _mix32(b.unsqueeze(1) ^ v.unsqueeze(0))
-    # fp32 rounds the top 128 of 2^32 values up to 1.0, whose Gumbel noise is +inf: a masked
-    # token (-inf) would then win the argmax as NaN; the largest fp32 below 1 keeps u in (0, 1)
-    return (h.double() + 0.5).div_(2.0**32).float().clamp_(max=1.0 - 2.0**-24)
 
 
 @dataclass
@@ -84,18 +67,18 @@ def sample(logits: torch.Tensor, sb: SamplingBatch):
         logits = apply_token_bitmask(logits.clone(), sb.grammar)
     raw = logits
     logits = process_logits(logits, sb)
-    greedy = logits.argmax(dim=-1)
     if sb.all_greedy:
-        sampled = greedy
+        sampled = logits.argmax(dim=-1)
     else:
+        # greedy rows are divided by 1 and keep their first maximum through every filter, so
+        # gumbel_sample's plain argmax for them is the argmax of the logits
         x = logits / torch.where(sb.temperature > 0, sb.temperature, 1.0).unsqueeze(1)
         if sb.any_min_p:
             x = apply_min_p(x, sb.min_p)
         if sb.any_top_k or sb.any_top_p:
-            x = _top_k_top_p(x, sb)
-        u = uniform_noise(sb.seeds, sb.positions, x.shape[1])
-        gumbel = -torch.log(-torch.log(u))
-        sampled = torch.where(sb.temperature > 0, (x + gumbel).argmax(dim=-1), greedy)
+            top_k = sb.top_k if sb.any_top_k else None
+            x = top_k_top_p(x, top_k, sb.top_p if sb.any_top_p else None)
+        sampled = gumbel_sample(x, sb.temperature, sb.seeds, sb.positions)
     lp = None
     if sb.max_logprobs >= 0:
         logprobs = torch.log_softmax(raw, dim=-1)
@@ -112,22 +95,6 @@ def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)
     keep = probs >= min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
     return x.masked_fill(~keep, float("-inf"))
-
-
-def _top_k_top_p(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    v = x.shape[1]
-    ar = torch.arange(v, device=x.device).unsqueeze(0)
-    drop = torch.zeros_like(sorted_x, dtype=torch.bool)
-    if sb.any_top_k:
-        k = torch.where(sb.top_k > 0, sb.top_k, v).unsqueeze(1)
-        drop |= ar >= k
-    if sb.any_top_p:
-        probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        drop |= before >= sb.top_p.unsqueeze(1)
-    drop[:, 0] = False  # always keep the best token
-    return x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, n: int):
