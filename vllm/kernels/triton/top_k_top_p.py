@@ -257,8 +257,9 @@ def _scan(i0, x0, key0, e0, lrow, xrow, n, dense, m, vk_lo, vk_hi, thr_k, cut_k,
 def _ge(u, sel, w, key):
     """(weight, count, least key) of the selected entries with key >= u; largest key below u."""
     ge = sel & (key >= u)
-    return (tl.sum(tl.where(ge, w, 0.0)), tl.sum(ge.to(tl.int32)),
-            tl.min(tl.where(ge, key, INT32_MAX)), tl.max(tl.where(sel & ~ge, key, INT32_MIN)))  # fmt: skip
+    least = tl.min(tl.where(ge, key, INT32_MAX))
+    below = tl.max(tl.where(sel & ~ge, key, INT32_MIN))
+    return tl.sum(tl.where(ge, w, 0.0)), tl.sum(ge.to(tl.int32)), least, below
 
 
 @triton.jit
@@ -326,28 +327,45 @@ def _search(target, base, lo, hi, f_lo, f_hi, c_lo, sel0, w0, i0, x0, key0, e0, 
 
 @triton.jit
 def _tie_cut(v, keep, n_ties, i0, x0, key0, e0, lrow, xrow, n, dense, m, vk_lo, vk_hi, thr_k,
-             cut_k, vp_lo, vp_hi, WHICH: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
-    """Of the selected entries tied at key v, the `keep` lowest indices stay: the least c with
-    #{ties at index < c} >= keep (bisection on the index; INT32_MAX when all stay)."""
-    lo = tl.zeros((), tl.int32)  # #{ties below lo} < keep <= #{ties below hi}
-    hi = tl.where(keep < n_ties, tl.where(dense, n, INT32_MAX - 1), 0)
+             cut_k, vp_lo, vp_hi, V, WHICH: tl.constexpr, TILE: tl.constexpr):  # fmt: skip
+    """Of the selected entries tied at key v, the `keep` lowest indices stay: the index of the
+    first one that does not (INT32_MAX when all stay). The whole row (dense) is in index order:
+    one pass ranks the ties; a list is not: bisection on the index."""
     sel0, w0 = _sel(i0, x0, key0, e0, WHICH, vk_lo, vk_hi, thr_k, cut_k, vp_lo, vp_hi)
     tie0 = sel0 & (key0 == v)
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        c = tl.sum((tie0 & (i0 < mid)).to(tl.int32))
+    cut = tl.full((), INT32_MAX, tl.int32)
+    if dense & (keep < n_ties):
+        t = tie0.to(tl.int32)
+        rank = tl.cumsum(t, 0) - t
+        cut = tl.min(tl.where(tie0 & (rank == keep), i0, INT32_MAX))
+        run = tl.sum(t)
         for t0 in range(TILE, n, TILE):
             idx, x, key, e = _tile(lrow, xrow, t0, n, dense, m, TILE)
             sel, w = _sel(idx, x, key, e, WHICH, vk_lo, vk_hi, thr_k, cut_k, vp_lo, vp_hi)
-            c += tl.sum((sel & (key == v) & (idx < mid)).to(tl.int32))
-        lo = tl.where(c < keep, mid, lo)
-        hi = tl.where(c < keep, hi, mid)
-    return tl.where(keep < n_ties, hi, INT32_MAX)
+            tie = sel & (key == v)
+            t = tie.to(tl.int32)
+            rank = run + tl.cumsum(t, 0) - t
+            cut = tl.minimum(cut, tl.min(tl.where(tie & (rank == keep), idx, INT32_MAX)))
+            run += tl.sum(t)
+    else:
+        lo = tl.zeros((), tl.int32)  # #{ties below lo} < keep <= #{ties below hi}
+        hi = tl.where(keep < n_ties, V, 0)
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            c = tl.sum((tie0 & (i0 < mid)).to(tl.int32))
+            for t0 in range(TILE, n, TILE):
+                idx, x, key, e = _tile(lrow, xrow, t0, n, dense, m, TILE)
+                sel, w = _sel(idx, x, key, e, WHICH, vk_lo, vk_hi, thr_k, cut_k, vp_lo, vp_hi)
+                c += tl.sum((sel & (key == v) & (idx < mid)).to(tl.int32))
+            lo = tl.where(c < keep, mid, lo)
+            hi = tl.where(c < keep, hi, mid)
+        cut = tl.where(keep < n_ties, hi, INT32_MAX)
+    return cut
 
 
 @triton.jit
 def _select(lrow, xrow, n, dense, m, k_on, need, vk_lo, vk_hi, base_k, p_on, p, vp_lo, vp_hi,
-            base_p, n_below, TILE: tl.constexpr):  # fmt: skip
+            base_p, n_below, V, TILE: tl.constexpr):  # fmt: skip
     """-> (thr_k, cut_k, v_p, cut_p, ok): a token is kept iff its key > thr_k, or == thr_k at an
     index < cut_k, and likewise for (v_p, cut_p). ok: top-p's bracket held. The first TILE
     entries stay in registers; the bisections read the others again (from L1: the list is
@@ -365,14 +383,17 @@ def _select(lrow, xrow, n, dense, m, k_on, need, vk_lo, vk_hi, base_k, p_on, p, 
         hi = tl.where(ok, kmax.to(tl.int64) + 1, kmin.to(tl.int64))
         thr_k, c_lo, c_hi, _ = _search(need, 0.0, kmin.to(tl.int64), hi, n_in.to(tl.float32), 0.0,
                                        n_in, sel0, w0, i0, x0, key0, e0, lrow, xrow, n, dense, m,
-                                       vk_lo, vk_hi, thr_k, cut_k, vp_lo, vp_hi, 0, TILE)  # fmt: skip
-        cut_k = _tie_cut(thr_k, need - c_hi, c_lo - c_hi, i0, x0, key0, e0, lrow, xrow, n, dense,
-                         m, vk_lo, vk_hi, thr_k, cut_k, vp_lo, vp_hi, 0, TILE)  # fmt: skip
+                                       vk_lo, vk_hi, thr_k, cut_k, vp_lo, vp_hi, 0,
+                                       TILE)  # fmt: skip
+        cut_k = _tie_cut(thr_k, need.to(tl.int32) - c_hi, c_lo - c_hi, i0, x0, key0, e0, lrow,
+                         xrow, n, dense, m, vk_lo, vk_hi, thr_k, cut_k, vp_lo, vp_hi, V, 0,
+                         TILE)  # fmt: skip
     v_p = tl.full((), INT32_MIN, tl.int32)
     cut_p = tl.zeros((), tl.int32)
     if p_on & ok:
         pmin, pmax, n_p, t_add, s_add = _scan(i0, x0, key0, e0, lrow, xrow, n, dense, m, vk_lo,
-                                              vk_hi, thr_k, cut_k, vp_lo, vp_hi, 1, TILE)  # fmt: skip
+                                              vk_hi, thr_k, cut_k, vp_lo, vp_hi, 1,
+                                              TILE)  # fmt: skip
         lim = tl.maximum(p, 1e-30) * (base_k + s_add)  # top_p · the top-k survivors' mass
         total = base_p + t_add
         ok = base_p < lim  # the last token above the bracket is kept
@@ -398,7 +419,7 @@ def _select(lrow, xrow, n, dense, m, k_on, need, vk_lo, vk_hi, base_k, p_on, p, 
             keep = tl.where((keep < n_ties) & (f_hi + keep.to(tl.float32) * e_v < lim), keep + 1,
                             keep)  # fmt: skip
             cut_p = _tie_cut(v_p, keep, n_ties, i0, x0, key0, e0, lrow, xrow, n, dense, m, vk_lo,
-                             vk_hi, thr_k, cut_k, vp_lo, vp_hi, 1, TILE)  # fmt: skip
+                             vk_hi, thr_k, cut_k, vp_lo, vp_hi, V, 1, TILE)  # fmt: skip
         else:
             ok = False
     return thr_k, cut_k, v_p, cut_p, ok
@@ -551,7 +572,8 @@ def _top_k_top_p_kernel(
                 kb_l = kb_n * tl.exp(tl.minimum(vk_lo, m) - m)
                 kb_h = kb_n * tl.exp(tl.minimum(vk_hi, m) - m)
                 hk, hp, a_m, b_m = _refine(xrow, V, m, k_ref, ku2, kglo * sk, vk_lo, vk_hi, p_ref,
-                                           pu2, pglo * sp, vp_lo, vp_hi, vb_lo, NB, BLOCK)  # fmt: skip
+                                           pu2, pglo * sp, vp_lo, vp_hi, vb_lo, NB,
+                                           BLOCK)  # fmt: skip
                 if k_ref:  # sub-bins ascending: the one holding the k-th token
                     ck = k_abv + tl.cumsum(hk, 0, reverse=True) - hk
                     at = (ck < k) & (ck + hk >= k)
@@ -580,6 +602,9 @@ def _top_k_top_p_kernel(
                     pu = pu2
                     vp_lo = _edge(pglo, pu)
                     vp_hi = _edge(pghi + 1, pu)
+                # a refined top-k bracket may leave few enough survivors to list them all
+                small = small | (k_on & p_on & (k_abv + nk <= CAP))
+                p_act = p_act & (small == 0)
                 n_cand = _union(small, k_on, nk, k_abv, vk_lo, vk_hi, p_act, n_p, vp_lo, vp_hi)
                 level += 1
                 go = (n_cand > CAP) & (level < MAX_REFINE)
@@ -589,6 +614,7 @@ def _top_k_top_p_kernel(
         # top-k is off
         vp_lo = tl.where(small, vk_lo, vp_lo)
         vp_hi = tl.where(small, float("inf"), vp_hi)
+        n_below = tl.where(small, 0, n_below)
         p_act = p_act | small
         vk_lo = tl.where(k_on, vk_lo, float("inf"))
         sk_hi = tl.where(k_on, vk_hi, float("-inf"))
@@ -634,7 +660,8 @@ def _top_k_top_p_kernel(
                 nb = n_below
                 pa = p_act
             thr_k, cut_k, v_p, cut_p, ok = _select(lrow, xrow, n_l, dense, m, k_on, nd, lo_k, hi_k,
-                                                   bk, pa, p, lo_p, hi_p, bp, nb, TILE)  # fmt: skip
+                                                   bk, pa, p, lo_p, hi_p, bp, nb, V,
+                                                   TILE)  # fmt: skip
             if ok | dense:
                 _write_list(orow, lrow, xrow, n_l, dense, m, thr_k, cut_k, v_p, cut_p, TILE)
                 go = False
@@ -655,9 +682,9 @@ def _top_k_top_p_kernel(
 def launch_config(num_bins=64, bins_per_unit=2, cap=4096, block=2048, tile=1024, num_warps=8):
     """The kernel's constexprs and ``num_warps`` for these tuning knobs (see
     :func:`top_k_top_p`); the launcher and the sm_90 build check resolve them here."""
-    for name, val in (("num_bins", num_bins), ("bins_per_unit", bins_per_unit)):
-        if val < 2 or val & (val - 1):
-            raise ValueError(f"{name} must be a power of two >= 2, got {val}")
+    for name, val, least in (("num_bins", num_bins, 2), ("bins_per_unit", bins_per_unit, 1)):
+        if val < least or val & (val - 1):
+            raise ValueError(f"{name} must be a power of two >= {least}, got {val}")
     return dict(NB=num_bins, UNIT=float(bins_per_unit), EPS=EPS, CAP=cap, MAX_REFINE=MAX_REFINE,
                 MAX_UNIT=MAX_UNIT, BLOCK=block, TILE=tile, THREADS=min(32 * num_warps, block),
                 num_warps=num_warps)  # fmt: skip
