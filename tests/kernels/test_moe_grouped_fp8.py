@@ -207,7 +207,9 @@ def test_fused_experts_fp8_gpu_dispatch_and_graph(monkeypatch):
     x, *rest = _gpu_case(16, 32, 8, 1024, 512, 0, 32, seed=3)
     x = x.to(torch.bfloat16)
     real, calls = mod.experts_grouped_fp8, []
-    monkeypatch.setattr(mod, "experts_grouped_fp8", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        mod, "experts_grouped_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     eager = moe.fused_experts(x, *rest)
     assert calls
     graph = torch.cuda.CUDAGraph()

@@ -478,7 +478,9 @@ def test_slice_fp8_on_cuda(tmp_path):
     held = torch.cuda.memory_allocated() - before
     assert _assert_fp8_layout(model) > 0
     assert expect <= held <= 1.02 * expect + 2**20, (held, expect)
-    assert held < 0.6 * bf16
+    # measured on an H200: 0.64 of the bf16 model (the e4m3 linears and experts take half; the
+    # fp32 absorbed W_UK/W_UV, the embedding, lm_head and norms do not shrink)
+    assert held < 0.7 * bf16
     ref = build_model(str(tmp_path / "deq"), dtype=torch.bfloat16, device="cuda")
     for ids in (list(range(10, 74)), list(range(500, 600))):
         got = prompt_logits(model, ids, device="cuda").float().cpu()
