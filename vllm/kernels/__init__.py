@@ -12,6 +12,7 @@ reference (``<op>_ref``) that defines the semantics, and the cost model (``<op>_
   * ``fp8_gemm``          block-scaled FP8 linear (w8a8: per-token-group activation quantisation,
                           e4m3 weights with 128 x 128 scales)
   * ``moe``               routed SwiGLU experts (bf16, or e4m3 with block scales)
+  * ``sampling``          top-k / top-p masks without a vocabulary sort, fused Gumbel-max sampling
 
 Implementations: Triton kernels in ``vllm/kernels/triton/`` (any CUDA GPU, and the Triton CPU
 interpreter in tests), the Gluon warp-specialised kernel for Hopper (``sparse_mla_ws``), and the
