@@ -8,6 +8,7 @@ import torch
 from vllm.config.arch import ModelArch
 from vllm.config.compilation import CompilationConfig
 from vllm.config.flags import parse_json_flag
+from vllm.config.kv_transfer import KVTransferConfig  # noqa: F401  (re-exported)
 
 BLOCK_SIZE = 64  # tokens per physical KV block (the cache layouts assume it)
 
@@ -192,20 +193,6 @@ class SpeculativeConfig:
             method=raw.get("method", "mtp"),
             num_speculative_tokens=int(raw.get("num_speculative_tokens", 1)),
         )
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    kv_connector: str | None = None
-    kv_role: str | None = None
-    extra: dict = field(default_factory=dict, hash=False)
-
-    @classmethod
-    def from_json(cls, value) -> KVTransferConfig | None:
-        raw = parse_json_flag(value, "--kv-transfer-config")
-        if not raw:
-            return None
-        return cls(kv_connector=raw.get("kv_connector"), kv_role=raw.get("kv_role"), extra=raw)
 
 
 @dataclass(frozen=True)
