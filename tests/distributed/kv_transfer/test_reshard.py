@@ -1,0 +1,132 @@
+"""The resharding planner, exhaustively on CPU: source caches written by the engine's own write
+path at the engine's slots (PCP × TP × DCP with interleave), the plan applied with plain byte
+copies, compared bit for bit with the destination layout written directly from the same logical
+rows (MLA rows, FP8 indexer values and scales, bf16 caches), and the bytes moved counted."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed.kv_transfer.kv_helpers import (
+    SMALL_BF16,
+    SMALL_FP8,
+    LogicalKV,
+    apply_plan,
+    block_ids_for,
+    engine_slots,
+)
+from vllm.distributed.kv_transfer.reshard import (
+    KVShardLayout,
+    Region,
+    byte_runs,
+    merge_runs,
+    plan_reads,
+)
+
+# (world = PCP × TP, DCP, interleave); (2, 2, 1) is PCP2 × DCP2, (4, 2, 1) PCP2 × TP2 × DCP2
+# (two copies of each shard), (2, 1, 1) PCP2 × DCP1 (two full copies)
+SOURCES = [(1, 1, 1), (2, 2, 1), (4, 2, 1), (4, 4, 1), (2, 2, 4), (4, 4, 2), (2, 1, 1)]
+DESTS = [(1, 1, 1), (2, 2, 1), (3, 3, 1), (4, 4, 1), (2, 2, 8), (2, 1, 1), (4, 2, 2)]
+LENGTHS = [1, 63, 64, 129, 333]
+NUM_LAYERS = 2  # layer 0 with an indexer, layer 1 without
+
+
+@pytest.mark.parametrize("shard", SOURCES + DESTS)
+def test_slot_formula_matches_engine(shard):
+    """KVShardLayout.slots / owner are the engine's MLAMetadata.slots_for."""
+    lay = KVShardLayout(*shard)
+    n = 777
+    ids = block_ids_for(lay, n, 64, seed=1)
+    pos = np.arange(n)
+    for rank in range(lay.world_size):
+        eng = engine_slots(lay, rank, ids[0], torch.from_numpy(pos)).numpy()
+        mine = lay.owner(pos) == lay.dcp_rank(rank)
+        assert ((eng >= 0) == mine).all()
+        np.testing.assert_array_equal(eng[mine], lay.slots(pos[mine], ids[0]))
+
+
+def _check(kv_layout, src, dst, length, lo, shuffle, seed):
+    logical = LogicalKV(kv_layout, length, NUM_LAYERS, seed)
+    pool = 48
+    src_ids = block_ids_for(src, length, pool, seed, shuffle)
+    dst_ids = block_ids_for(dst, length, pool, seed + 1, shuffle)
+    src_caches = [
+        logical.caches(src, k, src_ids[0], pool + 2) for k in range(src.world_size)
+    ]  # every source rank: its shard of the whole request
+    bytes_per_row = kv_layout.mla_bytes_per_token * NUM_LAYERS + kv_layout.indexer_bytes_per_token
+    for d in range(dst.world_size):
+        got = [
+            (kv_layout.allocate_mla(pool + 2, "cpu"), kv_layout.allocate_indexer(pool + 2, "cpu"))
+            if li % 2 == 0
+            else (kv_layout.allocate_mla(pool + 2, "cpu"), None)
+            for li in range(NUM_LAYERS)
+        ]
+        moved, _ = apply_plan(kv_layout, src, src_ids, src_caches, dst, dst_ids, d, got, lo, length)
+        want = logical.caches(dst, d, dst_ids[0], pool + 2, lo, length)
+        for (gm, gi), (wm, wi) in zip(got, want, strict=True):
+            assert torch.equal(gm, wm)
+            assert (gi is None) == (wi is None)
+            if gi is not None:
+                assert torch.equal(gi, wi)
+        owned = int((dst.owner(np.arange(lo, length)) == dst.dcp_rank(d)).sum())
+        assert moved == owned * bytes_per_row  # only the rows this rank owns cross
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.product(SOURCES, DESTS)))
+def test_reshard_parity_fp8(src, dst):
+    src, dst = KVShardLayout(*src), KVShardLayout(*dst)
+    for k, length in enumerate(LENGTHS):
+        lo = 0 if k % 2 == 0 else length // 3
+        _check(SMALL_FP8, src, dst, length, lo, shuffle=k != 2, seed=k)
+
+
+@pytest.mark.parametrize("src,dst", [((2, 2, 1), (1, 1, 1)), ((4, 2, 1), (3, 3, 1))])
+def test_reshard_parity_bf16(src, dst):
+    for k, length in enumerate((65, 200)):
+        _check(SMALL_BF16, KVShardLayout(*src), KVShardLayout(*dst), length, 0, k == 0, seed=k)
+
+
+def test_equal_layouts_read_whole_blocks():
+    """M = N with the same interleave: one run per block (per run of consecutive blocks)."""
+    lay = KVShardLayout(2, 2, 1)
+    ids = [[5, 9, 2, 3]] * 2
+    reads = plan_reads(lay, ids, lay, [[7, 8, 1, 0]] * 2, 1, 0, 4 * 128)
+    (rr,) = reads
+    assert rr.src_rank == 1
+    # source blocks 2,3 are consecutive but destination 1,0 are not: 4 runs of 64 rows
+    assert rr.runs.length.tolist() == [64] * 4
+    consecutive = plan_reads(lay, [[4, 5, 6, 7]] * 2, lay, [[0, 1, 2, 3]] * 2, 0, 0, 512)
+    assert [len(r.runs) for r in consecutive] == [1]
+
+
+def test_replicas_spread_reads():
+    """PCP2 × TP2 × DCP2 keeps two copies: destination ranks read from different copies."""
+    src, dst = KVShardLayout(4, 2, 1), KVShardLayout(2, 1, 1)
+    ids = [[0, 1]] * 2
+    r0 = {rr.src_rank for rr in plan_reads(src, ids, dst, [[0, 1, 2, 3]], 0, 0, 200)}
+    r1 = {rr.src_rank for rr in plan_reads(src, ids, dst, [[0, 1, 2, 3]], 1, 0, 200)}
+    assert r0 == {0, 1} and r1 == {2, 3}
+
+
+def test_fp8_indexer_runs_cut_at_pages():
+    region = Region("indexer_k", 32, 64 * 36, 64)
+    runs = merge_runs(np.arange(60, 140), np.arange(0, 80))
+    assert len(runs) == 1
+    br = byte_runs(runs, region)
+    page = 64 * 36  # cut where either side enters a new page: source 64, 128; destination 64
+    assert br.length.tolist() == [4 * 32, 60 * 32, 4 * 32, 12 * 32]
+    assert br.src.tolist() == [60 * 32, page, page + 60 * 32, 2 * page]
+    assert br.dst.tolist() == [0, 4 * 32, page, page + 4 * 32]
+
+
+def test_bad_layouts_refused():
+    with pytest.raises(ValueError, match="must divide world size"):
+        KVShardLayout(3, 2)
+    with pytest.raises(ValueError, match="must divide the block size"):
+        KVShardLayout(2, 2, 3)
+    with pytest.raises(ValueError, match="do not cover"):
+        plan_reads(KVShardLayout(), [[0]], KVShardLayout(), [[0]], 0, 0, 65)
