@@ -7,6 +7,7 @@ so that a typo is refused instead of ignored.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field, fields
 
 from vllm.config.flags import parse_json_flag
@@ -24,7 +25,7 @@ class KVTransferConfig:
     kv_connector: str | None = None
     kv_role: str | None = None  # kv_producer (prefill) | kv_consumer (decode) | kv_both
     kv_load_failure_policy: str = "recompute"  # or "fail": the request errors
-    engine_id: str | None = None  # unique per engine; None: the connector draws a random one
+    engine_id: str | None = None  # unique per engine; from_json draws a random one if absent
     kv_ip: str = "127.0.0.1"  # host consumers reach this engine's side channel at
     kv_port: int = 14579  # upstream's port key (connectors that need one more port)
     side_channel_port: int = 5600  # base ZMQ port: engine rank k listens on base + k
@@ -50,6 +51,8 @@ class KVTransferConfig:
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"{FLAG}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
+        # one id shared by the engine's scheduler and workers (they receive this config)
+        raw.setdefault("engine_id", uuid.uuid4().hex)
         cfg = cls(**raw)
         cfg.validate()
         return cfg

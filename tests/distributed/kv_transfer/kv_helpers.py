@@ -61,20 +61,30 @@ class LogicalKV:
     def caches(self, shard: KVShardLayout, rank: int, block_ids, num_blocks: int, lo=0, hi=None):
         """This rank's per-layer (MLA, indexer | None) caches holding positions [lo, hi) it owns,
         written by the engine's cache-write references at the engine's slots."""
+        out = empty_caches(self.layout, self.num_layers, num_blocks)
+        self.write_into(out, shard, rank, block_ids, lo, hi)
+        return out
+
+    def write_into(self, caches, shard: KVShardLayout, rank: int, block_ids, lo=0, hi=None):
         hi = self.num_tokens if hi is None else hi
         pos = torch.arange(self.num_tokens)
         slots = engine_slots(shard, rank, block_ids, pos)
         slots = torch.where((pos >= lo) & (pos < hi), slots, -1)
-        out = []
-        for li in range(self.num_layers):
-            mla = self.layout.allocate_mla(num_blocks, "cpu")
+        for li, (mla, idx) in enumerate(caches):
             write_mla_cache_ref(mla, self.kv_c[li], self.k_pe[li], slots, self.layout)
-            idx = None
-            if self.idx[li] is not None:
-                idx = self.layout.allocate_indexer(num_blocks, "cpu")
+            if idx is not None:
                 write_indexer_cache_ref(idx, self.idx[li], slots, self.layout)
-            out.append((mla, idx))
-        return out
+
+
+def empty_caches(layout: KVCacheLayout, num_layers: int, num_blocks: int):
+    """Zeroed per-layer caches; even layers have an indexer cache (like IndexShare's full ones)."""
+    return [
+        (
+            layout.allocate_mla(num_blocks, "cpu"),
+            layout.allocate_indexer(num_blocks, "cpu") if li % 2 == 0 else None,
+        )
+        for li in range(num_layers)
+    ]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from tests.distributed.kv_transfer.kv_helpers import (
     LogicalKV,
     apply_plan,
     block_ids_for,
+    empty_caches,
     engine_slots,
 )
 from vllm.distributed.kv_transfer.reshard import (
@@ -59,12 +60,7 @@ def _check(kv_layout, src, dst, length, lo, shuffle, seed):
     ]  # every source rank: its shard of the whole request
     bytes_per_row = kv_layout.mla_bytes_per_token * NUM_LAYERS + kv_layout.indexer_bytes_per_token
     for d in range(dst.world_size):
-        got = [
-            (kv_layout.allocate_mla(pool + 2, "cpu"), kv_layout.allocate_indexer(pool + 2, "cpu"))
-            if li % 2 == 0
-            else (kv_layout.allocate_mla(pool + 2, "cpu"), None)
-            for li in range(NUM_LAYERS)
-        ]
+        got = empty_caches(kv_layout, NUM_LAYERS, pool + 2)
         moved, _ = apply_plan(kv_layout, src, src_ids, src_caches, dst, dst_ids, d, got, lo, length)
         want = logical.caches(dst, d, dst_ids[0], pool + 2, lo, length)
         for (gm, gi), (wm, wi) in zip(got, want, strict=True):

@@ -1,26 +1,22 @@
-"""KV transfer between engines (P/D disaggregation). The runner always holds a connector; without
---kv-transfer-config it is the no-op one, so the runner never asks "is there a connector?"."""
+"""KV transfer between engines (P/D disaggregation, SPEC §7).
+
+What lives here: the connector API (``base.py``: scheduler and worker halves, no-op defaults), the
+resharding planner (``reshard.py``: which rows a decode rank reads from which prefill rank), the
+NIXL connector (``nixl_connector.py``) with its ZMQ handshake (``side_channel.py``), and the
+name → class factory (``factory.py``). What does not: when the scheduler calls the hooks and what
+it does with their answers (``vllm/core``), the runner's calls (``vllm/worker``), the HTTP
+``kv_transfer_params`` (``vllm/entrypoints``). The runner always holds a connector; without
+--kv-transfer-config it is the no-op one, so the runner never asks "is there a connector?".
+"""
 
 from __future__ import annotations
 
-from vllm.core.messages import SchedulerOutput
-
-
-class KVConnectorBase:
-    """Worker-side hooks around each step (upstream's KVConnectorBase_V1 worker half)."""
-
-    def start_load_kv(self, so: SchedulerOutput) -> None:
-        """Begin pulling remote KV for requests scheduled this step."""
-
-    def wait_for_layer_load(self, layer_idx: int) -> None:
-        """Block until layer `layer_idx`'s remote KV is in place."""
-
-    def save_kv_layer(self, layer_idx: int) -> None:
-        """Offer layer `layer_idx`'s new KV to remote consumers."""
-
-    def wait_for_save(self) -> None:
-        """Block until this step's saves are done."""
-
-
-class NoOpConnector(KVConnectorBase):
-    pass
+from vllm.distributed.kv_transfer.base import (  # noqa: F401
+    KVConnectorBase,
+    KVConnectorContext,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    NoOpConnector,
+    aggregate_outputs,
+)

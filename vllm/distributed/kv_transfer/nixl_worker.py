@@ -1,0 +1,374 @@
+"""The NixlConnector's worker half: one NIXL agent per rank (UCX backend), DRAM or VRAM.
+
+Producer role: register this rank's caches, serve the handshake on the side channel (agent
+metadata, per-layer cache addresses, compatibility hash), count the consumers' notifications and
+release leases (confirmed by every consumer rank, or expired).
+
+Consumer role: per request, handshake with every rank of the producer replica (in a thread pool;
+the step never blocks), plan the reads with ``reshard.plan_reads`` (only rows this rank owns),
+post one NIXL READ per producer rank covering every layer, poll, notify every producer rank, and
+report the request. A failed handshake (producer gone, incompatible caches), a transfer error or
+``kv_load_timeout_s`` fails the load: it is still reported finished, and its local blocks are
+listed by :meth:`NixlWorker.take_load_errors`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm.distributed.kv_transfer.base import KVConnectorContext, LayerKVCache
+from vllm.distributed.kv_transfer.nixl_params import (
+    NixlConnectorMetadata,
+    NixlRecvReq,
+    source_layout,
+)
+from vllm.distributed.kv_transfer.reshard import (
+    KVShardLayout,
+    RankReads,
+    SlotRuns,
+    byte_runs,
+    indexer_regions,
+    mla_regions,
+    plan_reads,
+)
+from vllm.distributed.kv_transfer.side_channel import SideChannelServer, side_channel_request
+from vllm.utils import logger
+
+HANDSHAKE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class RemoteRank:
+    """One producer rank after its handshake."""
+
+    agent_name: str
+    layers: list[list[int]]  # per layer [mla addr, mla bytes, indexer addr (0: none), bytes]
+    mem_type: str
+    device_id: int
+
+
+@dataclass
+class Load:
+    req: NixlRecvReq
+    src: KVShardLayout | None
+    ports: list[tuple[str, int]]  # side channel of every producer rank
+    deadline: float
+    reads: list[RankReads] = field(default_factory=list)
+    handles: list = field(default_factory=list)
+    posted: bool = False
+    num_bytes: int = 0
+    num_descs: int = 0
+
+
+def compat_info(ctx: KVConnectorContext, kv_caches: list[LayerKVCache]) -> dict:
+    """What both engines must agree on for rows to be copied byte for byte."""
+    lay = ctx.layout
+    return {
+        "model": ctx.model_name,
+        "cache_dtype": lay.cache_dtype,
+        "storage_dtype": str(lay.storage_dtype),
+        "kv_lora_rank": lay.kv_lora_rank,
+        "rope_dim": lay.rope_dim,
+        "index_head_dim": lay.index_head_dim,
+        "block_size": lay.block_size,
+        "mla_bytes_per_token": lay.mla_bytes_per_token,
+        "indexer_bytes_per_token": lay.indexer_bytes_per_token,
+        "num_layers": len(kv_caches),
+        "indexer_layers": [i for i, (_, idx) in enumerate(kv_caches) if idx is not None],
+    }
+
+
+def compat_hash(info: dict) -> str:
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class NixlWorker:
+    def __init__(self, ctx: KVConnectorContext, engine_id: str):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.ctx, self.cfg, self.engine_id = ctx, ctx.config, engine_id
+        name = f"{engine_id}-dp{ctx.dp_rank}-r{ctx.rank}-{uuid.uuid4().hex[:6]}"
+        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self.layers: list[list[int]] = []
+        self.compat: dict = {}
+        self.compat_hash = ""
+        self.server: SideChannelServer | None = None
+        self._reg = None
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-handshake")
+        self._handshakes: dict[tuple[str, int], Future] = {}
+        self._remotes: dict[tuple[str, int], RemoteRank] = {}
+        self._agents: set[str] = set()  # remote agents whose metadata NIXL holds
+        self._peers: dict[tuple[str, int], str] = {}  # side channel -> agent name (notifications)
+        self._loads: dict[str, Load] = {}
+        self._leases: dict[str, float] = {}  # producer request id -> deadline
+        self._notified: dict[str, list] = {}  # request id -> [count, expected, first seen]
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._zombies: list = []  # handles that could not be released (in flight)
+        self.failures: dict[str, str] = {}  # request id -> why its load failed
+        self.recv_bytes: dict[str, int] = {}  # request id -> bytes read (and descriptors)
+        self.recv_descs: dict[str, int] = {}
+
+    # ---- registration and handshake (producer) -------------------------------------------------
+    def register_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
+        tensors = [t for pair in kv_caches for t in pair if t is not None]
+        if not all(t.is_contiguous() for t in tensors):
+            raise ValueError("KV caches must be contiguous to be registered with NIXL")
+        dev = tensors[0].device
+        self.mem_type = "VRAM" if dev.type == "cuda" else "DRAM"
+        self.device_id = dev.index or 0
+        self._reg = self.agent.register_memory(tensors)
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        self.layers = [
+            [
+                m.data_ptr(),
+                nbytes(m),
+                0 if x is None else x.data_ptr(),
+                0 if x is None else nbytes(x),
+            ]
+            for m, x in kv_caches
+        ]
+        self.compat = compat_info(self.ctx, kv_caches)
+        self.compat_hash = compat_hash(self.compat)
+        if self.cfg.is_kv_producer:
+            payload = {
+                "engine_id": self.engine_id,
+                "agent_name": self.agent.name,
+                "agent_metadata": self.agent.get_agent_metadata(),
+                "compat": self.compat,
+                "compat_hash": self.compat_hash,
+                "layers": self.layers,
+                "mem_type": self.mem_type,
+                "device_id": self.device_id,
+            }
+            port = self.cfg.side_channel_port + self.ctx.dp_rank * self.ctx.shard.world_size
+            self.server = SideChannelServer(
+                self.cfg.kv_ip, port + self.ctx.rank, lambda req: payload
+            )
+
+    def _handshake(self, key: tuple[str, int]) -> None:
+        if key not in self._remotes and key not in self._handshakes:
+            timeout = min(HANDSHAKE_TIMEOUT_S, self.cfg.kv_load_timeout_s)
+            msg = {"op": "handshake", "compat_hash": self.compat_hash}
+            self._handshakes[key] = self._pool.submit(side_channel_request, *key, msg, timeout)
+
+    def _remote(self, key: tuple[str, int]) -> RemoteRank | None:
+        """The remote rank once its handshake is in; None while pending; raises if it failed."""
+        if key in self._remotes:
+            return self._remotes[key]
+        fut = self._handshakes[key]
+        if not fut.done():
+            return None
+        del self._handshakes[key]  # a failed handshake is retried by the next load
+        reply = fut.result()
+        name = reply["agent_name"]
+        if name not in self._agents:  # a re-handshake after a failure may find the same agent
+            self.agent.add_remote_agent(reply["agent_metadata"])
+            self._agents.add(name)
+        self._peers[key] = name  # notifications go there, compatible or not
+        if reply["compat_hash"] != self.compat_hash:
+            diff = {
+                k: (reply["compat"].get(k), v)
+                for k, v in self.compat.items()
+                if reply["compat"].get(k) != v
+            }
+            raise RuntimeError(
+                f"incompatible KV caches with engine {reply['engine_id']} at {key[0]}:{key[1]} "
+                f"(theirs, ours): {diff}"
+            )
+        rr = RemoteRank(name, reply["layers"], reply["mem_type"], reply["device_id"])
+        self._remotes[key] = rr
+        return rr
+
+    # ---- loads (consumer) ------------------------------------------------------------------------
+    def start(self, meta: NixlConnectorMetadata) -> None:
+        now = time.monotonic()
+        for req_id, lease_s in meta.reqs_to_send.items():
+            self._leases[req_id] = now + lease_s
+        for req in meta.reqs_to_recv:
+            self._begin(req, now)
+        self._progress()
+
+    def _begin(self, req: NixlRecvReq, now: float) -> None:
+        p = req.params
+        load = Load(req, None, [], now + self.cfg.kv_load_timeout_s)
+        self._loads[req.req_id] = load
+        try:
+            load.src = source_layout(p)
+            load.ports = [
+                (p["remote_host"], p["remote_port"] + k) for k in range(load.src.world_size)
+            ]
+            if req.hi > req.lo:
+                shard = self.ctx.shard
+                dst_ids = [req.local_block_ids] * shard.dcp_size
+                load.reads = plan_reads(
+                    load.src, p["remote_block_ids"], shard, dst_ids, self.ctx.rank, req.lo, req.hi
+                )
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            self._fail(load, f"bad kv_transfer_params: {e}")
+            return
+        for key in load.ports:
+            self._handshake(key)
+
+    def _progress(self) -> None:
+        now = time.monotonic()
+        for load in list(self._loads.values()):
+            try:
+                if not load.posted:
+                    remotes = [self._remote(k) for k in load.ports]
+                    if any(r is None for r in remotes):
+                        if now > load.deadline:
+                            raise TimeoutError("handshake timed out")
+                        continue
+                    self._post(load, remotes)
+                states = [self.agent.check_xfer_state(h) for h in load.handles]
+                if "ERR" in states:
+                    raise RuntimeError("NIXL transfer failed")
+                if all(s == "DONE" for s in states):
+                    self._finish(load)
+                elif now > load.deadline:
+                    raise TimeoutError(f"transfer not done after {self.cfg.kv_load_timeout_s} s")
+            except Exception as e:
+                self._fail(load, f"{type(e).__name__}: {e}")
+
+    def _post(self, load: Load, remotes: list[RemoteRank]) -> None:
+        for rr in load.reads:
+            remote = remotes[rr.src_rank]
+            local, remote_d = self._descs(rr.runs, remote)
+            handle = self.agent.initialize_xfer(
+                "READ",
+                self.agent.get_xfer_descs(local, self.mem_type),
+                self.agent.get_xfer_descs(remote_d, remote.mem_type),
+                remote.agent_name,
+            )
+            load.handles.append(handle)
+            if self.agent.transfer(handle) == "ERR":
+                raise RuntimeError(f"NIXL READ from {remote.agent_name} failed to start")
+            load.num_bytes += int(local[:, 1].sum())
+            load.num_descs += len(local)
+        load.posted = True
+
+    def _descs(self, runs: SlotRuns, remote: RemoteRank) -> tuple[np.ndarray, np.ndarray]:
+        """[R, 3] (addr, len, device) local and remote descriptors: every layer, every region."""
+        lay = self.ctx.layout
+        loc, rem, lens = [], [], []
+        for regions, col in ((mla_regions(lay), 0), (indexer_regions(lay), 2)):
+            ids = [i for i, layer in enumerate(self.layers) if layer[col]]
+            lb = np.array([self.layers[i][col] for i in ids], dtype=np.int64)[:, None]
+            rb = np.array([remote.layers[i][col] for i in ids], dtype=np.int64)[:, None]
+            for region in regions:
+                br = byte_runs(runs, region)
+                loc.append((lb + br.dst).ravel())
+                rem.append((rb + br.src).ravel())
+                lens.append(np.tile(br.length, len(ids)))
+        n = np.concatenate(lens)
+        local = np.stack([np.concatenate(loc), n, np.full_like(n, self.device_id)], 1)
+        remote_d = np.stack([np.concatenate(rem), n, np.full_like(n, remote.device_id)], 1)
+        return local.astype(np.uint64), remote_d.astype(np.uint64)
+
+    def _finish(self, load: Load) -> None:
+        self._release(load)
+        self._notify(load)
+        del self._loads[load.req.req_id]
+        self.recv_bytes[load.req.req_id] = load.num_bytes
+        self.recv_descs[load.req.req_id] = load.num_descs
+        if load.req.hi > load.req.lo:
+            self._done_recving.add(load.req.req_id)
+
+    def _fail(self, load: Load, why: str) -> None:
+        req = load.req
+        logger.warning("KV load of request %s failed: %s", req.req_id, why)
+        self.failures[req.req_id] = why
+        self._release(load)
+        for key in load.ports:  # a remote that failed us may be gone: handshake again next time
+            self._remotes.pop(key, None)
+        self._notify(load)
+        self._loads.pop(req.req_id, None)
+        if req.hi > req.lo:
+            span = self.ctx.shard.block_size * self.ctx.shard.dcp_size
+            first, last = req.lo // span, -(-req.hi // span)
+            self._load_errors.update(req.local_block_ids[first:last])
+            self._done_recving.add(req.req_id)
+
+    def _release(self, load: Load) -> None:
+        for h in load.handles:
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception:
+                self._zombies.append(h)  # still in flight: retried at shutdown
+        load.handles = []
+
+    def _notify(self, load: Load) -> None:
+        """Tell every producer rank this consumer rank is done with the request (best effort:
+        a producer that is gone frees its blocks when it restarts or its lease expires)."""
+        msg = f"{load.req.params.get('remote_request_id')}:{self.ctx.shard.world_size}".encode()
+        for key in load.ports:
+            if key not in self._peers and key in self._handshakes:
+                try:
+                    self._remote(key)
+                except Exception:
+                    pass
+            name = self._peers.get(key)
+            if name is not None:
+                try:
+                    self.agent.send_notif(name, msg)
+                except Exception as e:
+                    logger.warning("KV notification to %s failed: %s", name, e)
+
+    # ---- leases (producer) ----------------------------------------------------------------------
+    def _poll_leases(self) -> None:
+        now = time.monotonic()
+        if self.cfg.is_kv_producer:
+            for msgs in self.agent.get_new_notifs().values():
+                for m in msgs:
+                    req, n = m.decode().rsplit(":", 1)
+                    self._notified.setdefault(req, [0, int(n), now])[0] += 1
+        for req, deadline in list(self._leases.items()):
+            seen = self._notified.get(req)
+            if seen is not None and seen[0] >= seen[1]:
+                del self._notified[req]
+            elif now > deadline:
+                logger.warning("KV lease of request %s expired: freeing its blocks", req)
+            else:
+                continue
+            del self._leases[req]
+            self._done_sending.add(req)
+        stale = now - self.cfg.kv_lease_timeout_s
+        for req in [r for r, s in self._notified.items() if s[2] < stale]:
+            del self._notified[req]
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        self._progress()
+        self._poll_leases()
+        out = (self._done_sending, self._done_recving)
+        self._done_sending, self._done_recving = set(), set()
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for load in list(self._loads.values()):
+            self._release(load)
+        for h in self._zombies:
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception:
+                pass
+        self._zombies = []
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
