@@ -10,7 +10,7 @@ import torch
 from vllm.attention.metadata import CPMetadata, MLAMetadata
 from vllm.distributed.kv_transfer.reshard import (
     KVShardLayout,
-    byte_runs,
+    cache_byte_runs,
     indexer_regions,
     mla_regions,
     plan_reads,
@@ -113,14 +113,13 @@ def apply_plan(
                 pairs.append((indexer_regions(kv_layout), src_idx, dst_idx))
             for regions, s_t, d_t in pairs:
                 sb, db = as_bytes(s_t), as_bytes(d_t)
-                for region in regions:
-                    br = byte_runs(rr.runs, region)
-                    for a, b, n in zip(
-                        br.src.tolist(), br.dst.tolist(), br.length.tolist(), strict=True
-                    ):
-                        db[b : b + n] = sb[a : a + n]
-                    moved += br.num_bytes
-                    num_runs += len(br.length)
+                br = cache_byte_runs(rr.runs, regions)
+                for a, b, n in zip(
+                    br.src.tolist(), br.dst.tolist(), br.length.tolist(), strict=True
+                ):
+                    db[b : b + n] = sb[a : a + n]
+                moved += br.num_bytes
+                num_runs += len(br.length)
     return moved, num_runs
 
 

@@ -24,6 +24,8 @@ from vllm.distributed.kv_transfer.reshard import (
     KVShardLayout,
     Region,
     byte_runs,
+    cache_byte_runs,
+    indexer_regions,
     merge_runs,
     plan_reads,
 )
@@ -117,6 +119,26 @@ def test_fp8_indexer_runs_cut_at_pages():
     assert br.length.tolist() == [4 * 32, 60 * 32, 4 * 32, 12 * 32]
     assert br.src.tolist() == [60 * 32, page, page + 60 * 32, 2 * page]
     assert br.dst.tolist() == [0, 4 * 32, page, page + 4 * 32]
+
+
+def test_fp8_indexer_whole_pages_move_as_one_run():
+    """Aligned full pages move values and scales together; partial pages region by region."""
+    regions = indexer_regions(SMALL_FP8)
+    page = 64 * SMALL_FP8.indexer_bytes_per_token
+    runs = merge_runs(np.arange(64, 64 * 4), np.arange(128, 128 + 64 * 3))
+    br = cache_byte_runs(runs, regions)
+    assert (br.src.tolist(), br.dst.tolist(), br.length.tolist()) == (
+        [page],
+        [2 * page],
+        [3 * page],
+    )
+    # 10 rows of head, 2 pages, 5 rows of tail: 1 page run + 2 partial pages x 2 regions
+    runs = merge_runs(np.arange(54, 64 * 3 + 5), np.arange(118, 64 * 4 + 5))
+    br = cache_byte_runs(runs, regions)
+    assert len(br.length) == 5 and br.num_bytes == runs.num_rows * (page // 64)
+    # page phases differ: no whole-page run
+    runs = merge_runs(np.arange(0, 128), np.arange(1, 129))
+    assert cache_byte_runs(runs, regions).num_bytes == 128 * (page // 64)
 
 
 def test_bad_layouts_refused():

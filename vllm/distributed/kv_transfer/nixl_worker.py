@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.reshard import (
     KVShardLayout,
     RankReads,
     SlotRuns,
-    byte_runs,
+    cache_byte_runs,
     indexer_regions,
     mla_regions,
     plan_reads,
@@ -126,6 +126,7 @@ class NixlWorker:
         self.mem_type = "VRAM" if dev.type == "cuda" else "DRAM"
         self.device_id = dev.index or 0
         self._reg = self.agent.register_memory(tensors)
+        self._kv_caches = kv_caches  # registered memory must outlive the registration
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         self.layers = [
             [
@@ -264,11 +265,10 @@ class NixlWorker:
             ids = [i for i, layer in enumerate(self.layers) if layer[col]]
             lb = np.array([self.layers[i][col] for i in ids], dtype=np.int64)[:, None]
             rb = np.array([remote.layers[i][col] for i in ids], dtype=np.int64)[:, None]
-            for region in regions:
-                br = byte_runs(runs, region)
-                loc.append((lb + br.dst).ravel())
-                rem.append((rb + br.src).ravel())
-                lens.append(np.tile(br.length, len(ids)))
+            br = cache_byte_runs(runs, regions)
+            loc.append((lb + br.dst).ravel())
+            rem.append((rb + br.src).ravel())
+            lens.append(np.tile(br.length, len(ids)))
         n = np.concatenate(lens)
         local = np.stack([np.concatenate(loc), n, np.full_like(n, self.device_id)], 1)
         remote_d = np.stack([np.concatenate(rem), n, np.full_like(n, remote.device_id)], 1)

@@ -218,3 +218,35 @@ def byte_runs(runs: SlotRuns, region: Region) -> ByteRuns:
         runs = merge_runs(runs.src[idx] + k, runs.dst[idx] + k, page=region.rows_per_page)
     n = runs.length * region.row_bytes
     return ByteRuns(region.offsets(runs.src), region.offsets(runs.dst), n)
+
+
+def cache_byte_runs(runs: SlotRuns, regions: list[Region]) -> ByteRuns:
+    """Byte runs of one cache tensor made of ``regions``. A split page (FP8 indexer: values,
+    then scales) moves whole pages as one run where a slot run covers pages aligned on both
+    sides (the common M = N case: two descriptors per page become one per run of pages); the
+    partial pages at a run's ends go region by region."""
+    if len(regions) == 1:
+        return byte_runs(runs, regions[0])
+    bs, page = regions[0].rows_per_page, regions[0].page_bytes
+    aligned = (runs.src - runs.dst) % bs == 0
+    head = np.where(aligned, np.minimum((-runs.src) % bs, runs.length), runs.length)
+    full = np.where(aligned, (runs.length - head) // bs, 0)
+    tail = runs.length - head - full * bs
+    whole = full > 0
+    pages = ByteRuns(
+        (runs.src[whole] + head[whole]) // bs * page,
+        (runs.dst[whole] + head[whole]) // bs * page,
+        full[whole] * page,
+    )
+    end = head + full * bs
+    rest = SlotRuns(
+        np.concatenate([runs.src, runs.src + end]),
+        np.concatenate([runs.dst, runs.dst + end]),
+        np.concatenate([head, tail]),
+    )
+    keep = rest.length > 0
+    rest = SlotRuns(rest.src[keep], rest.dst[keep], rest.length[keep])
+    parts = [pages] + [byte_runs(rest, r) for r in regions]
+    return ByteRuns(
+        *(np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length"))
+    )

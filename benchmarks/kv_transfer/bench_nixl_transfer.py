@@ -1,0 +1,240 @@
+"""NIXL READ of one GLM-5.3-shaped request's KV between two processes, through the NixlConnector.
+
+A prefill process (``--src-dcp`` ranks, each its own NIXL agent) holds a ``--tokens`` request in
+fp8_ds_mla caches of every layer: 78 MLA layers + the MTP layer (656 B/token each) and the 22
+indexer caches (21 "full" layers + MTP, 132 B/token): 54,728 B/token. The decode process
+(``--dst-dcp`` ranks) pulls it with the connector (handshake excluded: a warm-up pull first),
+timed from metadata to ``finished_recving`` on every rank. Next to it, the copy ceiling of the
+same device measured in the same run (``torch`` copy of 1 GiB). ``--layers-scale`` divides the
+layer counts to fit small machines; the per-token bytes printed are what moved.
+
+    python benchmarks/kv_transfer/bench_nixl_transfer.py                    # 128K tokens, DRAM
+    python benchmarks/kv_transfer/bench_nixl_transfer.py --src-dcp 2 --dst-dcp 1 --interleave 64
+    python benchmarks/kv_transfer/bench_nixl_transfer.py --device cuda      # VRAM -> VRAM
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+
+from vllm.config.kv_transfer import KVTransferConfig  # noqa: E402
+from vllm.core.request import RequestStatus  # noqa: E402
+from vllm.distributed.kv_transfer import (  # noqa: E402
+    KVConnectorContext,
+    KVConnectorOutput,
+    KVConnectorRole,
+    aggregate_outputs,
+)
+from vllm.distributed.kv_transfer.nixl_connector import NixlConnector  # noqa: E402
+from vllm.distributed.kv_transfer.reshard import KVShardLayout  # noqa: E402
+from vllm.kv_cache_interface import KVCacheLayout  # noqa: E402
+
+GLM53 = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
+NUM_MLA_LAYERS = 79  # 78 + MTP; 22 of them (21 full + MTP) with indexer keys
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.FINISHED_LENGTH
+    kv_transfer_params: dict | None = None
+
+
+def ctx(shard, role, rank, args) -> KVConnectorContext:
+    cfg = KVTransferConfig.from_json(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "engine_id": role,
+            "side_channel_port": args.port,
+            "kv_load_timeout_s": 600.0,
+        }
+    )
+    return KVConnectorContext(cfg, GLM53, shard, rank=rank, model_name="glm-5.3")
+
+
+def caches(args, num_blocks: int, rank: int, fill: bool):
+    """Every layer's caches; indexer caches on IndexShare's full layers (0, 1, 2, 6, ..., 74) and
+    the MTP layer (78), every ``--layers-scale``-th layer kept."""
+    if args.device == "cuda":
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+    else:
+        dev = torch.device("cpu")
+    full = {i for i in range(78) if max(i - 2, 0) % 4 == 0} | {78}
+    out = []
+    for li in range(0, NUM_MLA_LAYERS, args.layers_scale):
+        mla = GLM53.allocate_mla(num_blocks, dev)
+        idx = GLM53.allocate_indexer(num_blocks, dev) if li in full else None
+        if fill:
+            for t in (mla, idx):
+                if t is not None:
+                    t.view(torch.int32).random_()
+        out.append((mla, idx))
+    return out
+
+
+def step(workers, pending) -> KVConnectorOutput:
+    outs = []
+    for w in workers:
+        s, r = w.get_finished([])
+        outs.append(
+            KVConnectorOutput(sorted(s), sorted(r), sorted(w.get_block_ids_with_load_errors()))
+        )
+    return aggregate_outputs(outs, pending)
+
+
+def producer(args, q_out, q_in):
+    shard = KVShardLayout(args.src_dcp, args.src_dcp, args.interleave)
+    nb = shard.num_blocks(args.tokens)
+    sched = NixlConnector(ctx(shard, "kv_producer", 0, args), KVConnectorRole.SCHEDULER)
+    workers = [
+        NixlConnector(ctx(shard, "kv_producer", k, args), KVConnectorRole.WORKER)
+        for k in range(shard.world_size)
+    ]
+    for k, w in enumerate(workers):
+        w.register_kv_caches(caches(args, nb, k, fill=True))
+    params = []
+    for it in range(args.iters + 1):  # one request per pull (the same blocks)
+        r = Req(
+            f"p{it}", [0] * args.tokens, args.tokens, kv_transfer_params={"do_remote_decode": True}
+        )
+        params.append(sched.request_finished(r, list(range(nb)))[1])
+    meta = sched.build_connector_meta(None)
+    for w in workers:
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+    q_out.put(params)
+    pending: dict = {}
+    while q_in.empty():
+        step(workers, pending)
+        time.sleep(0.01)
+    for w in workers:
+        w.shutdown()
+
+
+def copy_ceiling(args) -> float:
+    dev = torch.device(args.device)
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev).random_()
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=131072)
+    ap.add_argument("--src-dcp", type=int, default=1)
+    ap.add_argument("--dst-dcp", type=int, default=1)
+    ap.add_argument("--interleave", type=int, default=1)
+    ap.add_argument("--layers-scale", type=int, default=1, help="divide the layer counts by this")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--port", type=int, default=0, help="side channel base port (0: pick one)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.port == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.port = s.getsockname()[1]
+    ceiling = copy_ceiling(args)
+    mpc = mp.get_context("spawn")
+    q_out, q_in = mpc.Queue(), mpc.Queue()
+    proc = mpc.Process(target=producer, args=(args, q_out, q_in), daemon=True)
+    proc.start()
+    try:
+        rows = pull(args, q_out.get(timeout=1800))
+    finally:
+        q_in.put("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    report(args, rows, ceiling)
+
+
+def pull(args, params) -> list[tuple[float, int, int]]:
+    shard = KVShardLayout(args.dst_dcp, args.dst_dcp, args.interleave)
+    nb = shard.num_blocks(args.tokens)
+    sched = NixlConnector(ctx(shard, "kv_consumer", 0, args), KVConnectorRole.SCHEDULER)
+    workers = [
+        NixlConnector(ctx(shard, "kv_consumer", k, args), KVConnectorRole.WORKER)
+        for k in range(shard.world_size)
+    ]
+    for k, w in enumerate(workers):
+        w.register_kv_caches(caches(args, nb, k, fill=False))
+    rows, pending = [], {}
+    for it, p in enumerate(params):
+        req = Req(f"d{it}", [0] * args.tokens, kv_transfer_params=p)
+        n, _ = sched.get_num_new_matched_tokens(req, 0)
+        sched.update_state_after_alloc(req, list(range(nb)), n)
+        meta = sched.build_connector_meta(None)
+        t0 = time.perf_counter()
+        for w in workers:
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+        while True:
+            out = step(workers, pending)
+            if out.finished_recving:
+                break
+        dt = time.perf_counter() - t0
+        assert not out.invalid_block_ids, [w.worker.failures for w in workers]
+        moved = sum(w.worker.recv_bytes[req.request_id] for w in workers)
+        descs = sum(w.worker.recv_descs[req.request_id] for w in workers)
+        if it > 0:  # the first pull includes the handshakes
+            rows.append((dt, moved, descs))
+    for w in workers:
+        w.shutdown()
+    return rows
+
+
+def report(args, rows, ceiling) -> None:
+    best = min(r[0] for r in rows)
+    moved, descs = rows[0][1], rows[0][2]
+    rec = {
+        "tokens": args.tokens,
+        "src_dcp": args.src_dcp,
+        "dst_dcp": args.dst_dcp,
+        "interleave": args.interleave,
+        "device": args.device,
+        "bytes": moved,
+        "bytes_per_token": moved / (args.tokens - 1),
+        "descriptors": descs,
+        "best_s": best,
+        "nixl_gbps": moved / best / 1e9,
+        "copy_ceiling_gbps": ceiling,
+    }
+    if args.json:
+        print(json.dumps(rec))
+        return
+    print(
+        f"{'layout':>16} {'GiB':>7} {'B/token':>8} {'descs':>9} {'time s':>7} {'GB/s':>6} {'copy GB/s':>9}"
+    )
+    lay = f"DCP{args.src_dcp}->DCP{args.dst_dcp} I{args.interleave}"
+    print(
+        f"{lay:>16} {moved / 2**30:7.2f} {rec['bytes_per_token']:8.0f} {descs:9d} "
+        f"{best:7.3f} {rec['nixl_gbps']:6.2f} {ceiling:9.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
