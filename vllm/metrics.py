@@ -33,7 +33,9 @@ _LAT = (
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(
+        self, model_name: str, num_spec_tokens: int = 0, synthetic_length: float | None = None
+    ):
         self.registry = CollectorRegistry()
         r, lab = self.registry, ["model_name"]
         self.running = Gauge(
@@ -85,6 +87,16 @@ class Metrics:
         )
         self.extra: dict[str, Gauge] = {}
         self.name = model_name
+        self.spec = None
+        if num_spec_tokens:
+            self.spec = self._spec_counters(num_spec_tokens)
+        if synthetic_length is not None:  # ours: marks benchmark figures as synthetic
+            Gauge(
+                "vllm:spec_decode_synthetic_acceptance_length",
+                "Fixed mean acceptance length of the synthetic mode (benchmarks only)",
+                ["model_name"],
+                registry=self.registry,
+            ).labels(model_name).set(synthetic_length)
         for g in (self.running, self.waiting, self.kv_usage):
             g.labels(model_name).set(0)
         # every series exported from start-up, at 0 (a labelled series appears only once its
@@ -95,8 +107,39 @@ class Metrics:
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
 
+    def _spec_counters(self, k: int) -> tuple[Counter, ...]:
+        """Speculative decoding, with upstream's names (a draft: one request's proposed tokens
+        in one step; accepted tokens exclude the bonus token)."""
+        r, lab, n = self.registry, ["model_name"], self.name
+        out = (
+            Counter("vllm:spec_decode_num_drafts", "Drafts verified", lab, registry=r),
+            Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens", lab, registry=r),
+            Counter(
+                "vllm:spec_decode_num_accepted_tokens", "Accepted draft tokens", lab, registry=r
+            ),
+            Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted draft tokens by position in the draft",
+                lab + ["position"],
+                registry=r,
+            ),
+        )
+        for c in out[:3]:
+            c.labels(n)
+        for pos in range(k):
+            out[3].labels(n, str(pos))
+        return out
+
     def record_stats(self, s) -> None:
         n = self.name
+        sd = getattr(s, "spec_decoding", None)
+        if sd is not None and self.spec is not None:
+            drafts, tokens, accepted, per_pos = self.spec
+            drafts.labels(n).inc(sd.num_drafts)
+            tokens.labels(n).inc(sd.num_draft_tokens)
+            accepted.labels(n).inc(sd.num_accepted_tokens)
+            for pos, v in enumerate(sd.num_accepted_tokens_per_pos):
+                per_pos.labels(n, str(pos)).inc(v)
         self.running.labels(n).set(s.num_running)
         self.waiting.labels(n).set(s.num_waiting)
         self.kv_usage.labels(n).set(s.kv_cache_usage)

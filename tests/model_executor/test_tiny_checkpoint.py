@@ -62,7 +62,7 @@ def test_mtp_layer_is_callable_as_draft_step(tiny_ckpt):
     # draft (as upstream's MTP proposer): at position t, token t+1's embedding with hidden state t
     meta, pos = kv.metadata([(0, 0, 39)])
     draft_h = model.mtp_forward(ids[1:], hidden[:-1], pos, meta)
-    logits = model.compute_logits(draft_h)
+    logits = model.mtp_logits(draft_h)
     assert logits.shape == (39, model.arch.vocab_size) and torch.isfinite(logits).all()
     assert (
         model.model.mtp[0].block.self_attn.attn.kv_cache.abs().sum() > 0

@@ -116,7 +116,8 @@ def local_decode_topk(
 ) -> torch.Tensor:
     """Top-k of this rank's decode tokens against indexer keys paged by ``block_table``."""
     tok = meta.decode_tokens
-    ctx = meta.seq_lens[meta.token_req[tok]]
+    # each token's own causal context: a request verifying drafts has several decode tokens
+    ctx = meta.positions[tok] + 1
     logits = indexer_logits_paged(
         iq.q[tok],
         iq.scale[tok],

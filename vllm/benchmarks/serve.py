@@ -129,6 +129,56 @@ def _get_json(base: urllib.parse.SplitResult, path: str) -> dict:
         conn.close()
 
 
+_SPEC = "vllm:spec_decode_"
+
+
+def _spec_counters(base: urllib.parse.SplitResult) -> dict[str, float]:
+    """The server's speculative-decoding counters (empty without --speculative-config):
+    drafts, draft tokens, accepted tokens, accepted per position, the synthetic mode's length."""
+    conn = http.client.HTTPConnection(base.hostname, base.port or 80, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except (OSError, http.client.HTTPException):
+        return {}
+    finally:
+        conn.close()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_SPEC):
+            continue
+        name, _, value = line.rpartition(" ")
+        key = name[len(_SPEC) :].split("{")[0].removesuffix("_total")
+        if key == "num_accepted_tokens_per_pos":
+            key += "/" + name.split('position="')[1].split('"')[0]
+        out[key] = out.get(key, 0.0) + float(value)  # summed over DP replicas' series
+    return out
+
+
+def _spec_result(before: dict, after: dict) -> dict:
+    """Acceptance over the run, upstream's fields: rate (accepted / drafted tokens), length
+    (1 + accepted / drafts: tokens a verification step emits), per-position rates."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    drafts, tokens = d.get("num_drafts", 0.0), d.get("num_draft_tokens", 0.0)
+    if not drafts:
+        return {}
+    accepted = d.get("num_accepted_tokens", 0.0)
+    per_pos = sorted(
+        (int(k.split("/")[1]), v) for k, v in d.items() if k.startswith("num_accepted_tokens_per")
+    )
+    r = {
+        "spec_decode_acceptance_rate": 100.0 * accepted / tokens if tokens else 0.0,
+        "spec_decode_acceptance_length": 1.0 + accepted / drafts,
+        "spec_decode_num_drafts": int(drafts),
+        "spec_decode_draft_tokens": int(tokens),
+        "spec_decode_accepted_tokens": int(accepted),
+        "spec_decode_per_position_acceptance_rate": [v / drafts for _, v in per_pos],
+    }
+    if after.get("synthetic_acceptance_length"):
+        r["spec_decode_synthetic_acceptance_length"] = after["synthetic_acceptance_length"]
+    return r
+
+
 def _send(base, path: str, body: dict, out: RequestOutput, timeout: float) -> None:
     conn = http.client.HTTPConnection(base.hostname, base.port or 80, timeout=timeout)
     st = time.perf_counter()
@@ -218,6 +268,7 @@ def run(args) -> dict:
                 in_flight[0] -= 1
 
     workers = min(args.max_concurrency or _MAX_WORKERS, _MAX_WORKERS, len(requests))
+    spec_before = _spec_counters(base)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for i in range(len(requests)):
@@ -227,6 +278,8 @@ def run(args) -> dict:
                 time.sleep(rng.gammavariate(args.burstiness, theta))
     duration = time.perf_counter() - t0
     result = _metrics(outputs, duration, selected, percentiles, t0)
+    if spec_before:
+        result.update(_spec_result(spec_before, _spec_counters(base)))
     result.update(
         date=datetime.now().strftime("%Y%m%d-%H%M%S"),
         backend="vllm",
@@ -315,6 +368,18 @@ def print_result(r: dict, selected, percentiles, stream=None) -> None:
         w(f"{'Median ' + short + ' (ms):':<40} {r[f'median_{m}_ms']:<10.2f}\n")
         for p in percentiles:
             w(f"{f'P{p:g} {short} (ms):':<40} {r[f'p{p:g}_{m}_ms']:<10.2f}\n")
+    if "spec_decode_acceptance_length" in r:
+        w("{s:{c}^50}\n".format(s="Speculative Decoding", c="-"))
+        synth = r.get("spec_decode_synthetic_acceptance_length")
+        if synth:
+            w(f"SYNTHETIC acceptance (fixed mean length {synth:.2f}): not the model's drafts\n")
+        w(f"{'Acceptance rate (%):':<40} {r['spec_decode_acceptance_rate']:<10.2f}\n")
+        w(f"{'Acceptance length:':<40} {r['spec_decode_acceptance_length']:<10.2f}\n")
+        w(f"{'Drafts:':<40} {r['spec_decode_num_drafts']:<10}\n")
+        w(f"{'Draft tokens:':<40} {r['spec_decode_draft_tokens']:<10}\n")
+        w(f"{'Accepted tokens:':<40} {r['spec_decode_accepted_tokens']:<10}\n")
+        rates = ", ".join(f"{x:.2f}" for x in r["spec_decode_per_position_acceptance_rate"])
+        w(f"{'Per-position acceptance rate:':<40} {rates}\n")
     w("=" * 50 + "\n")
 
 

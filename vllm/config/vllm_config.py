@@ -9,6 +9,7 @@ from vllm.config.arch import ModelArch
 from vllm.config.compilation import CompilationConfig
 from vllm.config.flags import parse_json_flag
 from vllm.config.kv_transfer import KVTransferConfig  # noqa: F401  (re-exported)
+from vllm.config.speculative import SpeculativeConfig
 
 BLOCK_SIZE = 64  # tokens per physical KV block (the cache layouts assume it)
 
@@ -177,25 +178,6 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
-class SpeculativeConfig:
-    method: str = "mtp"
-    num_speculative_tokens: int = 0
-
-    @classmethod
-    def from_json(cls, value) -> SpeculativeConfig | None:
-        raw = parse_json_flag(value, "--speculative-config")
-        if not raw:
-            return None
-        bad = set(raw) - {"method", "num_speculative_tokens", "synthetic_acceptance_length"}
-        if bad:
-            raise ValueError(f"--speculative-config: unknown keys {sorted(bad)}")
-        return cls(
-            method=raw.get("method", "mtp"),
-            num_speculative_tokens=int(raw.get("num_speculative_tokens", 1)),
-        )
-
-
-@dataclass(frozen=True)
 class OffloadConfig:
     kv_offloading_size_gib: float | None = None
 
@@ -311,7 +293,24 @@ class VllmConfig:
                     f"--attention-config hisparse_config.hot_buffer_rows must be >= "
                     f"{self.hot_buffer_min_rows} ((num_speculative_tokens + 1) × index_topk)"
                 )
+        self._check_speculative()
         self._refuse_unlanded()
+
+    def _check_speculative(self) -> None:
+        """MTP needs the checkpoint's MTP layer; combinations not built yet are named."""
+        spec = self.speculative_config
+        if spec is None:
+            return
+        if self.model_config.arch.num_nextn_predict_layers == 0:
+            raise ValueError(
+                f"--speculative-config method 'mtp': the checkpoint {self.model_config.model} has "
+                "no MTP layer (num_nextn_predict_layers = 0 in its config.json)"
+            )
+        if self.attention_config.hisparse is not None:
+            raise ValueError(
+                "--speculative-config with --attention-config hisparse_config is not supported "
+                "yet (the MTP layer's KV in HiSparse's host pool)"
+            )
 
     def _check_devices(self) -> None:
         """One GPU per rank: more ranks than this machine's GPUs would share devices."""
@@ -330,8 +329,6 @@ class VllmConfig:
     def _refuse_unlanded(self) -> None:
         """Flags whose features have not landed yet fail here, saying so; none is ignored."""
         not_yet = []
-        if self.speculative_config is not None:
-            not_yet.append("--speculative-config (MTP speculative decoding)")
         if self.kv_transfer_config is not None:
             not_yet.append("--kv-transfer-config (P/D disaggregation over NIXL)")
         if self.offload_config.kv_offloading_size_gib:

@@ -36,6 +36,20 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True):
     bad_words_token_ids: list[list[int]] | None = None  # the tokenised SamplingParams.bad_words
     structured: StructuredOutputsParams | None = None  # a grammar the output must follow
 
+    @property
+    def position_independent(self) -> bool:
+        """Each token's sampling depends only on its logits (and seed and position): what
+        speculative decoding needs to verify several drafted positions in one step. Penalties,
+        bad words, min_tokens and grammars change from one drafted position to the next."""
+        return (
+            self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and self.repetition_penalty == 1.0
+            and not self.bad_words_token_ids
+            and self.min_tokens == 0
+            and self.structured is None
+        )
+
 
 class EngineCoreRequest(msgspec.Struct):
     request_id: str
@@ -67,6 +81,23 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
+class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
+    """Speculative decoding since the last report (upstream's counters): a draft is one
+    request's proposed tokens in one step; accepted tokens exclude the bonus token."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []  # [num_speculative_tokens]
+
+    def observe(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_running: int = 0
     num_waiting: int = 0
@@ -75,6 +106,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_cudagraph_steps: int = 0  # steps that replayed a decode CUDA graph (deltas)
+    spec_decoding: SpecDecodingStats | None = None  # with --speculative-config
     extra: dict = {}
 
 

@@ -41,6 +41,10 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []
+        self.spec_ok = req.sampling.position_independent  # may verify drafted tokens
+        # the workers drafted after this request's last sampled token (every step that samples
+        # an eligible request drafts; a preemption drops the drafts with the workers' state)
+        self.has_drafts = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -28,6 +28,7 @@ from vllm.core.messages import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodingStats,
 )
 from vllm.core.request import Request, RequestStatus
 
@@ -70,7 +71,9 @@ class Scheduler:
         # e.g. HiSparse: a prefill chunk's pages must fit in the GPU pool next to the hot buffer
         self.max_chunk = self.kv.max_chunk_tokens() or 1 << 62
         self.step = 0
-        self._stats = SchedulerStats()
+        self.num_spec_tokens = config.num_spec_tokens
+        self._spec: dict[str, int] = {}  # drafted tokens verified this step, per request
+        self._stats = self._new_stats()
         self._worker_stats: dict[str, float] = {}
 
     # ---- admission ------------------------------------------------------------------------
@@ -153,6 +156,8 @@ class Scheduler:
             assert left > 0, f"running request {req.request_id} has nothing to compute"
             room = budget if left == 1 else budget - reserve
             n = min(left, room, self.max_chunk, self._prefill_cap(left))
+            if left == 1 and n == 1:  # a decode: verify the drafts proposed last step too
+                n += self._num_drafts(req, room - 1)
             if n <= 0 or (not self.chunked_prefill and n < left):
                 continue
             new_blocks = self.kv.allocate_slots(req, n)
@@ -167,6 +172,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_sched[req.request_id] = n
+            if left == 1 and n > 1:
+                self._spec[req.request_id] = n - 1
             updates.append((req, False, new_blocks, req.num_computed_tokens))
             budget -= n
 
@@ -255,6 +262,16 @@ class Scheduler:
         self.finished_ids = []
         return out
 
+    def _num_drafts(self, req: Request, room: int) -> int:
+        """Drafted tokens to verify with a decode of ``req``: --speculative-config's count, no
+        more than the request may still emit after the bonus token or its context can hold."""
+        if not self.num_spec_tokens or not req.spec_ok or not req.has_drafts:
+            return 0
+        k = min(self.num_spec_tokens, room, self.max_request_tokens - req.num_tokens)
+        if req.max_tokens is not None:
+            k = min(k, req.max_tokens - len(req.output_token_ids) - 1)
+        return max(k, 0)
+
     def _prefill_cap(self, n: int) -> int:
         """--long-prefill-token-threshold: the most prompt tokens one request computes per step."""
         t = self.long_prefill_threshold
@@ -281,6 +298,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.has_drafts = False
         req.block_hashes = req.block_hashes[: req.num_tokens // self.block_size]
         self.waiting.appendleft(req)
         self.finished_ids.append(req.request_id)  # the workers drop their state for it
@@ -318,12 +336,20 @@ class Scheduler:
         for k, v in ro.stats.items():
             self._worker_stats[k] = self._worker_stats.get(k, 0) + v
         sampled = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
+        spec, self._spec = self._spec, {}
         for rid in so.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
             toks = sampled.get(rid, [])
+            if rid in spec and req.status == RequestStatus.RUNNING:
+                # the KV of rejected drafts is stale: recompute from the first one (overwritten)
+                drafted, accepted = spec[rid], max(len(toks) - 1, 0)
+                req.num_computed_tokens -= drafted - accepted
+                self._stats.spec_decoding.observe(drafted, accepted)
+            if toks and self.num_spec_tokens:
+                req.has_drafts = True
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
             new_ids: list[int] = []
             for t in toks:
                 if self._grammar is not None and not self._grammar.accept(rid, t):
@@ -404,5 +430,11 @@ class Scheduler:
         s.extra = self.kv.extra_stats(self._worker_stats)
         s.num_cudagraph_steps = int(self._worker_stats.get("cudagraph_steps", 0))
         self._worker_stats = {}
-        self._stats = SchedulerStats()
+        self._stats = self._new_stats()
         return s
+
+    def _new_stats(self) -> SchedulerStats:
+        spec = None
+        if self.num_spec_tokens:
+            spec = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * self.num_spec_tokens)
+        return SchedulerStats(spec_decoding=spec)

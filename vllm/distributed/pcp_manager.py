@@ -85,7 +85,7 @@ class RankStep:
     positions: torch.Tensor  # [T_rank] int64
     token_req: torch.Tensor  # [T_rank] batch row of each token
     query_start_loc_cpu: list[int]  # [B+1] this rank's tokens of each request
-    positions_cpu: np.ndarray  # [T_rank] host copy of positions
+    positions_cpu: np.ndarray | None  # [T_rank] host copy of positions (None: device only)
     # the new KV rows written this step, as (batch row, position); position −1: padding. Under
     # PCP every rank's tokens, in gather order; else this rank's own
     kv_token_req: torch.Tensor
@@ -93,6 +93,7 @@ class RankStep:
     cp: CPMetadata | None = None
     restore: torch.Tensor | None = None  # [T] row of the PCP-gathered hidden states per token
     pad: int = 0  # tokens per PCP rank after padding
+    token_index: torch.Tensor | None = None  # [T_rank] this rank's tokens in the step (None: all)
 
 
 class SingleRankPlanner:
@@ -110,6 +111,20 @@ class SingleRankPlanner:
             positions_cpu=inp.positions_np,
             kv_token_req=inp.token_req,
             kv_positions=inp.positions,
+        )
+
+    def shard_decode(self, input_ids: torch.Tensor, positions: torch.Tensor) -> RankStep:
+        """A step of one decode token per request (drafting), positions on the device only
+        (−1: a padding row, which writes nothing)."""
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return RankStep(
+            input_ids=input_ids,
+            positions=positions,
+            token_req=rows,
+            query_start_loc_cpu=list(range(input_ids.shape[0] + 1)),
+            positions_cpu=None,
+            kv_token_req=rows,
+            kv_positions=positions,
         )
 
     def gather_hidden(self, hidden: torch.Tensor, step: RankStep) -> torch.Tensor:
@@ -145,23 +160,39 @@ class CPPlanner(SingleRankPlanner):
             step = super().shard(inp)
             step.cp = self._cp(1, max(1, int(inp.num_scheduled[~inp.is_prefill].sum())))
             return step
+        return self._shard(inp.query_start_loc, inp.is_prefill, inp, inp.positions_np)
+
+    def shard_decode(self, input_ids: torch.Tensor, positions: torch.Tensor) -> RankStep:
+        b = input_ids.shape[0]
+        if self.n == 1:
+            step = super().shard_decode(input_ids, positions)
+            step.cp = self._cp(1, max(1, b))
+            return step
+        rows = torch.arange(b, device=input_ids.device)
+        tokens = _Tokens(input_ids, positions, rows)
+        return self._shard(np.arange(b + 1), np.zeros(b, dtype=bool), tokens, None)
+
+    def _shard(self, qsl, is_prefill, tokens, positions_np) -> RankStep:
+        """PCP: this rank's tokens of a step (``tokens``: input_ids, positions, token_req)."""
+        inp = tokens
         dev = inp.positions.device
-        sh = shard_tokens(inp.query_start_loc, inp.is_prefill, self.n)
+        sh = shard_tokens(qsl, is_prefill, self.n)
         mine = torch.from_numpy(sh.per_rank[self.rank]).to(dev)
         g = torch.from_numpy(sh.gathered).to(dev)
         gv = g.clamp_min(0)
-        decode_counts = sh.per_rank_counts[:, ~inp.is_prefill].sum(axis=1)
+        decode_counts = sh.per_rank_counts[:, ~is_prefill].sum(axis=1)
         return RankStep(
             input_ids=inp.input_ids[mine],
             positions=inp.positions[mine],
             token_req=inp.token_req[mine],
             query_start_loc_cpu=[0] + np.cumsum(sh.per_rank_counts[self.rank]).tolist(),
-            positions_cpu=inp.positions_np[sh.per_rank[self.rank]],
+            positions_cpu=None if positions_np is None else positions_np[sh.per_rank[self.rank]],
             kv_token_req=inp.token_req[gv],
             kv_positions=torch.where(g >= 0, inp.positions[gv], -1),
             cp=self._cp(sh.pad, max(1, int(decode_counts.max()))),
             restore=torch.from_numpy(sh.restore).to(dev),
             pad=sh.pad,
+            token_index=mine,
         )
 
     def gather_hidden(self, hidden: torch.Tensor, step: RankStep) -> torch.Tensor:
@@ -195,6 +226,15 @@ class CPPlanner(SingleRankPlanner):
         if rep is None or rep.world_size == 1:
             return sampled
         return rep.broadcast(sampled.contiguous(), src=0)
+
+
+@dataclass
+class _Tokens:
+    """The token arrays a PCP shard selects from (a drafting step's, which has no StepInputs)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    token_req: torch.Tensor
 
 
 def make_cp_planner(par: ParallelConfig, pc: ParallelContext) -> SingleRankPlanner:

@@ -353,7 +353,12 @@ def run_server(args: argparse.Namespace) -> int:
         return 1
     url = _url(args.host, sock.getsockname()[1])
     state = ServerState(args)
-    state.metrics = Metrics(config.model_config.served_model_name)
+    spec = config.speculative_config
+    state.metrics = Metrics(
+        config.model_config.served_model_name,
+        config.num_spec_tokens,
+        spec.synthetic_acceptance_length if spec is not None else None,
+    )
     state.server = _server(state, sock.getsockname()[1])
 
     def on_dead(why: str) -> None:

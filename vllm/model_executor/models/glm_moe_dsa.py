@@ -370,9 +370,11 @@ class MTPLayer(nn.Module):
         self.block = DecoderLayer(arch, layer_idx, True, pc, dtype, force_mqa)
 
     def forward(self, embeds, prev_hidden, positions, meta):
+        """The block's output before the shared head's norm: what the next draft step takes as
+        its previous hidden state (upstream's MTP proposers chain it the same way)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
         x, _ = self.block(x, positions, meta, None)
-        return self.shared_head.norm(x)
+        return x
 
 
 class GlmMoeDsaModel(nn.Module):
@@ -408,7 +410,7 @@ class GlmMoeDsaModel(nn.Module):
 
 class GlmMoeDsaForCausalLM(nn.Module):
     """forward(input_ids [T], positions [T], meta) -> final normed hidden states [T, hidden];
-    compute_logits(hidden) -> [N, vocab] fp32; mtp_forward drafts the next token's hidden state."""
+    compute_logits(hidden) -> [N, vocab] fp32; mtp_forward / mtp_logits draft the token after next."""
 
     def __init__(
         self,
@@ -442,6 +444,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def mtp_forward(self, input_ids, prev_hidden, positions, meta: MLAMetadata, step: int = 0):
-        """One MTP draft step: embeds of the next tokens + the previous hidden states."""
+        """One MTP draft step over tokens [T]: at position t, the embedding of token t+1 with the
+        previous hidden state of position t (the target's final hidden state for the first step,
+        this method's own output after) -> hidden [T, hidden] for :meth:`mtp_logits`."""
         mtp = self.model.mtp[step % len(self.model.mtp)]
         return mtp(self.model.embed_tokens(input_ids), prev_hidden, positions, meta)
+
+    def mtp_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """[N, vocab] fp32 logits of the token after next: the MTP layer's shared head (its norm,
+        then the model's lm_head)."""
+        mtp = self.model.mtp[step % len(self.model.mtp)]
+        return self.compute_logits(mtp.shared_head.norm(hidden))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -209,6 +210,34 @@ def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
+def align_mtp(sd: dict[str, torch.Tensor], config: dict, context_scale: float = 0.25) -> dict:
+    """Make random weights draftable: an MTP layer that predicts the model's next token most of
+    the time, so speculative decoding accepts drafts (random MTP weights accept almost none).
+
+    Every residual branch of the main layers (attention and MLP/expert outputs) is scaled by
+    ``context_scale``, so the next token depends mostly on the current one and partly on the
+    context (which keeps the KV of every layer relevant: a wrong KV row still changes outputs).
+    The MTP layer passes the next token's normalised embedding through (``eh_proj`` = [I | 0], its
+    block's residual branches zero, its shared head's norm = the model's final norm), so it
+    predicts what the model would predict from that token alone. Returns a new state dict."""
+    a = ModelArch.from_dict(config)
+    out = dict(sd)
+    branches = ("o_proj.weight", "down_proj.weight")
+    h = a.hidden_size
+    for name, t in sd.items():
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m is None or not name.endswith(branches):
+            continue
+        main = int(m.group(1)) < a.num_hidden_layers
+        out[name] = t * context_scale if main else torch.zeros_like(t)
+    for j in range(a.num_nextn_predict_layers):
+        p = f"model.layers.{a.num_hidden_layers + j}."
+        out[p + "eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+        out[p + "enorm.weight"] = torch.ones(h)
+        out[p + "shared_head.norm.weight"] = sd["model.norm.weight"].clone()
+    return out
+
+
 def write_checkpoint(
     path: str,
     config: dict,
@@ -284,8 +313,14 @@ def _write_safetensors(
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
-def write_tiny_checkpoint(path: str, fp8: bool = False, seed: int = 0) -> str:
-    write_checkpoint(path, TINY_CONFIG, tiny_state_dict(TINY_CONFIG, seed), fp8=fp8)
+def write_tiny_checkpoint(
+    path: str, fp8: bool = False, seed: int = 0, mtp_aligned: bool = False
+) -> str:
+    """The built-in tiny checkpoint; ``mtp_aligned``: with :func:`align_mtp` applied."""
+    sd = tiny_state_dict(TINY_CONFIG, seed)
+    if mtp_aligned:
+        sd = align_mtp(sd, TINY_CONFIG)
+    write_checkpoint(path, TINY_CONFIG, sd, fp8=fp8)
     return path
 
 

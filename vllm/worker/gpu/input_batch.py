@@ -2,8 +2,10 @@
 
 Batch row b is request `req_ids[b]` in slot `idx_mapping[b]`, with `num_scheduled[b]` tokens at
 positions `start[b] ..`. Token ids the worker already knows (prompt, or prompt+outputs after a
-preemption) come from the host; a token past them is the one this worker sampled last step and is
-read on the device from `last_sampled` — no host round trip for decode inputs.
+preemption) come from the host; a token past them is the one this worker sampled last step, or,
+with speculative decoding, one of the tokens drafted after it, and is read on the device from
+`next_tokens` — no host round trip for decode inputs. A decode row of 1 + d tokens verifies d
+drafted tokens (`num_drafts`) and samples a token at each of its positions.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class StepInputs:
     seq_lens: np.ndarray  # [B] start + num_scheduled
     is_prefill: np.ndarray  # [B] bool: the chunk holds known (not freshly sampled) tokens
     sample_rows: np.ndarray  # batch rows that produce a token this step
+    num_drafts: np.ndarray  # [B] drafted tokens each row verifies (decode rows of 1 + d tokens)
     input_ids: torch.Tensor  # [T] (device)
     positions: torch.Tensor  # [T] int64 (device)
     token_req: torch.Tensor  # [T] batch row of each token (device)
@@ -63,10 +66,15 @@ def build_step_inputs(
     # a row samples once its chunk reaches the newest token (known + what this worker sampled)
     sample_rows = np.nonzero(seq_lens >= known + st.num_sampled[idx])[0]
     h2d = staging.to_device if staging is not None else (lambda a: torch.from_numpy(a).to(device))
+    num_drafts = np.where(start < known, 0, n - 1)
+    # device-side tokens: row-major index into next_tokens [slot, 1 + k] (the last sampled token
+    # at offset 0 of a decode row, the drafts after it)
+    width = st.next_tokens.shape[1]
+    flat = idx[token_req] * width + np.minimum(positions - start[token_req], width - 1)
     dev_idx = h2d(idx)
     dev_tr = h2d(token_req)
-    ids_d = h2d(ids)
-    input_ids = torch.where(ids_d >= 0, ids_d, st.last_sampled[dev_idx[dev_tr]])
+    ids_d = h2d(np.where(ids >= 0, ids, -1 - flat))
+    input_ids = torch.where(ids_d >= 0, ids_d, st.next_tokens.view(-1)[(-1 - ids_d).clamp_min(0)])
     return StepInputs(
         req_ids=req_ids,
         idx_mapping=dev_idx,
@@ -77,6 +85,7 @@ def build_step_inputs(
         seq_lens=seq_lens,
         is_prefill=start < known,
         sample_rows=sample_rows,
+        num_drafts=num_drafts,
         input_ids=input_ids,
         positions=h2d(positions),
         token_req=dev_tr,

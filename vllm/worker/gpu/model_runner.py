@@ -28,6 +28,7 @@ from vllm.worker.gpu.cudagraph import DecodeGraphs
 from vllm.worker.gpu.input_batch import StepInputs, build_step_inputs
 from vllm.worker.gpu.kv_cache import WorkerKVCache
 from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample
+from vllm.worker.gpu.spec_decode import DraftBatch, make_drafter
 from vllm.worker.gpu.staging import HostStaging
 from vllm.worker.gpu.states import RequestStates
 from vllm.worker.gpu.step_hooks import StepHooks
@@ -49,7 +50,11 @@ class ModelRunner:
         self.scheduler_block_size = config.scheduler_block_size
         self.max_blocks_per_req = cdiv(mc.max_model_len, self.scheduler_block_size)
         self.states = RequestStates(
-            config.scheduler_config.max_num_seqs, self.max_blocks_per_req, device, mc.vocab_size
+            config.scheduler_config.max_num_seqs,
+            self.max_blocks_per_req,
+            device,
+            mc.vocab_size,
+            config.num_spec_tokens,
         )
         self.eos_ids = list(self.arch.eos_token_id)
         self._grammar: tuple[list[str], bytes] = ([], b"")  # this step's structured-output rows
@@ -59,6 +64,7 @@ class ModelRunner:
         self.planner = make_cp_planner(config.parallel_config, pc)
         self.staging = HostStaging(device)
         self.kv_cache, self.hooks, self.kv_access = self._kv_features()
+        self.drafter = make_drafter(self)
         self.graphs: DecodeGraphs | None = None  # built once the KV cache exists
 
     def _kv_features(self) -> tuple[WorkerKVCache, StepHooks, KVAccess]:
@@ -158,6 +164,8 @@ class ModelRunner:
         par = self.config.parallel_config
         if par.prefill_context_parallel_size > 1 or par.decode_context_parallel_size > 1:
             return "PCP/DCP decode is not captured yet"
+        if self.config.speculative_config is not None:
+            return "speculative decoding steps (verify + draft) are not captured yet"
         return None
 
     def graph_pool_bytes(self) -> int:
@@ -202,16 +210,16 @@ class ModelRunner:
         self.connector.start_load_kv(so)
         self.hooks.before_forward(inp)
         size = self._graph_size(self.graphs.decode_batch(inp)) if self.graphs else None
-        hidden = logits = None
+        hidden = logits = target = None
         if size is not None:  # a decode-only step: replay its CUDA graph, logits included
             logits = self.graphs.run(inp, size)
         else:
-            step, meta = self.prepare(inp)
-            hidden = self.forward(step, meta)
+            target = self.prepare(inp)
+            hidden = self.forward(*target)
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
         self._grammar = (so.grammar_req_ids, so.grammar_bitmask)
-        return self._sample(inp, hidden, so.step, logits)
+        return self._sample(inp, hidden, so.step, logits, target)
 
     def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
         """This rank's share of the step and its attention metadata."""
@@ -270,8 +278,14 @@ class ModelRunner:
         step = self.planner.dummy_step(self.device)
         if step is None:
             return
+        meta = self.dummy_metadata(step)
+        self.planner.gather_hidden(self._run_model(step, meta), step)
+        self.drafter.dummy(step, meta)
+
+    def dummy_metadata(self, step: RankStep) -> MLAMetadata:
+        """Metadata of a dummy step (no requests, padding tokens only)."""
         z = torch.zeros(0, dtype=torch.int64, device=self.device)
-        meta = MLAMetadata(
+        return MLAMetadata(
             layout=self.layout,
             index_topk=self.arch.index_topk,
             positions=step.positions,
@@ -285,10 +299,13 @@ class ModelRunner:
             slot_mapping=torch.full_like(step.kv_positions, -1),
             cp=step.cp,
         )
-        self.planner.gather_hidden(self._run_model(step, meta), step)
 
     # ---- sampling --------------------------------------------------------------------------------
-    def _sampling_batch(self, inp: StepInputs, rows: np.ndarray) -> SamplingBatch:
+    def _sampling_batch(
+        self, inp: StepInputs, rows: np.ndarray, positions: np.ndarray
+    ) -> SamplingBatch:
+        """Parameters of the sampled positions: batch row ``rows[i]`` samples the token at
+        ``positions[i]`` (a row verifying drafts samples several)."""
         st, slots, h2d = self.states, inp.idx_np[rows], self.staging.to_device
         dslots = h2d(slots)
         banned_r, banned_t = st.logit_bias.bad_word_bans(slots)
@@ -305,7 +322,7 @@ class ModelRunner:
             top_p=st.top_p[dslots],
             min_p=st.min_p[dslots],
             seeds=st.seeds[dslots],
-            positions=self.staging.to_device(inp.seq_lens[rows]),
+            positions=h2d(positions),
             all_greedy=bool(st.greedy[slots].all()),
             any_top_k=bool(st.top_k_on[slots].any()),
             any_top_p=bool(st.top_p_on[slots].any()),
@@ -334,27 +351,50 @@ class ModelRunner:
         return self.staging.to_device(out)
 
     def _sample(
-        self, inp: StepInputs, hidden: torch.Tensor | None, step: int, logits=None
+        self, inp: StepInputs, hidden: torch.Tensor | None, step: int, logits=None, target=None
     ) -> ModelRunnerOutput:
-        """Sample the rows that produce a token, from ``hidden`` (every token's final hidden
-        state) or, after a graph replay, from ``logits`` (one row per request)."""
-        st = self.states
+        """Sample the rows that produce tokens, from ``hidden`` (every token's final hidden
+        state) or, after a graph replay, from ``logits`` (one row per request). A row verifying
+        d drafts samples its 1 + d positions and emits the accepted drafts and one more token;
+        then the drafter proposes the next step's drafts (``target``: the step's (RankStep,
+        metadata), None after a replay)."""
+        st, h2d = self.states, self.staging.to_device
         rows = inp.sample_rows
         host: dict[str, torch.Tensor] = {}
+        first = sampled_tok = None
         if len(rows):
+            nd = inp.num_drafts[rows]
+            per = 1 + nd
+            first = np.zeros(len(rows), dtype=np.int64)  # each row's first sampled position
+            np.cumsum(per[:-1], out=first[1:])
+            # the step token whose logits each sampled position takes: a row's last 1 + d
+            sampled_tok = np.repeat(inp.query_start_loc[rows + 1] - per - first, per) + np.arange(
+                int(per.sum())
+            )
+            lrows = np.repeat(rows, per)
             if logits is None:
-                last = self.staging.to_device(inp.query_start_loc[rows + 1] - 1)
-                logits = self.model.compute_logits(hidden[last])
-            sb = self._sampling_batch(inp, rows)
+                logits = self.model.compute_logits(hidden[h2d(sampled_tok)])
+            sb = self._sampling_batch(inp, lrows, inp.positions_np[sampled_tok] + 1)
             sampled, lp = sample(logits, sb)
             sampled = self.planner.broadcast_sampled(sampled)
-            dslots = inp.idx_mapping[self.staging.to_device(rows)]
-            st.last_sampled[dslots] = sampled
-            if sb.penalties is not None:
-                st.penalties.count_sampled(dslots, sampled)
+            dslots = inp.idx_mapping[h2d(rows)]
+            accepted, last = None, sampled
+            if nd.max() > 0:
+                tokens, accepted = self.drafter.verify(
+                    sampled, h2d(first), h2d(nd), st.draft_tokens[dslots], int(nd.max())
+                )
+                last = tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
+                host["accepted"] = accepted
+            st.last_sampled[dslots] = last
+            if sb.penalties is not None:  # rows with penalties verify no drafts
+                st.penalties.count_sampled(inp.idx_mapping[h2d(lrows)], sampled)
             host["sampled"] = sampled
             if lp is not None:
                 host.update(lp_chosen=lp[0], lp_rank=lp[1], lp_ids=lp[2], lp_vals=lp[3])
+            if target is not None:  # queued before the sync: the device drafts while we wait
+                self.drafter.propose(
+                    DraftBatch(inp, rows, *target, hidden, sampled, sampled_tok, first, accepted)
+                )
         host.update(self.hooks.device_stats())
         plp_plan = self._prompt_logprob_plan(inp)
         if plp_plan:
@@ -366,7 +406,7 @@ class ModelRunner:
             host.update(plp_chosen=res[0], plp_rank=res[1], plp_ids=res[2], plp_vals=res[3])
         h = to_host(host)  # the step's one device -> host sync
         self.staging.synced()
-        out = self._build_output(inp, rows, h, plp_plan, step)
+        out = self._build_output(inp, rows, first, h, plp_plan, step)
         if hidden is None:
             out.stats["cudagraph_steps"] = 1
         return out
@@ -383,29 +423,35 @@ class ModelRunner:
             plan.append((b, rows, st.token_ids[s][lo + 1 : hi + 1], int(st.prompt_logprobs[s])))
         return plan
 
-    def _build_output(self, inp, rows, h, plp_plan, step) -> ModelRunnerOutput:
+    def _build_output(self, inp, rows, first, h, plp_plan, step) -> ModelRunnerOutput:
         st = self.states
         out = ModelRunnerOutput(step=step, stats=self.hooks.host_stats(h))
         if len(rows):
             sampled = h["sampled"].tolist()
+            accepted = h["accepted"].tolist() if "accepted" in h else [0] * len(rows)
             for i, b in enumerate(rows.tolist()):
                 rid = inp.req_ids[b]
+                lo = int(first[i])
+                hi = lo + accepted[i] + 1
+                toks = sampled[lo:hi]
                 out.req_ids.append(rid)
-                out.sampled_token_ids.append([sampled[i]])
+                out.sampled_token_ids.append(toks)
                 s = inp.idx_np[b]
-                st.num_generated[s] += 1
-                st.num_sampled[s] += 1
-                st.logit_bias.record(s, sampled[i])
+                st.num_generated[s] += len(toks)
+                st.num_sampled[s] += len(toks)
+                for t in toks:
+                    st.logit_bias.record(s, t)
                 k = int(st.logprobs[s])
                 if k >= 0:
                     out.logprobs[rid] = [
                         TokenLogprobs(
-                            sampled[i],
-                            float(h["lp_chosen"][i]),
-                            int(h["lp_rank"][i]),
-                            h["lp_ids"][i, :k].tolist(),
-                            h["lp_vals"][i, :k].tolist(),
+                            sampled[j],
+                            float(h["lp_chosen"][j]),
+                            int(h["lp_rank"][j]),
+                            h["lp_ids"][j, :k].tolist(),
+                            h["lp_vals"][j, :k].tolist(),
                         )
+                        for j in range(lo, hi)
                     ]
         off = 0
         for b, r, nx, k in plp_plan:

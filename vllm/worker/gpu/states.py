@@ -19,7 +19,12 @@ from vllm.worker.gpu.penalties import PenaltiesState
 
 class RequestStates:
     def __init__(
-        self, max_num_reqs: int, max_blocks_per_req: int, device: torch.device, vocab_size: int
+        self,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        device: torch.device,
+        vocab_size: int,
+        num_spec_tokens: int = 0,
     ):
         self.max_num_reqs, self.max_blocks = max_num_reqs, max_blocks_per_req
         self.device = device
@@ -40,10 +45,15 @@ class RequestStates:
         self.top_k_on = np.zeros(n, dtype=bool)
         self.top_p_on = np.zeros(n, dtype=bool)
         self.min_p_on = np.zeros(n, dtype=bool)
+        self.spec_ok = np.zeros(n, dtype=bool)  # verifies drafted tokens (position-independent)
         self.stop_ids: list[list[int]] = [[] for _ in range(n)]
         # device
         self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
-        self.last_sampled = torch.zeros(n, dtype=torch.int64, device=device)
+        # the next step's device-side input tokens: the last sampled token, then the tokens the
+        # drafter proposed after it (--speculative-config), verified by the next step
+        self.next_tokens = torch.zeros(n, 1 + num_spec_tokens, dtype=torch.int64, device=device)
+        self.last_sampled = self.next_tokens[:, 0]  # a view: writes land in next_tokens
+        self.draft_tokens = self.next_tokens[:, 1:]
         self.temperature = torch.zeros(n, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
@@ -77,6 +87,7 @@ class RequestStates:
             sp.top_p < 1.0,
             sp.min_p > 0,
         )
+        self.spec_ok[s] = sp.position_independent
         self.stop_ids[s] = ([] if sp.ignore_eos else list(eos_ids)) + list(sp.stop_token_ids)
         self.num_blocks[s] = len(r.block_ids)
         self.block_table[s, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
