@@ -210,7 +210,7 @@ def tiny_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
-def align_mtp(sd: dict[str, torch.Tensor], config: dict, context_scale: float = 0.25) -> dict:
+def align_mtp(sd: dict[str, torch.Tensor], config: dict, context_scale: float = 0.1) -> dict:
     """Make random weights draftable: an MTP layer that predicts the model's next token most of
     the time, so speculative decoding accepts drafts (random MTP weights accept almost none).
 
