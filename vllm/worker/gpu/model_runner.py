@@ -19,7 +19,7 @@ from vllm.attention.metadata import MLAMetadata, decode_token_rows
 from vllm.config import VllmConfig
 from vllm.core.messages import KVCachePlan, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from vllm.distributed.ep import ep_forward, fixed_capacity, max_tokens_across_ep
-from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector
+from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector, step_output
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.distributed.pcp_manager import RankStep, make_cp_planner
 from vllm.kv_cache_interface import KVCacheLayout, cdiv, kv_bytes_per_token
@@ -202,12 +202,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         start_of = self.update_states(so)
+        self.connector.bind_connector_metadata(so.kv_connector_metadata)
+        self.connector.start_load_kv(so)  # loads progress in steps that compute nothing too
         if so.total_num_scheduled_tokens == 0:
             if so.dummy:
                 self._dummy_step()
-            return ModelRunnerOutput(step=so.step)
+            out = ModelRunnerOutput(step=so.step)
+            out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
+            return out
         inp = build_step_inputs(so, self.states, self.device, start_of, self.staging)
-        self.connector.start_load_kv(so)
         self.hooks.before_forward(inp)
         size = self._graph_size(self.graphs.decode_batch(inp)) if self.graphs else None
         hidden = logits = target = None
@@ -219,7 +222,9 @@ class ModelRunner:
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
         self._grammar = (so.grammar_req_ids, so.grammar_bitmask)
-        return self._sample(inp, hidden, so.step, logits, target)
+        out = self._sample(inp, hidden, so.step, logits, target)
+        out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
+        return out
 
     def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
         """This rank's share of the step and its attention metadata."""
@@ -361,7 +366,8 @@ class ModelRunner:
         st, h2d = self.states, self.staging.to_device
         rows = inp.sample_rows
         host: dict[str, torch.Tensor] = {}
-        first = sampled_tok = None
+        first, sampled_tok = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        sampled = accepted = None
         if len(rows):
             nd = inp.num_drafts[rows]
             per = 1 + nd
@@ -391,10 +397,10 @@ class ModelRunner:
             host["sampled"] = sampled
             if lp is not None:
                 host.update(lp_chosen=lp[0], lp_rank=lp[1], lp_ids=lp[2], lp_vals=lp[3])
-            if target is not None:  # queued before the sync: the device drafts while we wait
-                self.drafter.propose(
-                    DraftBatch(inp, rows, *target, hidden, sampled, sampled_tok, first, accepted)
-                )
+        if target is not None:  # queued before the sync: the device drafts while we wait
+            self.drafter.propose(
+                DraftBatch(inp, rows, *target, hidden, sampled, sampled_tok, first, accepted)
+            )
         host.update(self.hooks.device_stats())
         plp_plan = self._prompt_logprob_plan(inp)
         if plp_plan:

@@ -31,7 +31,9 @@ class Drafter:
         return verify_drafts(sampled, first_row, num_drafts, drafts, max_drafts)
 
     def propose(self, batch: DraftBatch) -> None:
-        """Draft the next step's tokens of ``batch.rows`` into ``next_tokens[:, 1:]``."""
+        """After every eagerly run step: draft the next step's tokens of ``batch.rows`` into
+        ``next_tokens[:, 1:]`` (and keep the drafter's own KV complete, also when no row
+        sampled)."""
 
     def dummy(self, step: RankStep, meta: MLAMetadata) -> None:
         """An idle DP replica's step: the drafting passes' collectives, matching the others'."""
@@ -54,7 +56,7 @@ class DraftBatch:
     ):
         self.inp, self.rows, self.step, self.meta = inp, rows, step, meta
         self.hidden = hidden  # [T, hidden] the target's final hidden states, batch order
-        self.sampled = sampled  # [N] every sampled token of the step
+        self.sampled = sampled  # [N] every sampled token of the step (None: no row sampled)
         self.sampled_tok = sampled_tok  # [N] host: step token index of each sampled row
         self.first_row = first_row  # [len(rows)] host: each row's first sampled row
         self.num_accepted = num_accepted  # [len(rows)] device (None: no row verified drafts)

@@ -3,7 +3,8 @@
 The MTP layer at position t takes the embedding of token t+1 and a hidden state of position t and
 predicts token t+2. After the target step:
 
-1. **First pass**, over every token of the step, with the target step's own metadata (same
+1. **First pass**, over every token of every step — prefill chunks that sample nothing too, or
+   the MTP layer's KV would miss their positions — with the target step's own metadata (same
    positions, same slots, same PCP/DCP split): token t's input is token t+1 — known on the host
    inside a prompt, else the target's sample at t (for a decode row of 1 + d tokens, the samples
    of its d + 1 positions) — and the target's final hidden state at t. It writes the MTP layer's
@@ -123,6 +124,8 @@ class MTPDrafter(Drafter):
         )
         code = np.where(need, -1 - row_of, nxt)
         code_d = self.r.staging.to_device(code)
+        if batch.sampled is None:  # no row sampled: every next token is a known prompt token
+            return code_d
         return torch.where(code_d >= 0, code_d, batch.sampled[(-1 - code_d).clamp_min(0)])
 
     def _pass(self, ids, prev_hidden, step, meta, depth: int) -> torch.Tensor:
