@@ -281,3 +281,20 @@ def test_synthetic_mode_sets_the_accepted_length(aligned_ckpt):
         assert abs(1 + accepted / drafts - 2.5) < 0.25
     finally:
         m.shutdown()
+
+
+def test_static_buffer_path_with_drafts(aligned_ckpt, reference):
+    """The CUDA-graph path (verify graph + drafting graph; uncaptured on CPU, same static
+    buffers and padding): decode steps replay it, outputs equal the reference."""
+    m = LLM(
+        aligned_ckpt,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]},
+        **KW,
+    )
+    try:
+        _assert_same(_run(m), reference)
+        assert sum(s.num_cudagraph_steps for s in m.stats_history) >= 5
+        assert _spec_totals(m)[2] > 0
+    finally:
+        m.shutdown()

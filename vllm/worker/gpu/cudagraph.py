@@ -15,6 +15,13 @@ kernels bound their work by each row's own context length, read on the device.
 
 Sampling runs after the replay, eagerly, on the first B rows of the logits. On CPU (tests) the same
 static-buffer forward runs without capture, so the padding and buffer logic is tested there too.
+
+With speculative decoding (`spec_decode/`) a row holds q = 1 + k tokens: the last sampled token
+and the k drafts after it (fewer near a request's end: the rest of the row is padding, position
+−1), and each size has a second graph, the drafting: the MTP layer's first pass over the step's
+tokens (inputs: the samples, copied in after the eager verification, and the target's hidden
+states, an output of the first graph), then its k − 1 chained steps, writing the next drafts into
+``next_tokens``. Padding rows write their drafts into a scratch row of it.
 """
 
 from __future__ import annotations
@@ -30,26 +37,35 @@ from vllm.utils import logger
 
 
 class DecodeGraphs:
-    def __init__(self, runner, sizes: tuple[int, ...], max_ctx: int):
+    def __init__(self, runner, sizes: tuple[int, ...], max_ctx: int, num_spec_tokens: int = 0):
         self.runner, self.sizes, self.max_ctx = runner, tuple(sorted(sizes)), max_ctx
+        self.k = num_spec_tokens
+        self.q = q = 1 + num_spec_tokens  # tokens per row
         dev = runner.device
         n = self.sizes[-1]
-        # rows: persistent slot, position, context length after the step (padding: 0, -1, 0)
-        self.inputs = torch.zeros(3, n, dtype=torch.int64, device=dev)
+        # rows: persistent slot, first position, drafts verified, tokens the request's blocks
+        # hold (padding: the scratch slot, -1, 0, 0)
+        self.scratch = runner.states.max_num_reqs  # next_tokens' spare row
+        self.inputs = torch.zeros(4, n, dtype=torch.int64, device=dev)
+        self.inputs[0].fill_(self.scratch)
         self.inputs[1].fill_(-1)
-        self.arange = torch.arange(n, dtype=torch.int64, device=dev)
+        self.arange = torch.arange(n * q, dtype=torch.int64, device=dev)
+        self.sampled = torch.zeros(n * q, dtype=torch.int64, device=dev)  # drafting's inputs
+        self.accepted = torch.zeros(n, dtype=torch.int64, device=dev)
         self.capture = dev.type == "cuda"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # uncaptured (CPU): the last step's
         self.pool = None
 
     # ---- which steps replay ----------------------------------------------------------------
     def decode_batch(self, inp) -> int | None:
-        """This step's requests if it can replay (decode only, one token each, within the
-        largest size); None: it must run eagerly."""
+        """This step's requests if it can replay (decode only: the last sampled token and at
+        most k drafts each, within the largest size); None: it must run eagerly."""
         b = len(inp.req_ids)
-        if b == 0 or b > self.sizes[-1] or inp.num_tokens != b or inp.is_prefill.any():
+        if b == 0 or b > self.sizes[-1] or inp.is_prefill.any() or len(inp.sample_rows) != b:
             return None
-        return b if len(inp.sample_rows) == b else None
+        return b if int(inp.num_scheduled.max()) <= self.q else None
 
     def size_for(self, num_reqs: int) -> int | None:
         """The smallest captured size holding ``num_reqs`` rows (None: none does)."""
@@ -59,17 +75,26 @@ class DecodeGraphs:
         return None
 
     # ---- the captured forward ----------------------------------------------------------------
-    def _forward(self, size: int) -> torch.Tensor:
-        """Inputs [:, :size] -> logits [size, vocab] fp32: the whole decode step but sampling."""
-        r = self.runner
-        idx, pos, seq = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
-        rows = self.arange[:size]
+    def _tokens(self, size: int):
+        """The step's tokens from the inputs: (slot [size], per-token row [T], offset in the row
+        [T], position [T], context length after the step [size]); T = size·q."""
+        q, t = self.q, size * self.q
+        idx, first, nd = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
+        tok = self.arange[:t]
+        row, j = tok // q, tok % q
+        live = (first[row] >= 0) & (j <= nd[row])
+        pos = torch.where(live, first[row] + j, -1)
+        seq = torch.where(first >= 0, first + nd + 1, 0)
+        return idx, row, j, pos, seq
+
+    def _metadata(self, size, idx, row, pos, seq) -> MLAMetadata:
+        r, t = self.runner, row.shape[0]
         meta = MLAMetadata(
             layout=r.layout,
             index_topk=r.arch.index_topk,
             positions=pos,
-            token_req=rows,
-            query_start_loc_cpu=list(range(size + 1)),
+            token_req=row,
+            query_start_loc_cpu=[b * (t // size) for b in range(size + 1)],
             seq_lens=seq,
             seq_lens_cpu=[self.max_ctx] * size,  # bounds only: the kernels read `seq`
             block_table=r.states.block_table[idx],
@@ -77,15 +102,47 @@ class DecodeGraphs:
             use_dense_cpu=[False] * size,
             slot_mapping=torch.empty(0, dtype=torch.long, device=pos.device),
             positions_cpu=None,
-            decode_tokens=rows,
+            decode_tokens=self.arange[:t],
             max_decode_ctx=self.max_ctx,
         )
-        meta.slot_mapping = meta.slots_for(rows, pos)
+        meta.slot_mapping = meta.slots_for(row, pos)
+        return meta
+
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs [:, :size] -> (logits [size·q, vocab] fp32, final hidden [size·q, hidden]):
+        the whole decode step but sampling."""
+        r = self.runner
+        idx, row, j, pos, seq = self._tokens(size)
+        meta = self._metadata(size, idx, row, pos, seq)
         r.hooks.graph_metadata(meta, idx, pos)
         # every EP rank replays the same size (agreed per step): the MoE dispatch shapes follow it
-        with ep_forward(size):
-            hidden = r.model(r.states.last_sampled[idx], pos, meta)
-        return r.model.compute_logits(hidden)
+        with ep_forward(size * self.q):
+            hidden = r.model(r.states.next_tokens[idx[row], j], pos, meta)
+        return r.model.compute_logits(hidden), hidden
+
+    def _draft_forward(self, size: int, hidden: torch.Tensor) -> None:
+        """The drafting of a step (``spec_decode/mtp.py``) from the static samples and accepted
+        counts: the next drafts into next_tokens[slot, 1:]."""
+        r, q = self.runner, self.q
+        idx, row, j, pos, seq = self._tokens(size)
+        meta = self._metadata(size, idx, row, pos, seq)
+        ids = self.sampled[: size * q]
+        with ep_forward(size * q):
+            h = r.model.mtp_forward(ids, hidden, pos, meta, 0)
+        sel = self.arange[:size] * q + self.accepted[:size]
+        h, p0 = h[sel], pos[sel]
+        draft = r.model.mtp_logits(h, 0).argmax(dim=-1)
+        drafts = [draft]
+        cap = self.inputs[3, :size]
+        rows = self.arange[:size]
+        for depth in range(1, self.k):
+            p = torch.where((p0 >= 0) & (p0 + depth < cap), p0 + depth, -1)
+            dmeta = self._metadata(size, idx, rows, p, (p + 1).clamp_min(0))
+            with ep_forward(size):
+                h = r.model.mtp_forward(draft, h, p, dmeta, depth)
+            draft = r.model.mtp_logits(h, depth).argmax(dim=-1)
+            drafts.append(draft)
+        r.states.draft_tokens[idx] = torch.stack(drafts, dim=1)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -100,8 +157,15 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                logits = self._forward(size)
-            self.graphs[size] = (g, logits)
+                logits, hidden = self._forward(size)
+            self.graphs[size] = (g, logits, hidden)
+            if self.k:
+                self._draft_forward(size, hidden)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self._draft_forward(size, hidden)
+                self.draft_graphs[size] = g
             if i % 8 == 0 or size == self.sizes[0]:
                 logger.info("captured CUDA graph %d/%d (batch %d)", i + 1, len(self.sizes), size)
         torch.cuda.synchronize()
@@ -119,18 +183,53 @@ class DecodeGraphs:
 
     # ---- one step ------------------------------------------------------------------------------
     def run(self, inp, size: int) -> torch.Tensor:
-        """Replay (or, on CPU, run) the step of ``inp`` at ``size``: logits [B, vocab] fp32.
-        ``inp`` None: an idle DP replica's step, every row padding (its collectives match the
-        other EP ranks'; nothing is written)."""
+        """Replay (or, on CPU, run) the step of ``inp`` at ``size``: logits [N, vocab] fp32 of
+        the step's sampled positions (row b's 1 + d positions, rows in order). ``inp`` None: an
+        idle DP replica's step, every row padding (its collectives match the other EP ranks';
+        nothing is written)."""
+        r = self.runner
         b = len(inp.req_ids) if inp is not None else 0
-        h = np.empty((3, size), dtype=np.int64)
+        h = np.empty((4, size), dtype=np.int64)
+        h[0, b:], h[1, b:], h[2, b:], h[3, b:] = self.scratch, -1, 0, 0
         if b:
-            h[0, :b], h[1, :b], h[2, :b] = inp.idx_np, inp.positions_np, inp.seq_lens
-        h[0, b:], h[1, b:], h[2, b:] = 0, -1, 0
-        self.inputs[:, :size].copy_(self.runner.staging.to_device(h))
+            h[0, :b], h[1, :b], h[2, :b] = inp.idx_np, inp.start, inp.num_drafts
+            h[3, :b] = r.states.num_blocks[inp.idx_np] * r.scheduler_block_size
+        self.inputs[:, :size].copy_(r.staging.to_device(h))
         if size in self.graphs:
-            g, logits = self.graphs[size]
+            g, logits, hidden = self.graphs[size]
             g.replay()
         else:
-            logits = self._forward(size)
-        return logits[:b]
+            logits, hidden = self._forward(size)
+            self.hidden[size] = hidden
+        if self.q == 1:
+            return logits[:b]
+        nd = inp.num_drafts if b else np.zeros(0, dtype=np.int64)
+        keep = np.repeat(np.arange(b) * self.q, 1 + nd) + _ranks(1 + nd)
+        return logits[r.staging.to_device(keep)]
+
+    def draft(self, inp, size: int, sampled, accepted) -> None:
+        """After the eager sampling and verification of a replayed step: replay its drafting.
+        sampled [N]: the step's samples (rows' positions in order), accepted [B] (None: 0)."""
+        if not self.k:
+            return
+        r = self.runner
+        b = len(inp.req_ids) if inp is not None else 0
+        self.accepted.zero_()
+        self.sampled.zero_()
+        if b:
+            nd = inp.num_drafts
+            where = np.repeat(np.arange(b) * self.q, 1 + nd) + _ranks(1 + nd)
+            self.sampled[r.staging.to_device(where)] = sampled
+            if accepted is not None:
+                self.accepted[:b] = accepted
+        if size in self.draft_graphs:
+            self.draft_graphs[size].replay()
+        else:
+            hidden = self.graphs[size][2] if size in self.graphs else self.hidden[size]
+            self._draft_forward(size, hidden)
+
+
+def _ranks(counts: np.ndarray) -> np.ndarray:
+    """0 .. c-1 for each count c, concatenated."""
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - counts, counts)

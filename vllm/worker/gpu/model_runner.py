@@ -144,7 +144,9 @@ class ModelRunner:
                 if not sizes:
                     logger.info("CUDA graphs off: no capture size fits EP's fixed capacity")
                     return
-            self.graphs = DecodeGraphs(self, sizes, max_ctx)
+            q = 1 + self.config.num_spec_tokens  # tokens per row: at most the largest size
+            sizes = tuple(x for x in sizes if x * q <= max(sizes)) or sizes[:1]
+            self.graphs = DecodeGraphs(self, sizes, max_ctx, self.config.num_spec_tokens)
             self.graphs.capture_all()
 
     def _graph_size(self, num_reqs: int | None) -> int | None:
@@ -164,8 +166,9 @@ class ModelRunner:
         par = self.config.parallel_config
         if par.prefill_context_parallel_size > 1 or par.decode_context_parallel_size > 1:
             return "PCP/DCP decode is not captured yet"
-        if self.config.speculative_config is not None:
-            return "speculative decoding steps (verify + draft) are not captured yet"
+        ep = self.pc.ep
+        if self.config.num_spec_tokens and ep is not None and ep.world_size > 1:
+            return "speculative decoding steps under EP are not captured yet"
         return None
 
     def graph_pool_bytes(self) -> int:
@@ -219,7 +222,7 @@ class ModelRunner:
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
         self._grammar = (so.grammar_req_ids, so.grammar_bitmask)
-        return self._sample(inp, hidden, so.step, logits, target)
+        return self._sample(inp, hidden, so.step, logits, target, size)
 
     def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
         """This rank's share of the step and its attention metadata."""
@@ -274,6 +277,7 @@ class ModelRunner:
             size = self._graph_size(0)
             if size is not None:
                 self.graphs.run(None, size)
+                self.graphs.draft(None, size, None, None)
                 return
         step = self.planner.dummy_step(self.device)
         if step is None:
@@ -351,13 +355,19 @@ class ModelRunner:
         return self.staging.to_device(out)
 
     def _sample(
-        self, inp: StepInputs, hidden: torch.Tensor | None, step: int, logits=None, target=None
+        self,
+        inp: StepInputs,
+        hidden: torch.Tensor | None,
+        step: int,
+        logits=None,
+        target=None,
+        replayed: int | None = None,
     ) -> ModelRunnerOutput:
         """Sample the rows that produce tokens, from ``hidden`` (every token's final hidden
         state) or, after a graph replay, from ``logits`` (one row per request). A row verifying
         d drafts samples its 1 + d positions and emits the accepted drafts and one more token;
         then the drafter proposes the next step's drafts (``target``: the step's (RankStep,
-        metadata), None after a replay)."""
+        metadata) of an eager step; ``replayed``: the size of a replayed graph)."""
         st, h2d = self.states, self.staging.to_device
         rows = inp.sample_rows
         host: dict[str, torch.Tensor] = {}
@@ -392,7 +402,10 @@ class ModelRunner:
             host["sampled"] = sampled
             if lp is not None:
                 host.update(lp_chosen=lp[0], lp_rank=lp[1], lp_ids=lp[2], lp_vals=lp[3])
-        if target is not None:  # queued before the sync: the device drafts while we wait
+        # queued before the sync: the device drafts while we wait
+        if replayed is not None:
+            self.graphs.draft(inp, replayed, sampled, accepted)
+        elif target is not None:
             self.drafter.propose(
                 DraftBatch(inp, rows, *target, hidden, sampled, sampled_tok, first, accepted)
             )

@@ -48,10 +48,11 @@ class RequestStates:
         self.spec_ok = np.zeros(n, dtype=bool)  # verifies drafted tokens (position-independent)
         self.stop_ids: list[list[int]] = [[] for _ in range(n)]
         # device
-        self.block_table = torch.zeros(n, max_blocks_per_req, dtype=torch.int32, device=device)
+        # one spare row past the slots (both tables): where a CUDA graph's padding rows point
+        self.block_table = torch.zeros(n + 1, max_blocks_per_req, dtype=torch.int32, device=device)
         # the next step's device-side input tokens: the last sampled token, then the tokens the
         # drafter proposed after it (--speculative-config), verified by the next step
-        self.next_tokens = torch.zeros(n, 1 + num_spec_tokens, dtype=torch.int64, device=device)
+        self.next_tokens = torch.zeros(n + 1, 1 + num_spec_tokens, dtype=torch.int64, device=device)
         self.last_sampled = self.next_tokens[:, 0]  # a view: writes land in next_tokens
         self.draft_tokens = self.next_tokens[:, 1:]
         self.temperature = torch.zeros(n, dtype=torch.float32, device=device)

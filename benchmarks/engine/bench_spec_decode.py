@@ -1,0 +1,210 @@
+"""MTP speculative decoding at the engine level: decode tokens/s per request with MTP against
+without, in one process on the same inputs.
+
+The model runner runs here on a GLM-5.3-shaped slice (real attention, indexer and vocabulary,
+`--layers` layers plus one MTP layer, random weights, fp8_ds_mla), as in bench_decode_step.py:
+B requests start with C tokens of context in the cache and decode. Random weights accept almost
+no drafts, so the MTP runs use the SYNTHETIC acceptance mode (`synthetic_acceptance_length`, the
+seed's 2.99 by default): every verification accepts that many tokens on average, whatever the
+drafts — the figures are the engine's speed at that acceptance, not a model's. Both runs replay
+CUDA graphs (`--eager` for eager steps). Per MTP step, CUDA events split the device time into
+the target (verify) forward, the eager sampling + verification, and the drafting.
+
+    python benchmarks/engine/bench_spec_decode.py --batch 1,16,64 --context 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from benchmarks.engine.bench_decode_step import fill_cache  # noqa: E402
+from vllm.core.messages import (  # noqa: E402
+    CachedRequestData,
+    KVCachePlan,
+    NewRequestData,
+    SamplingOptions,
+    SchedulerOutput,
+)
+from vllm.distributed.parallel_state import ParallelContext  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.model_executor.model_loader import build_model  # noqa: E402
+from vllm.model_executor.tiny import GLM_SLICE, TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
+from vllm.worker.gpu.model_runner import ModelRunner  # noqa: E402
+
+
+def checkpoint(layers: int) -> str:
+    d = tempfile.mkdtemp(prefix="glm-slice-mtp-")
+    cfg = {
+        **TINY_CONFIG,
+        **GLM_SLICE,
+        "vocab_size": 154880,
+        "num_hidden_layers": layers,
+        "num_nextn_predict_layers": 1,
+    }
+    write_checkpoint(d, cfg, tiny_state_dict(cfg, seed=3), tokenizer=False)
+    return d
+
+
+class Timeline:
+    """CUDA events around the graph replay, the sampling/verification and the drafting."""
+
+    def __init__(self, runner: ModelRunner):
+        self.rows: list[list[torch.cuda.Event]] = []
+        g = runner.graphs
+        run, draft = g.run, g.draft
+
+        def timed_run(*a, **kw):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            self.rows.append(ev)
+            ev[0].record()
+            out = run(*a, **kw)
+            ev[1].record()
+            return out
+
+        def timed_draft(*a, **kw):
+            ev = self.rows[-1]
+            ev[2].record()
+            draft(*a, **kw)
+            ev[3].record()
+
+        g.run, g.draft = timed_run, timed_draft
+
+    def split_ms(self, since: int) -> tuple[float, float, float]:
+        torch.cuda.synchronize()
+        rows = self.rows[since:]
+        med = lambda i, j: statistics.median(r[i].elapsed_time(r[j]) for r in rows)  # noqa: E731
+        return med(0, 1), med(1, 2), med(2, 3)
+
+
+def run(path, batch, context, steps, k, length, eager: bool) -> dict:
+    per_req_blocks = -(-(context + steps * (k + 1) + 8) // 64)
+    blocks = batch * per_req_blocks + 1
+    spec = None
+    if k:
+        spec = {"method": "mtp", "num_speculative_tokens": k}
+        spec["synthetic_acceptance_length"] = length
+    cfg = EngineArgs(
+        model=path,
+        device="cuda",
+        kv_cache_dtype="fp8_ds_mla",
+        max_num_seqs=batch,
+        max_model_len=per_req_blocks * 64,
+        max_num_batched_tokens=max(2048, batch * (k + 1)),
+        num_gpu_blocks_override=blocks,
+        kv_cache_memory_bytes=1,
+        enforce_eager=eager,
+        compilation_config=None if eager else {"cudagraph_capture_sizes": [batch]},
+        speculative_config=spec,
+    ).create_engine_config()
+    dev = torch.device("cuda")
+    model = build_model(path, dtype=cfg.model_config.dtype, device=dev, load_mtp=bool(k))
+    runner = ModelRunner(cfg, model, ParallelContext.single(), dev)
+    runner.initialize_kv_cache(KVCachePlan(blocks))
+    fill_cache(runner, blocks * 64)
+    timeline = Timeline(runner) if runner.graphs is not None else None
+    sampling = SamplingOptions(temperature=0.0, max_tokens=10**6)
+    new = [
+        NewRequestData(
+            str(i),
+            [(7 * j + i) % 1000 + 3 for j in range(context)],
+            context,
+            list(range(i * per_req_blocks, (i + 1) * per_req_blocks)),
+            context - 1,
+            sampling,
+        )
+        for i in range(batch)
+    ]
+    ids = [r.req_id for r in new]
+    computed = {r: context - 1 for r in ids}
+    drafts = 0  # the first step has none yet (as after a prefill)
+    walls, emitted = [], []
+    warm = 4
+    for s in range(steps + 1):
+        n = {r: 1 + drafts for r in ids}
+        if s == 0:
+            so = SchedulerOutput(step=0, new_reqs=new, num_scheduled_tokens=n)
+        else:
+            cached = [CachedRequestData(r, [], computed[r]) for r in ids]
+            so = SchedulerOutput(step=s, cached_reqs=cached, num_scheduled_tokens=n)
+        so.total_num_scheduled_tokens = sum(n.values())
+        if s == warm and timeline is not None:
+            since = len(timeline.rows)
+        t0 = time.perf_counter()
+        ro = runner.execute(so)
+        walls.append(time.perf_counter() - t0)
+        got = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
+        for r in ids:
+            computed[r] += len(got[r])
+        emitted.append(statistics.mean(len(got[r]) for r in ids))
+        drafts = k
+    steady = walls[warm:]
+    step_ms = statistics.median(steady) * 1e3
+    per_step = statistics.mean(emitted[warm:])
+    split = timeline.split_ms(since) if timeline is not None else (None, None, None)
+    del runner, model
+    torch.cuda.empty_cache()
+    return {
+        "k": k,
+        "synthetic_length": length if k else None,
+        "mode": "eager" if eager else "graph",
+        "batch": batch,
+        "context": context,
+        "step_ms": step_ms,
+        "tokens_per_step": per_step,
+        "tok_s_per_request": per_step / step_ms * 1e3,
+        "target_ms": split[0],
+        "sample_verify_ms": split[1],
+        "draft_ms": split[2],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--context", default="8192")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--length", type=float, default=2.99, help="synthetic acceptance length")
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    path = checkpoint(args.layers)
+    rows = []
+    for b in map(int, args.batch.split(",")):
+        for c in map(int, args.context.split(",")):
+            base = run(path, b, c, args.steps, 0, None, args.eager)
+            spec = run(path, b, c, args.steps, args.k, args.length, args.eager)
+            spec["speedup"] = spec["tok_s_per_request"] / base["tok_s_per_request"]
+            for r in (base, spec):
+                rows.append(r)
+                print("row:", json.dumps(r), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": "spec_decode", **r}) + "\n")
+    print("SYNTHETIC acceptance in the MTP rows (not the model's drafts)")
+    print("k  mode   B    ctx    step ms  tok/step  tok/s/req  speedup  target  samp+ver  draft")
+    f = lambda x: f"{x:7.2f}" if x is not None else "      -"  # noqa: E731
+    for r in rows:
+        print(
+            f"{r['k']:<2} {r['mode']:6} {r['batch']:<4} {r['context']:<6} {r['step_ms']:7.2f} "
+            f"{r['tokens_per_step']:8.2f} {r['tok_s_per_request']:9.1f} "
+            f"{r.get('speedup', 1.0):7.2f} {f(r['target_ms'])} {f(r['sample_verify_ms'])} "
+            f"{f(r['draft_ms'])}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
