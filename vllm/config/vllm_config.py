@@ -329,8 +329,17 @@ class VllmConfig:
     def _refuse_unlanded(self) -> None:
         """Flags whose features have not landed yet fail here, saying so; none is ignored."""
         not_yet = []
-        if self.kv_transfer_config is not None:
-            not_yet.append("--kv-transfer-config (P/D disaggregation over NIXL)")
+        kvt = self.kv_transfer_config
+        if kvt is not None and self.attention_config.hisparse is not None:
+            not_yet.append(
+                "--kv-transfer-config with --attention-config hisparse_config (KV received into "
+                "or sent from HiSparse's host pool)"
+            )
+        if kvt is not None and kvt.kv_connector == "NixlConnector" and kvt.kv_role == "kv_both":
+            not_yet.append(
+                "--kv-transfer-config kv_role 'kv_both' (use kv_producer for the prefill engine "
+                "and kv_consumer for the decode engine)"
+            )
         if self.offload_config.kv_offloading_size_gib:
             not_yet.append("--kv-offloading-size (CPU KV offload)")
         if not_yet:

@@ -72,6 +72,9 @@ class Engine:
         self.shard = shard
         # one engine id for the scheduler and every worker, as the shared config gives them
         cfg.setdefault("engine_id", f"{role}-{random.getrandbits(32):08x}")
+        # these engines step one at a time (a producer is idle while its consumer pulls): UCX's
+        # progress thread serves the reads, as the engine's own polling does in a server
+        cfg.setdefault("kv_connector_extra_config", {"nixl_progress_thread": True})
         self.sched = NixlConnector(make_ctx(shard, role, **cfg), KVConnectorRole.SCHEDULER)
         self.workers = [
             NixlConnector(make_ctx(shard, role, rank=k, **cfg), KVConnectorRole.WORKER)

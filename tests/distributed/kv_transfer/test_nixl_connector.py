@@ -16,7 +16,9 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("nixl")
+from tests.distributed.kv_transfer.requirements import require_nixl  # noqa: E402
+
+require_nixl()
 
 from tests.distributed.kv_transfer.nixl_harness import (  # noqa: E402
     BYTES_PER_ROW,

@@ -19,4 +19,5 @@ from vllm.distributed.kv_transfer.base import (  # noqa: F401
     KVConnectorRole,
     NoOpConnector,
     aggregate_outputs,
+    step_output,
 )

@@ -66,10 +66,14 @@ class KVConnectorOutput(msgspec.Struct, omit_defaults=True):
     finished_sending: list[str] = []  # producer: the request's blocks may be freed
     finished_recving: list[str] = []  # consumer: the load ended (done or failed)
     invalid_block_ids: list[int] = []  # consumer: blocks whose load failed
+    failures: dict[str, str] = {}  # consumer: request id -> why its load failed
+    stats: dict[str, float] = {}  # transfer counters since the last step (summed over ranks)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (
+            self.finished_sending or self.finished_recving or self.invalid_block_ids or self.stats
+        )
 
 
 def aggregate_outputs(
@@ -90,7 +94,26 @@ def aggregate_outputs(
                     del counts[req]
                     done[kind].append(req)
     invalid = sorted({b for out in outputs for b in out.invalid_block_ids})
-    return KVConnectorOutput(done["sending"], done["recving"], invalid)
+    failures = {r: why for out in outputs for r, why in out.failures.items()}
+    stats: dict[str, float] = {}
+    for out in outputs:
+        for k, v in out.stats.items():
+            stats[k] = stats.get(k, 0) + v
+    return KVConnectorOutput(done["sending"], done["recving"], invalid, failures, stats)
+
+
+def step_output(
+    connector: KVConnectorBase, finished_req_ids: Iterable[str]
+) -> KVConnectorOutput | None:
+    """The worker half's end of a step (base.py's order): finished sends and receives, blocks
+    whose load failed, and the transfer counters; the step's metadata is cleared. None when
+    there is nothing to report."""
+    sending, recving = connector.get_finished(finished_req_ids)
+    invalid = connector.get_block_ids_with_load_errors()
+    failures, stats = connector.take_failures_and_stats()
+    connector.clear_connector_metadata()
+    out = KVConnectorOutput(sorted(sending), sorted(recving), sorted(invalid), failures, stats)
+    return None if out.is_empty and not failures else out
 
 
 class KVRequest(Protocol):
@@ -206,6 +229,11 @@ class KVConnectorBase:
         """Block ids whose load failed since the last call (the engine applies
         ``kv_load_failure_policy`` to the requests holding them)."""
         return set()
+
+    def take_failures_and_stats(self) -> tuple[dict[str, str], dict[str, float]]:
+        """Why each load reported since the last call failed, and this rank's transfer counters
+        since the last call (``kv_transfer_*``: bytes received, loads done, loads failed)."""
+        return {}, {}
 
     def shutdown(self) -> None:
         """Release transfer resources (agents, sockets, threads)."""

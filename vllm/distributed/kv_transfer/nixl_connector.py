@@ -129,6 +129,9 @@ class NixlConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
+    def take_failures_and_stats(self):
+        return self.worker.take_failures_and_stats()
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()

@@ -95,7 +95,11 @@ class NixlWorker:
 
         self.ctx, self.cfg, self.engine_id = ctx, ctx.config, engine_id
         name = f"{engine_id}-dp{ctx.dp_rank}-r{ctx.rank}-{uuid.uuid4().hex[:6]}"
-        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        # no progress thread: it busy-polls a core per rank. Transfers progress when the engine
+        # polls them (every step, and every few ms while any is in flight: engine/core.py).
+        # kv_connector_extra_config {"nixl_progress_thread": true} turns it back on.
+        prog = bool(self.cfg.kv_connector_extra_config.get("nixl_progress_thread", False))
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=prog, backends=["UCX"]))
         self.layers: list[list[int]] = []
         self.compat: dict = {}
         self.compat_hash = ""
@@ -116,6 +120,8 @@ class NixlWorker:
         self.failures: dict[str, str] = {}  # request id -> why its load failed
         self.recv_bytes: dict[str, int] = {}  # request id -> bytes read (and descriptors)
         self.recv_descs: dict[str, int] = {}
+        self._new_failures: dict[str, str] = {}  # since the last take_failures_and_stats
+        self._stats: dict[str, float] = {}
 
     # ---- registration and handshake (producer) -------------------------------------------------
     def register_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:
@@ -280,6 +286,8 @@ class NixlWorker:
         del self._loads[load.req.req_id]
         self.recv_bytes[load.req.req_id] = load.num_bytes
         self.recv_descs[load.req.req_id] = load.num_descs
+        self._count("kv_transfer_recv_bytes", load.num_bytes)
+        self._count("kv_transfer_num_loads", 1)
         if load.req.hi > load.req.lo:
             self._done_recving.add(load.req.req_id)
 
@@ -287,6 +295,8 @@ class NixlWorker:
         req = load.req
         logger.warning("KV load of request %s failed: %s", req.req_id, why)
         self.failures[req.req_id] = why
+        self._new_failures[req.req_id] = why
+        self._count("kv_transfer_num_failed_loads", 1)
         self._release(load)
         for key in load.ports:  # a remote that failed us may be gone: handshake again next time
             self._remotes.pop(key, None)
@@ -354,6 +364,14 @@ class NixlWorker:
 
     def take_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
+        return out
+
+    def _count(self, key: str, n: int) -> None:
+        self._stats[key] = self._stats.get(key, 0) + n
+
+    def take_failures_and_stats(self) -> tuple[dict[str, str], dict[str, float]]:
+        out = (self._new_failures, self._stats)
+        self._new_failures, self._stats = {}, {}
         return out
 
     def shutdown(self) -> None:
