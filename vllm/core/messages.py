@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
+from vllm.distributed.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
+from vllm.distributed.kv_transfer.nixl_params import NixlConnectorMetadata
 from vllm.structured_output.params import StructuredOutputsParams
 
 
@@ -79,6 +81,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_transfer_params: dict | None = None  # with the final output: what a P/D router forwards
 
 
 class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
@@ -107,6 +110,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
     num_cudagraph_steps: int = 0  # steps that replayed a decode CUDA graph (deltas)
     spec_decoding: SpecDecodingStats | None = None  # with --speculative-config
+    kv_transfer: dict[str, float] = {}  # KV connector counters (deltas, summed over ranks)
     extra: dict = {}
 
 
@@ -161,6 +165,8 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     # ([len, ceil(vocab / 32)] int32, C order; bit j of word w allows token 32·w + j)
     grammar_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    # the KV connector's instructions to the workers (None: no --kv-transfer-config)
+    kv_connector_metadata: KVConnectorMetadata | NixlConnectorMetadata | None = None
 
 
 class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
@@ -170,6 +176,8 @@ class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     sampled_token_ids: list[list[int]] = []
     logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # this rank's KV transfers (every rank's reaches the scheduler, combined by aggregate_outputs)
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class WorkerMessage(msgspec.Struct, omit_defaults=True):

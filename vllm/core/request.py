@@ -10,10 +10,11 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_REMOTE_KVS = 3  # holds its blocks while a KV connector loads its prompt's KV
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:
@@ -21,7 +22,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
+        return {4: "stop", 5: "length", 6: "abort", 7: "error"}.get(int(self))
 
 
 class Request:
@@ -35,6 +36,7 @@ class Request:
         self.eos_token_ids = set(req.eos_token_ids)
         self.max_tokens = req.sampling.max_tokens
         self.arrival_time = req.arrival_time or time.time()
+        self.kv_transfer_params = req.kv_transfer_params  # P/D: what the KV connector reads
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling

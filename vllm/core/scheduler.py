@@ -19,6 +19,7 @@ from collections import deque
 
 from vllm.config import VllmConfig
 from vllm.core.kv_cache_manager import DeviceKVCacheManager, KVCacheManager
+from vllm.core.kv_connector_state import PARKED, KVConnectorScheduler
 from vllm.core.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -75,6 +76,7 @@ class Scheduler:
         self._spec: dict[str, int] = {}  # drafted tokens verified this step, per request
         self._stats = self._new_stats()
         self._worker_stats: dict[str, float] = {}
+        self.kv_connector = KVConnectorScheduler(config, self.kv, self.waiting)
 
     # ---- admission ------------------------------------------------------------------------
     @property
@@ -125,7 +127,7 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self.kv_connector.has_pending()
 
     # ---- scheduling -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -192,7 +194,13 @@ class Scheduler:
                 else:
                     self._fail(req, ready)
                 continue
-            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            hit = self.kv_connector.lookup(req)  # local prefix hit, or parked for remote KV
+            if hit is PARKED:
+                self.waiting.popleft()
+                continue
+            if hit is None:
+                break
+            hit_blocks, num_hit = hit
             n = req.num_tokens - num_hit
             if n > budget:
                 if not self.chunked_prefill:
@@ -208,6 +216,7 @@ class Scheduler:
                     self._stuck.append(req)
                 break
             self.waiting.popleft()
+            self.kv_connector.allocated(req)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             req.num_computed_tokens = num_hit
@@ -260,6 +269,7 @@ class Scheduler:
         )
         self._stats.num_preemptions += len(preempted)
         self.finished_ids = []
+        self.kv_connector.build_meta(out)
         return out
 
     def _num_drafts(self, req: Request, room: int) -> int:
@@ -333,6 +343,9 @@ class Scheduler:
         self, so: SchedulerOutput, ro: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        for req, error in self.kv_connector.update(ro.kv_connector_output):
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(req.request_id, finish_reason="error", error=error))
         for k, v in ro.stats.items():
             self._worker_stats[k] = self._worker_stats.get(k, 0) + v
         sampled = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
@@ -387,7 +400,7 @@ class Scheduler:
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                 )
             )
-        return outputs
+        return self.kv_connector.attach_params(outputs)
 
     def _check_stop(self, req: Request, token: int) -> bool:
         s = req.sampling
@@ -414,7 +427,8 @@ class Scheduler:
             self.finished_ids.append(req.request_id)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
+        if not self.kv_connector.request_finished(req):  # else leased to a remote engine
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         if self._grammar is not None:
             self._grammar.remove(req.request_id)
@@ -429,6 +443,7 @@ class Scheduler:
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.take_prefix_cache_stats()
         s.extra = self.kv.extra_stats(self._worker_stats)
         s.num_cudagraph_steps = int(self._worker_stats.get("cudagraph_steps", 0))
+        s.kv_transfer = self.kv_connector.take_stats()
         self._worker_stats = {}
         self._stats = self._new_stats()
         return s

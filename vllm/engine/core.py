@@ -25,6 +25,8 @@ from vllm.engine.messages import EngineCoreOutputs
 from vllm.utils import HeartbeatBoard, die_with_parent, init_logging, logger
 
 IDLE_POLL_MS = 100
+# with only KV transfers in flight (loads to poll, leases to release): step this often
+TRANSFER_POLL_MS = 5
 
 
 class EngineCore:
@@ -153,7 +155,9 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
     idle_ms = 10 if wave.active else IDLE_POLL_MS
     shutdown = False
     while True:
-        timeout = 0 if sched.has_work() else idle_ms
+        timeout = 0 if sched.waiting or sched.running else idle_ms
+        if timeout and sched.has_work():
+            timeout = TRANSFER_POLL_MS
         aborted = False
         while inp.poll(timeout):
             timeout = 0

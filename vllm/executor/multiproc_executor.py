@@ -1,7 +1,9 @@
 """Spawns one worker process per rank of an engine replica and runs steps on them.
 
 The scheduler output goes to every worker over its own ZMQ socket; the driver (first rank of
-the replica) sends back the sampled tokens. Worker death or a worker error is noticed within
+the replica) sends back the sampled tokens. With a KV connector every rank also reports its KV
+transfers each step, combined here (``aggregate_outputs``: a transfer is done once every rank has
+reported it). Worker death or a worker error is noticed within
 ~50 ms while waiting (and by `check_alive` between steps) and raised as EngineDeadError naming the
 rank and cause. A frozen worker is the front end's to notice, through the `HeartbeatBoard`.
 """
@@ -23,6 +25,7 @@ from vllm.core.messages import (
     decoder,
     encoder,
 )
+from vllm.distributed.kv_transfer import KVConnectorOutput, aggregate_outputs
 from vllm.utils import (
     EngineDeadError,
     HeartbeatBoard,
@@ -80,6 +83,10 @@ class MultiprocExecutor:
         )
         self.num_blocks = self.kv_plan.num_blocks
         self.dead: str | None = None
+        # every rank answers each step when KV moves between engines (its transfers' progress)
+        self.kv_transfer = config.kv_transfer_config is not None
+        self.num_answers = self.world_size if self.kv_transfer else 1
+        self._kv_pending: dict[str, dict[str, int]] = {}
 
     def _check_alive(self) -> None:
         for i, p in enumerate(self.procs):
@@ -139,10 +146,15 @@ class MultiprocExecutor:
         try:
             for s in self.socks:
                 send_nonblocking(s, raw, self._check_alive, timeout_s=float("inf"))
-            return self._collect("output", 1, float("inf"))[0].output
+            msgs = self._collect("output", self.num_answers, float("inf"))
         except EngineDeadError as e:
             self.dead = str(e)
             raise
+        driver = next(m for m in msgs if m.rank == self.first_rank).output
+        if self.kv_transfer:
+            kv = [m.output.kv_connector_output or KVConnectorOutput() for m in msgs]
+            driver.kv_connector_output = aggregate_outputs(kv, self._kv_pending)
+        return driver
 
     def shutdown(self) -> None:
         stop_processes(self.procs, self.socks, b"SHUTDOWN", 5.0)

@@ -13,7 +13,14 @@ import torch
 import zmq
 
 from vllm.config import VllmConfig
-from vllm.core.messages import KVCachePlan, SchedulerOutput, WorkerMessage, decoder, encoder
+from vllm.core.messages import (
+    KVCachePlan,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerMessage,
+    decoder,
+    encoder,
+)
 from vllm.utils import HeartbeatBoard, die_with_parent, init_logging, logger
 
 ACTIVATION_RESERVE_GIB = float(os.environ.get("VLLM_CUDA_ACTIVATION_RESERVE_GIB", "4"))
@@ -104,6 +111,8 @@ def worker_main(
 
 def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
     from vllm.distributed.groups import init_distributed
+    from vllm.distributed.kv_transfer import KVConnectorContext, KVConnectorRole
+    from vllm.distributed.kv_transfer.factory import create_connector
     from vllm.model_executor.model_loader import build_model
     from vllm.worker.gpu.model_runner import ModelRunner
 
@@ -126,7 +135,11 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
         progress=rank_in_replica == 0 and os.environ.get("VLLM_NO_PROGRESS", "0") != "1",
         quantization=mc.quantization,
     )
-    runner = ModelRunner(config, model, pc, device)
+    kv_ctx = None
+    if config.kv_transfer_config is not None:
+        kv_ctx = KVConnectorContext.from_vllm_config(config, rank_in_replica, dp_rank)
+    connector = create_connector(kv_ctx, KVConnectorRole.WORKER)
+    runner = ModelRunner(config, model, pc, device, connector=connector)
     plan = _kv_plan(config, runner, device)
     # every rank of the replica allocates the same number of blocks of each pool
     plan = KVCachePlan(*(pc.min_over_world(n) for n in msgspec.structs.astuple(plan)))
@@ -141,6 +154,8 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
             plan.num_blocks,
         )
     runner.initialize_kv_cache(plan)
+    # every attention layer's caches, MTP layers last (the order of model.attention_layers())
+    connector.register_kv_caches([(a.kv_cache, a.indexer_cache) for a in model.attention_layers()])
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
     out.send(enc.encode(WorkerMessage(rank=global_rank, kind="ready", kv_plan=plan)))
@@ -157,6 +172,10 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
         prof.after(so)
         if driver:
             out.send(enc.encode(WorkerMessage(rank=global_rank, kind="output", output=ro)))
+        elif kv_ctx is not None:  # the scheduler combines every rank's KV transfers
+            kv = ModelRunnerOutput(step=ro.step, kv_connector_output=ro.kv_connector_output)
+            out.send(enc.encode(WorkerMessage(rank=global_rank, kind="output", output=kv)))
+    connector.shutdown()
     pc.destroy()
 
 
