@@ -11,6 +11,8 @@ KV connector, a no-op unless configured).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -19,7 +21,7 @@ from vllm.attention.metadata import MLAMetadata, decode_token_rows
 from vllm.config import VllmConfig
 from vllm.core.messages import KVCachePlan, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from vllm.distributed.ep import ep_forward, fixed_capacity, max_tokens_across_ep
-from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector, step_output
+from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.distributed.pcp_manager import RankStep, make_cp_planner
 from vllm.kv_cache_interface import KVCacheLayout, cdiv, kv_bytes_per_token
@@ -205,16 +207,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         start_of = self.update_states(so)
-        self.connector.bind_connector_metadata(so.kv_connector_metadata)
-        self.connector.start_load_kv(so)  # loads progress in steps that compute nothing too
         if so.total_num_scheduled_tokens == 0:
             if so.dummy:
                 self._dummy_step()
-            out = ModelRunnerOutput(step=so.step)
-            out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
-            return out
+            return ModelRunnerOutput(step=so.step)
         inp = build_step_inputs(so, self.states, self.device, start_of, self.staging)
+        self.connector.start_load_kv(so)
         self.hooks.before_forward(inp)
+        self._grammar = (so.grammar_req_ids, so.grammar_bitmask)
+        # built while the device runs the forward (nothing here reads the logits)
+        plan = self._sampling_plan(inp)
         size = self._graph_size(self.graphs.decode_batch(inp)) if self.graphs else None
         hidden = logits = target = None
         if size is not None:  # a decode-only step: replay its CUDA graph, logits included
@@ -224,10 +226,7 @@ class ModelRunner:
             hidden = self.forward(*target)
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
-        self._grammar = (so.grammar_req_ids, so.grammar_bitmask)
-        out = self._sample(inp, hidden, so.step, logits, target, size)
-        out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
-        return out
+        return self._sample(inp, plan, hidden, so.step, logits, target, size)
 
     def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
         """This rank's share of the step and its attention metadata."""
@@ -359,9 +358,27 @@ class ModelRunner:
                 out[i] = sent[j]
         return self.staging.to_device(out)
 
+    def _sampling_plan(self, inp: StepInputs) -> SamplingPlan | None:
+        """Which positions the step samples, and their parameters (None: no row samples). A
+        row verifying d drafts samples its last 1 + d positions."""
+        rows = inp.sample_rows
+        if not len(rows):
+            return None
+        nd = inp.num_drafts[rows]
+        per = 1 + nd
+        first = np.zeros(len(rows), dtype=np.int64)  # each row's first sampled position
+        np.cumsum(per[:-1], out=first[1:])
+        # the step token whose logits each sampled position takes: a row's last 1 + d
+        sampled_tok = np.repeat(inp.query_start_loc[rows + 1] - per - first, per)
+        sampled_tok += np.arange(int(per.sum()))
+        lrows = np.repeat(rows, per)
+        sb = self._sampling_batch(inp, lrows, inp.positions_np[sampled_tok] + 1)
+        return SamplingPlan(rows, nd, first, sampled_tok, lrows, sb)
+
     def _sample(
         self,
         inp: StepInputs,
+        plan: SamplingPlan | None,
         hidden: torch.Tensor | None,
         step: int,
         logits=None,
@@ -378,19 +395,16 @@ class ModelRunner:
         host: dict[str, torch.Tensor] = {}
         first, sampled_tok = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         sampled = accepted = None
-        if len(rows):
-            nd = inp.num_drafts[rows]
-            per = 1 + nd
-            first = np.zeros(len(rows), dtype=np.int64)  # each row's first sampled position
-            np.cumsum(per[:-1], out=first[1:])
-            # the step token whose logits each sampled position takes: a row's last 1 + d
-            sampled_tok = np.repeat(inp.query_start_loc[rows + 1] - per - first, per) + np.arange(
-                int(per.sum())
+        if plan is not None:
+            nd, first, sampled_tok, lrows, sb = (
+                plan.num_drafts,
+                plan.first,
+                plan.sampled_tok,
+                plan.lrows,
+                plan.batch,
             )
-            lrows = np.repeat(rows, per)
             if logits is None:
                 logits = self.model.compute_logits(hidden[h2d(sampled_tok)])
-            sb = self._sampling_batch(inp, lrows, inp.positions_np[sampled_tok] + 1)
             sampled, lp = sample(logits, sb)
             sampled = self.planner.broadcast_sampled(sampled)
             dslots = inp.idx_mapping[h2d(rows)]
@@ -487,6 +501,18 @@ class ModelRunner:
             ]
             off += m
         return out
+
+
+@dataclass
+class SamplingPlan:
+    """The step's sampled positions (rows verifying d drafts sample 1 + d each)."""
+
+    rows: np.ndarray  # batch rows that sample
+    num_drafts: np.ndarray  # [len(rows)]
+    first: np.ndarray  # [len(rows)] each row's first sampled position
+    sampled_tok: np.ndarray  # [N] step token of each sampled position
+    lrows: np.ndarray  # [N] batch row of each sampled position
+    batch: SamplingBatch
 
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
