@@ -85,6 +85,14 @@ class Metrics:
             buckets=_LAT,
             registry=r,
         )
+        self.kv_transfer = {  # KV connector counters (P/D disaggregation), summed over ranks
+            k: Counter(f"vllm:{k}", doc, lab, registry=r)
+            for k, doc in (
+                ("kv_transfer_recv_bytes", "KV bytes received from remote engines"),
+                ("kv_transfer_num_loads", "Remote KV loads completed"),
+                ("kv_transfer_num_failed_loads", "Remote KV loads failed"),
+            )
+        }
         self.extra: dict[str, Gauge] = {}
         self.name = model_name
         self.spec = None
@@ -102,7 +110,8 @@ class Metrics:
         # every series exported from start-up, at 0 (a labelled series appears only once its
         # labels are used; a scraper should not have to tell "absent" from "zero")
         for m in (self.prompt_tokens, self.gen_tokens, self.pc_queries, self.pc_hits,
-                  self.preemptions, self.ttft, self.itl, self.tpot, self.e2e):  # fmt: skip
+                  self.preemptions, self.ttft, self.itl, self.tpot, self.e2e,
+                  *self.kv_transfer.values()):  # fmt: skip
             m.labels(model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
@@ -149,6 +158,9 @@ class Metrics:
             self.pc_hits.labels(n).inc(s.prefix_cache_hits)
         if s.num_preemptions:
             self.preemptions.labels(n).inc(s.num_preemptions)
+        for k, v in (getattr(s, "kv_transfer", None) or {}).items():
+            if k in self.kv_transfer and v:
+                self.kv_transfer[k].labels(n).inc(v)
         for k, v in (s.extra or {}).items():
             if k not in self.extra:
                 self.extra[k] = Gauge(f"vllm:{k}", k, ["model_name"], registry=self.registry)

@@ -40,3 +40,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # P/D: the prefill engine's, for the decode engine

@@ -148,11 +148,18 @@ class AsyncLLM:
     def tokenize(self, prompt) -> ProcessedPrompt:
         return self.inputs.tokenize(prompt)
 
-    def add(self, p: ProcessedPrompt, params: SamplingParams, request_id: str) -> RequestHandle:
-        """Validate and submit (synchronously, so errors surface before any response starts)."""
+    def add(
+        self,
+        p: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str,
+        kv_transfer_params: dict | None = None,
+    ) -> RequestHandle:
+        """Validate and submit (synchronously, so errors surface before any response starts).
+        ``kv_transfer_params``: P/D disaggregation's (a router sends them)."""
         if self.dead:
             raise EngineDeadError(self.dead)
-        children = self.inputs.make_requests(request_id, p, params)
+        children = self.inputs.make_requests(request_id, p, params, kv_transfer_params)
         h = RequestHandle(asyncio.get_running_loop(), asyncio.Queue(), [])
         for i, (cid, csp, ecr) in enumerate(children):
             st = RequestState(cid, p.prompt, p.prompt_token_ids, csp, self.tokenizer, index=i)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from vllm.config import VllmConfig
 from vllm.core.messages import EngineCoreRequest, SamplingOptions
+from vllm.distributed.kv_transfer.nixl_params import source_layout
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizer import Tokenizer
 
@@ -59,9 +60,15 @@ class InputProcessor:
         return p
 
     def make_requests(
-        self, request_id: str, p: ProcessedPrompt, params: SamplingParams
+        self,
+        request_id: str,
+        p: ProcessedPrompt,
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
     ) -> list[tuple[str, SamplingParams, EngineCoreRequest]]:
         n_prompt = len(p.prompt_token_ids)
+        if kv_transfer_params is not None:
+            params = self._check_kv_transfer(kv_transfer_params, params)
         if params.n > self.max_num_seqs:  # more than can ever run at once
             raise ValueError(
                 f"n must be at most {self.max_num_seqs} (--max-num-seqs), got {params.n}"
@@ -116,10 +123,43 @@ class InputProcessor:
                 bad_words_token_ids=bad_words,
                 structured=params.structured_outputs,
             )
-            out.append(
-                (rid, params, EngineCoreRequest(rid, p.prompt_token_ids, opts, self.eos_ids))
+            ecr = EngineCoreRequest(
+                rid, p.prompt_token_ids, opts, self.eos_ids, kv_transfer_params=kv_transfer_params
             )
+            out.append((rid, params, ecr))
         return out
+
+    def _check_kv_transfer(self, kv: dict, params: SamplingParams) -> SamplingParams:
+        """kv_transfer_params (P/D disaggregation): refused without --kv-transfer-config or when
+        malformed. A prefill request (``do_remote_decode``) computes its prompt and one token, as
+        upstream: max_tokens is 1."""
+        kvt = self.config.kv_transfer_config
+        if not isinstance(kv, dict):
+            raise ValueError("kv_transfer_params must be a JSON object")
+        if kvt is None:
+            if kv.get("do_remote_decode") or kv.get("do_remote_prefill"):
+                raise ValueError(
+                    "kv_transfer_params need a server started with --kv-transfer-config"
+                )
+            return params
+        if params.n != 1:
+            raise ValueError(f"kv_transfer_params need n = 1, got n = {params.n}")
+        if kv.get("do_remote_prefill"):
+            if not kvt.is_kv_consumer:
+                raise ValueError(
+                    f"kv_transfer_params do_remote_prefill: this engine's kv_role is {kvt.kv_role}"
+                )
+            try:
+                source_layout(kv)
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"kv_transfer_params: {e}") from e
+        if kv.get("do_remote_decode"):
+            if not kvt.is_kv_producer:
+                raise ValueError(
+                    f"kv_transfer_params do_remote_decode: this engine's kv_role is {kvt.kv_role}"
+                )
+            params = params.clone(max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        return params
 
     def _check_vocab(self, params: SamplingParams) -> None:
         v = self.vocab_size

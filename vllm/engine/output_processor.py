@@ -39,6 +39,7 @@ class RequestState:
     detok: IncrementalDetokenizer | None = None
     error: str | None = None
     itls: list[float] = field(default_factory=list)
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.params.detokenize:
@@ -77,6 +78,8 @@ class OutputProcessor:
         st.num_cached_tokens = out.num_cached_tokens
         if out.error:
             st.error, st.finish_reason = out.error, "error"
+        if out.kv_transfer_params is not None:
+            st.kv_transfer_params = out.kv_transfer_params
         if out.prompt_logprobs and st.prompt_logprobs is not None:
             st.prompt_logprobs.extend(_lp_dict(e, st.tokenizer) for e in out.prompt_logprobs)
         new_ids = list(out.new_token_ids)
@@ -144,6 +147,7 @@ class OutputProcessor:
             outputs=[comp],
             finished=st.finished,
             num_cached_tokens=st.num_cached_tokens,
+            kv_transfer_params=st.kv_transfer_params if st.finished else None,
             metrics={
                 "arrival": st.arrival,
                 "first_token": st.first_token_time,

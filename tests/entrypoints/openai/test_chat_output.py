@@ -45,7 +45,7 @@ class FakeEngine:
         self.texts, self.rng, self.finish = texts, random.Random(seed), finish
         self.prompts = []
 
-    def add(self, p, params, request_id):
+    def add(self, p, params, request_id, kv_transfer_params=None):
         self.prompts.append(p.prompt)
         return params
 
@@ -72,7 +72,9 @@ def _output(text: str, finish: str | None):
     c = SimpleNamespace(
         text=text, token_ids=[1], logprobs=None, finish_reason=finish, stop_reason=None
     )
-    return SimpleNamespace(outputs=[c], num_cached_tokens=0, prompt_logprobs=None)
+    return SimpleNamespace(
+        outputs=[c], num_cached_tokens=0, prompt_logprobs=None, kv_transfer_params=None
+    )
 
 
 def _chat(engine, parsers, stream: bool, **body):

@@ -44,7 +44,7 @@ def render(server, prompt) -> list[int]:
         headers={"Authorization": f"Bearer {KEY}"},
     )
     assert r.status_code == 200
-    return r.json()["token_ids"]
+    return r.json()[0]["token_ids"]  # upstream's schema: one GenerateRequest per prompt
 
 
 def test_models_and_health(server, client):

@@ -243,24 +243,26 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(request: Request):
         return await run(request, ChatCompletionRequest, state.serving.chat)
 
+    async def render(request: Request, model, handler):
+        """Upstream's render endpoints: the token-in request(s) a body becomes, not run."""
+        try:
+            req = await parse(request, model)
+            bad = state.serving.check_model(req.model)
+            if bad is not None:
+                return JSONResponse(bad, status_code=404)
+            return JSONResponse(handler(req, request_id(request)))
+        except BodyTooLarge:
+            return _body_too_large()
+        except (ValueError, TypeError) as e:
+            return _err(str(e))
+
     @app.post("/v1/completions/render")
     async def render_completion(request: Request):
-        try:
-            req = await parse(request, CompletionRequest)
-            prompts = state.serving.completion_prompts(req)
-        except ValueError as e:
-            return _err(str(e))
-        ids = [p.prompt_token_ids for p in prompts]
-        return JSONResponse({"token_ids": ids[0] if len(ids) == 1 else ids})
+        return await render(request, CompletionRequest, state.serving.render_completion)
 
     @app.post("/v1/chat/completions/render")
     async def render_chat(request: Request):
-        try:
-            req = await parse(request, ChatCompletionRequest)
-            p = state.serving.chat_prompt(req)
-        except ValueError as e:
-            return _err(str(e))
-        return JSONResponse({"token_ids": p.prompt_token_ids, "prompt": p.prompt})
+        return await render(request, ChatCompletionRequest, state.serving.render_chat)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

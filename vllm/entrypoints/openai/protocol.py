@@ -50,6 +50,9 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     user: str | None = None
+    # P/D disaggregation (a router's): {"do_remote_decode": true} to a prefill engine, the
+    # prefill response's params to the decode engine
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):

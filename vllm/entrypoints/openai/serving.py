@@ -8,6 +8,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from vllm.engine.async_llm import AsyncLLM
 from vllm.engine.input_processor import ProcessedPrompt
 from vllm.entrypoints.openai.chat_output import ChatOutputs, ChoiceOutput
@@ -158,6 +160,34 @@ class OpenAIServing:
             text, self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
         )
 
+    # ---- render (upstream's /v1/*/render: the token-in request a prompt becomes) ---------------
+    def render(self, req, p: ProcessedPrompt, request_id: str, logprobs: int | None) -> dict:
+        """Upstream's ``GenerateRequest``: what the engine would run for ``req`` (routers such as
+        vllm-router's cache-aware policy read ``token_ids``); nothing is generated."""
+        sp = self.sampling_params(req, logprobs, bool(req.stream))
+        return {
+            "request_id": request_id,
+            "token_ids": p.prompt_token_ids,
+            "sampling_params": _sampling_json(sp),
+            "model": self.model_name,
+            "stream": bool(req.stream),
+            "stream_options": req.stream_options.model_dump() if req.stream_options else None,
+            "cache_salt": None,
+            "priority": 0,
+            "kv_transfer_params": req.kv_transfer_params,
+            "token_offsets": None,
+        }
+
+    def render_completion(self, req: CompletionRequest, request_id: str) -> list[dict]:
+        prompts = self.completion_prompts(req)
+        return [self.render(req, p, f"cmpl-{request_id}", req.logprobs) for p in prompts]
+
+    def render_chat(self, req: ChatCompletionRequest, request_id: str) -> dict:
+        p = self.chat_prompt(req)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        # ours beside upstream's fields: the templated prompt text
+        return {**self.render(req, p, f"chatcmpl-{request_id}", k), "prompt": p.prompt}
+
     # ---- completions -----------------------------------------------------------------------------
     def _completion_logprobs(
         self, lps: list[dict[int, Logprob]], ids: list[int], offset0: int
@@ -192,12 +222,17 @@ class OpenAIServing:
         params = self.sampling_params(req, req.logprobs, stream)
         created = int(time.time())
         rid = f"cmpl-{request_id}"
+        if req.kv_transfer_params is not None and len(prompts) > 1:
+            raise ValueError("kv_transfer_params need a single prompt")
         handles = []
         try:
             for i, p in enumerate(prompts):
                 handles.append(
                     self.engine.add(
-                        p, params, f"{request_id}-{i}" if len(prompts) > 1 else request_id
+                        p,
+                        params,
+                        f"{request_id}-{i}" if len(prompts) > 1 else request_id,
+                        req.kv_transfer_params,
                     )
                 )
         except Exception:
@@ -215,10 +250,11 @@ class OpenAIServing:
             raise
 
     async def _completion_full(self, req, rid, created, prompts, params, gens) -> dict:
-        choices, n_completion, cached = [], 0, 0
+        choices, n_completion, cached, kv_params = [], 0, 0, None
         for pi, (p, g) in enumerate(zip(prompts, gens, strict=True)):
             async for idx, ro in g:
                 c = ro.outputs[0]
+                kv_params = ro.kv_transfer_params or kv_params
                 n_completion += len(c.token_ids)
                 cached += ro.num_cached_tokens if idx == 0 else 0
                 text = (p.prompt or "") + c.text if req.echo else c.text
@@ -236,14 +272,17 @@ class OpenAIServing:
                 )
         choices.sort(key=lambda c: c["index"])
         n_prompt = sum(len(p.prompt_token_ids) for p in prompts)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model_name,
-            "choices": choices,
-            "usage": self._usage(n_prompt, n_completion, cached),
-        }
+        return _with_kv_params(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": self._usage(n_prompt, n_completion, cached),
+            },
+            kv_params,
+        )
 
     async def _completion_stream(
         self, req, rid, created, prompts, params, gens, handles
@@ -295,6 +334,7 @@ class OpenAIServing:
                             }
                         ],
                     }
+                    _with_kv_params(chunk, ro.kv_transfer_params)  # on the final chunk
                     yield f"data: {json.dumps(chunk)}\n\n"
             if include_usage:
                 n_prompt = sum(len(p.prompt_token_ids) for p in prompts)
@@ -354,12 +394,13 @@ class OpenAIServing:
             req.chat_template_kwargs,
             req.parallel_tool_calls,
         )
-        gen = self.engine.iterate(self.engine.add(p, params, request_id))
+        gen = self.engine.iterate(self.engine.add(p, params, request_id, req.kv_transfer_params))
         if stream:
             return self._chat_stream(req, rid, created, p, outputs, gen)
-        choices, n_completion, cached = [], 0, 0
+        choices, n_completion, cached, kv_params = [], 0, 0, None
         async for idx, ro in gen:
             c = ro.outputs[0]
+            kv_params = ro.kv_transfer_params or kv_params
             n_completion += len(c.token_ids)
             cached = max(cached, ro.num_cached_tokens)
             out = outputs.new_choice()
@@ -376,7 +417,7 @@ class OpenAIServing:
                 }
             )
         choices.sort(key=lambda c: c["index"])
-        return {
+        body = {
             "id": rid,
             "object": "chat.completion",
             "created": created,
@@ -385,6 +426,7 @@ class OpenAIServing:
             "usage": self._usage(len(p.prompt_token_ids), n_completion, cached),
             "prompt_logprobs": None,
         }
+        return _with_kv_params(body, kv_params)
 
     async def _chat_stream(
         self, req, rid, created, p, outputs: ChatOutputs, gen
@@ -393,7 +435,7 @@ class OpenAIServing:
         started: dict[int, ChoiceOutput] = {}
         n_completion, cached = 0, 0
 
-        def chunk(choices, **kw):
+        def chunk(choices, kv_params=None, **kw):
             body = {
                 "id": rid,
                 "object": "chat.completion.chunk",
@@ -402,6 +444,7 @@ class OpenAIServing:
                 "choices": choices,
             }
             body.update(kw)
+            _with_kv_params(body, kv_params)  # on the final chunk
             return f"data: {json.dumps(body)}\n\n"
 
         try:
@@ -443,7 +486,8 @@ class OpenAIServing:
                                 "finish_reason": finish if last else None,
                                 "stop_reason": c.stop_reason if last else None,
                             }
-                        ]
+                        ],
+                        ro.kv_transfer_params if last else None,
                     )
             if include_usage:
                 yield chunk([], usage=self._usage(len(p.prompt_token_ids), n_completion, cached))
@@ -456,3 +500,26 @@ class OpenAIServing:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def _sampling_json(sp: SamplingParams) -> dict:
+    """The sampling parameters as JSON (upstream's ``SamplingParams`` field names)."""
+    out = {}
+    for k in sp.__dataclass_fields__:
+        v = getattr(sp, k)
+        if k == "all_stop_token_ids":
+            continue
+        if k == "structured_outputs" and v is not None:
+            v = msgspec.to_builtins(v)
+        elif k == "output_kind":
+            v = int(v)
+        out[k] = v
+    return out
+
+
+def _with_kv_params(body: dict, kv_transfer_params: dict | None) -> dict:
+    """Upstream's top-level ``kv_transfer_params`` (on the response, or a stream's final
+    chunk): what a P/D router forwards from the prefill engine to the decode engine."""
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    return body
