@@ -85,10 +85,10 @@ class NixlConnector(KVConnectorBase):
         self._loading.difference_update(output.finished_recving)
 
     def request_finished(self, request: KVRequest, block_ids):
+        self._pulled.discard(request.request_id)
         if request.request_id in self._loading:
             # finished (aborted) while its KV is still landing: free after finished_recving
             return True, None
-        self._pulled.discard(request.request_id)
         params = request.kv_transfer_params
         cfg, shard = self.ctx.config, self.ctx.shard
         if not params or not params.get("do_remote_decode") or not cfg.is_kv_producer:

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.side_channel import SideChannelServer, side_ch
 from vllm.utils import logger
 
 HANDSHAKE_TIMEOUT_S = 5.0
+RECENT_LOADS = 1024  # per-request records kept (failures, bytes): the latest loads only
 
 
 @dataclass
@@ -83,6 +84,13 @@ def compat_info(ctx: KVConnectorContext, kv_caches: list[LayerKVCache]) -> dict:
         "num_layers": len(kv_caches),
         "indexer_layers": [i for i, (_, idx) in enumerate(kv_caches) if idx is not None],
     }
+
+
+def _keep_recent(*records: dict) -> None:
+    """Forget the oldest entries of per-request records (a server runs for months)."""
+    for r in records:
+        while len(r) > RECENT_LOADS:
+            del r[next(iter(r))]
 
 
 def compat_hash(info: dict) -> str:
@@ -286,6 +294,7 @@ class NixlWorker:
         del self._loads[load.req.req_id]
         self.recv_bytes[load.req.req_id] = load.num_bytes
         self.recv_descs[load.req.req_id] = load.num_descs
+        _keep_recent(self.recv_bytes, self.recv_descs)
         self._count("kv_transfer_recv_bytes", load.num_bytes)
         self._count("kv_transfer_num_loads", 1)
         if load.req.hi > load.req.lo:
@@ -295,6 +304,7 @@ class NixlWorker:
         req = load.req
         logger.warning("KV load of request %s failed: %s", req.req_id, why)
         self.failures[req.req_id] = why
+        _keep_recent(self.failures)
         self._new_failures[req.req_id] = why
         self._count("kv_transfer_num_failed_loads", 1)
         self._release(load)
