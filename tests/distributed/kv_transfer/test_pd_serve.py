@@ -250,7 +250,7 @@ def test_killed_prefill_engine_recompute_or_fail(engines, tiny_ckpt):
     t0 = time.monotonic()
     with pytest.raises(openai.BadRequestError, match="KV transfer of request .* failed"):
         d2.completions.create(model=d2.models.list().data[0].id, **kw)
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 10  # refused at once (the side channel is gone)
     for name in ("d1", "d2"):
         assert _wait_metric(servers[name], "vllm:kv_cache_usage_perc", 0.0) == 0.0, name
 

@@ -7,6 +7,7 @@ bytes, so the thread touches no NIXL state). A consumer rank asks with
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 
@@ -56,7 +57,11 @@ class SideChannelServer:
 
 
 def side_channel_request(host: str, port: int, request: dict, timeout_s: float) -> dict:
-    """One request/reply; ``TimeoutError`` when nobody answers within ``timeout_s``."""
+    """One request/reply; ``TimeoutError`` when nobody answers within ``timeout_s``,
+    ``ConnectionRefusedError`` at once when nothing listens there (a dead producer: ZMQ alone
+    would retry silently until the timeout)."""
+    with socket.create_connection((host, port), timeout=timeout_s):
+        pass
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     ms = max(1, int(timeout_s * 1000))
