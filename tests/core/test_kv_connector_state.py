@@ -71,6 +71,7 @@ def test_loading_request_waits_without_blocking_others(tiny_ckpt):
     assert (
         len(recv.local_block_ids) == 3 and s.requests["r"].status.name == "WAITING_FOR_REMOTE_KVS"
     )
+    assert s.stats().num_waiting == 1  # a loading request counts as waiting
     _step(s)  # still loading: nothing of it scheduled
     so, _ = _step(s, KVConnectorOutput(finished_recving=["r"], stats={"kv_transfer_num_loads": 1}))
     so, _ = _step(s)

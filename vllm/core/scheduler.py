@@ -437,7 +437,7 @@ class Scheduler:
         s = self._stats
         s.num_running, s.num_waiting, s.kv_cache_usage = (
             len(self.running),
-            len(self.waiting),
+            len(self.waiting) + len(self.kv_connector.loading),  # loading: waiting too
             self.kv.usage(),
         )
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.take_prefix_cache_stats()
