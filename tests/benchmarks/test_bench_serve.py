@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import urllib.request
 
 from tests.benchmarks.conftest import run_cli
 from tests.utils import RemoteServer, free_port
@@ -47,3 +48,35 @@ def test_bench_serve_without_server():
     r = run_cli("bench", "serve", "--port", str(free_port()), "--num-prompts", "1", timeout=60)
     assert r.returncode == 2
     assert "no server at" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_serve_reports_speculative_decoding():
+    """With --speculative-config the server exports upstream's spec-decode counters and `vllm
+    bench serve` reports acceptance over the run (here in the synthetic mode, which it marks)."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 3, "synthetic_acceptance_length": 2.5}'
+    with RemoteServer(["--speculative-config", spec]) as server:
+        r = run_cli(
+            "bench", "serve", "--base-url", server.url, "--num-prompts", "6",
+            "--random-input-len", "32", "--random-output-len", "24", "--max-concurrency", "3",
+            "--ignore-eos", "--json", timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        res = json.loads(r.stdout)
+        assert res["completed"] == 6 and res["total_output_tokens"] == 6 * 24
+        drafts, tokens = res["spec_decode_num_drafts"], res["spec_decode_draft_tokens"]
+        accepted = res["spec_decode_accepted_tokens"]
+        assert drafts > 0 and 0 < accepted <= tokens <= 3 * drafts
+        assert abs(res["spec_decode_acceptance_length"] - 2.5) < 0.4
+        per_pos = res["spec_decode_per_position_acceptance_rate"]
+        assert len(per_pos) == 3 and per_pos == sorted(per_pos, reverse=True)
+        assert res["spec_decode_synthetic_acceptance_length"] == 2.5
+        with urllib.request.urlopen(server.url + "/metrics", timeout=10) as f:
+            text = f.read().decode()
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            assert f"vllm:spec_decode_{name}_total{{" in text
+        assert "vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=" in text
+        r = run_cli(
+            "bench", "serve", "--base-url", server.url, "--num-prompts", "2",
+            "--random-input-len", "16", "--random-output-len", "8", timeout=120,
+        )  # fmt: skip
+        assert "Speculative Decoding" in r.stdout and "SYNTHETIC" in r.stdout

@@ -148,7 +148,10 @@ def _spec_counters(base: urllib.parse.SplitResult) -> dict[str, float]:
         if not line.startswith(_SPEC):
             continue
         name, _, value = line.rpartition(" ")
-        key = name[len(_SPEC) :].split("{")[0].removesuffix("_total")
+        key = name[len(_SPEC) :].split("{")[0]
+        if key.endswith("_created"):  # the client library's creation timestamps
+            continue
+        key = key.removesuffix("_total")
         if key == "num_accepted_tokens_per_pos":
             key += "/" + name.split('position="')[1].split('"')[0]
         out[key] = out.get(key, 0.0) + float(value)  # summed over DP replicas' series
