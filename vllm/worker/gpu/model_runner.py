@@ -21,7 +21,7 @@ from vllm.attention.metadata import MLAMetadata, decode_token_rows
 from vllm.config import VllmConfig
 from vllm.core.messages import KVCachePlan, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from vllm.distributed.ep import ep_forward, fixed_capacity, max_tokens_across_ep
-from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector
+from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector, step_output
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.distributed.pcp_manager import RankStep, make_cp_planner
 from vllm.kv_cache_interface import KVCacheLayout, cdiv, kv_bytes_per_token
@@ -207,12 +207,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         start_of = self.update_states(so)
+        self.connector.bind_connector_metadata(so.kv_connector_metadata)
+        self.connector.start_load_kv(so)  # loads progress in steps that compute nothing too
         if so.total_num_scheduled_tokens == 0:
             if so.dummy:
                 self._dummy_step()
-            return ModelRunnerOutput(step=so.step)
+            out = ModelRunnerOutput(step=so.step)
+            out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
+            return out
         inp = build_step_inputs(so, self.states, self.device, start_of, self.staging)
-        self.connector.start_load_kv(so)
         self.hooks.before_forward(inp)
         self._grammar = (so.grammar_req_ids, so.grammar_bitmask)
         # built while the device runs the forward (nothing here reads the logits)
@@ -226,7 +229,9 @@ class ModelRunner:
             hidden = self.forward(*target)
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
-        return self._sample(inp, plan, hidden, so.step, logits, target, size)
+        out = self._sample(inp, plan, hidden, so.step, logits, target, size)
+        out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
+        return out
 
     def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
         """This rank's share of the step and its attention metadata."""
