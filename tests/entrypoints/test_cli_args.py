@@ -175,11 +175,14 @@ def test_tiny_checkpoint_command(tmp_path):
     assert r.returncode == 0 and (tmp_path / "t" / "config.json").exists()
 
 
+def test_speculative_config_flag(tiny_ckpt):
+    cfg = _parse(
+        [tiny_ckpt, "--speculative-config", '{"method":"mtp","num_speculative_tokens":3}']
+    ).create_engine_config()
+    assert cfg.num_spec_tokens == 3 and cfg.speculative_config.method == "mtp"
+
+
 NOT_LANDED = [
-    (
-        ["--speculative-config", '{"method":"mtp","num_speculative_tokens":3}'],
-        "--speculative-config",
-    ),
     (
         ["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
         "--kv-transfer-config",
