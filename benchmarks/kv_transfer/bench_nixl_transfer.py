@@ -61,6 +61,7 @@ def ctx(shard, role, rank, args) -> KVConnectorContext:
             "engine_id": role,
             "side_channel_port": args.port,
             "kv_load_timeout_s": 600.0,
+            "kv_connector_extra_config": {"nixl_progress_thread": args.progress_thread},
         }
     )
     return KVConnectorContext(cfg, GLM53, shard, rank=rank, model_name="glm-5.3")
@@ -152,6 +153,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--port", type=int, default=0, help="side channel base port (0: pick one)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--progress-thread",
+        action="store_true",
+        help="NIXL's UCX progress thread on (off in the engine)",
+    )
     args = ap.parse_args()
     if args.port == 0:
         with socket.socket() as s:
