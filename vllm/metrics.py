@@ -85,12 +85,20 @@ class Metrics:
             buckets=_LAT,
             registry=r,
         )
-        self.kv_transfer = {  # KV connector counters (P/D disaggregation), summed over ranks
+        self.kv_transfer = {  # KV connector counters (P/D, CPU offload), summed over ranks
             k: Counter(f"vllm:{k}", doc, lab, registry=r)
             for k, doc in (
                 ("kv_transfer_recv_bytes", "KV bytes received from remote engines"),
                 ("kv_transfer_num_loads", "Remote KV loads completed"),
                 ("kv_transfer_num_failed_loads", "Remote KV loads failed"),
+                # upstream's names: tokens looked up in / found in a connector's cache
+                ("external_prefix_cache_queries", "External prefix-cache queries, in tokens"),
+                ("external_prefix_cache_hits", "External prefix-cache hits, in tokens"),
+                ("kv_offload_stored_blocks", "KV blocks copied to the CPU offload tier"),
+                ("kv_offload_evicted_blocks", "KV blocks evicted from the CPU offload tier"),
+                ("kv_offload_store_bytes", "KV bytes copied to the CPU offload tier, all ranks"),
+                ("kv_offload_load_bytes", "KV bytes copied back from the CPU offload tier"),
+                ("kv_offload_num_loads", "Prefix loads from the CPU offload tier, all ranks"),
             )
         }
         self.extra: dict[str, Gauge] = {}

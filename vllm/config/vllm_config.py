@@ -177,9 +177,21 @@ class AttentionConfig:
         )
 
 
+KV_OFFLOADING_BACKENDS = ("native",)
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
+    """``--kv-offloading-size`` / ``--kv-offloading-backend`` (upstream's names): a host-memory
+    tier of whole KV blocks keyed by the prefix cache's hashes. The size is the engine replica's
+    total over its ranks (upstream's meaning); each rank holds ``size / ranks``."""
+
     kv_offloading_size_gib: float | None = None
+    kv_offloading_backend: str = "native"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.kv_offloading_size_gib)
 
 
 @dataclass(frozen=True)
@@ -229,6 +241,11 @@ class VllmConfig:
         if hs is not None and hs.hot_buffer_rows:
             return hs.hot_buffer_rows
         return (self.num_spec_tokens + 2) * self.model_config.arch.index_topk
+
+    @property
+    def uses_kv_connector(self) -> bool:
+        """A KV connector runs: --kv-transfer-config, --kv-offloading-size, or both."""
+        return self.kv_transfer_config is not None or self.offload_config.enabled
 
     @property
     def num_spec_tokens(self) -> int:
@@ -294,7 +311,60 @@ class VllmConfig:
                     f"{self.hot_buffer_min_rows} ((num_speculative_tokens + 1) × index_topk)"
                 )
         self._check_speculative()
+        self._check_offload()
         self._refuse_unlanded()
+
+    def _check_offload(self) -> None:
+        """--kv-offloading-size: a host tier of prefix-cache blocks, so it needs the prefix cache
+        and room for at least one block on every rank."""
+        oc = self.offload_config
+        if oc.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(
+                f"--kv-offloading-backend must be one of {list(KV_OFFLOADING_BACKENDS)}, got "
+                f"{oc.kv_offloading_backend!r} (lmcache is not bundled with this engine)"
+            )
+        if oc.kv_offloading_size_gib is None:
+            return
+        size = oc.kv_offloading_size_gib
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0:
+            raise ValueError(f"--kv-offloading-size must be a number of GiB >= 0, got {size!r}")
+        if not oc.enabled:
+            return
+        if not self.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "--kv-offloading-size keeps prefix-cache blocks in host memory: it needs prefix "
+                "caching (drop --no-enable-prefix-caching)"
+            )
+        if self.offload_num_blocks < 1:
+            from vllm.kv_cache_interface import kv_bytes_per_token
+
+            mc = self.model_config
+            block = self.cache_config.block_size * kv_bytes_per_token(
+                mc.arch, self.cache_config.cache_dtype, mc.dtype, self._num_mtp_layers
+            )
+            raise ValueError(
+                f"--kv-offloading-size {size} GiB holds no KV block: it is split over "
+                f"{self.parallel_config.world_size} ranks and one block takes {block / 2**20:.2f} "
+                "MiB on each"
+            )
+
+    @property
+    def _num_mtp_layers(self) -> int:
+        return self.model_config.arch.num_nextn_predict_layers if self.speculative_config else 0
+
+    @property
+    def offload_num_blocks(self) -> int:
+        """Blocks the host tier holds on each rank (every rank holds the same ones)."""
+        from vllm.kv_cache_interface import kv_bytes_per_token
+
+        if not self.offload_config.enabled:
+            return 0
+        mc = self.model_config
+        per_block = self.cache_config.block_size * kv_bytes_per_token(
+            mc.arch, self.cache_config.cache_dtype, mc.dtype, self._num_mtp_layers
+        )
+        per_rank = self.offload_config.kv_offloading_size_gib * 2**30 / self.parallel_config.world_size
+        return int(per_rank // per_block)
 
     def _check_speculative(self) -> None:
         """MTP needs the checkpoint's MTP layer; combinations not built yet are named."""
@@ -340,8 +410,11 @@ class VllmConfig:
                 "--kv-transfer-config kv_role 'kv_both' (use kv_producer for the prefill engine "
                 "and kv_consumer for the decode engine)"
             )
-        if self.offload_config.kv_offloading_size_gib:
-            not_yet.append("--kv-offloading-size (CPU KV offload)")
+        if self.offload_config.enabled and self.attention_config.hisparse is not None:
+            not_yet.append(
+                "--kv-offloading-size with --attention-config hisparse_config (the offload tier "
+                "beside HiSparse's host pool)"
+            )
         if not_yet:
             raise NotImplementedError("not implemented yet in this engine: " + "; ".join(not_yet))
 

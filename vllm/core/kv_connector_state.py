@@ -32,9 +32,9 @@ PARKED = "parked"  # lookup(): the request waits for its remote KV (taken off ``
 class KVConnectorScheduler:
     def __init__(self, config: VllmConfig, kv: KVCacheManager, waiting: deque[Request]):
         cfg = config.kv_transfer_config
-        self.enabled = cfg is not None
+        self.enabled = config.uses_kv_connector
         self.fail_on_load_error = cfg is not None and cfg.kv_load_failure_policy == "fail"
-        ctx = KVConnectorContext.from_vllm_config(config) if self.enabled else None
+        ctx = KVConnectorContext.for_engine(config)
         self.connector = create_connector(ctx, KVConnectorRole.SCHEDULER)
         self.kv, self.waiting = kv, waiting
         self.block_size = config.scheduler_block_size
@@ -116,6 +116,7 @@ class KVConnectorScheduler:
                 req.num_computed_tokens = 0
             else:
                 req.num_computed_tokens = computed
+                req.num_cached_tokens = computed  # upstream: external hits count as cached
                 self.kv.cache_full_blocks(req, computed)
                 self.resumed.add(rid)
             ready.append(req)
@@ -148,4 +149,6 @@ class KVConnectorScheduler:
 
     def take_stats(self) -> dict[str, float]:
         out, self._stats = self._stats, {}
+        for k, v in self.connector.take_scheduler_stats().items():
+            out[k] = out.get(k, 0) + v
         return out

@@ -12,7 +12,9 @@ from __future__ import annotations
 import msgspec
 
 from vllm.distributed.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
+from vllm.distributed.kv_transfer.multi_connector import MultiConnectorMetadata
 from vllm.distributed.kv_transfer.nixl_params import NixlConnectorMetadata
+from vllm.distributed.kv_transfer.offloading_connector import OffloadMetadata
 from vllm.structured_output.params import StructuredOutputsParams
 
 
@@ -166,7 +168,13 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     grammar_req_ids: list[str] = []
     grammar_bitmask: bytes = b""
     # the KV connector's instructions to the workers (None: no --kv-transfer-config)
-    kv_connector_metadata: KVConnectorMetadata | NixlConnectorMetadata | None = None
+    kv_connector_metadata: (
+        KVConnectorMetadata
+        | NixlConnectorMetadata
+        | OffloadMetadata
+        | MultiConnectorMetadata
+        | None
+    ) = None
 
 
 class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):

@@ -71,6 +71,7 @@ class EngineArgs:
     speculative_config: str | dict | None = None
     kv_transfer_config: str | dict | None = None
     kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     enforce_eager: bool = False
     compilation_config: str | dict | None = None
 
@@ -171,7 +172,10 @@ class EngineArgs:
             device_config=DeviceConfig(device=device),
             speculative_config=SpeculativeConfig.from_json(self.speculative_config),
             kv_transfer_config=KVTransferConfig.from_json(self.kv_transfer_config),
-            offload_config=OffloadConfig(kv_offloading_size_gib=self.kv_offloading_size),
+            offload_config=OffloadConfig(
+                kv_offloading_size_gib=self.kv_offloading_size,
+                kv_offloading_backend=self.kv_offloading_backend,
+            ),
             compilation_config=CompilationConfig.from_json(
                 self.compilation_config,
                 # graphs are a CUDA feature: a CPU run is eager unless the flag is given, and
@@ -278,7 +282,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _bool_flag(p, "--enable-prefix-caching", True, "reuse cached KV of shared prompt prefixes")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument(
-        "--kv-offloading-size", type=float, default=None, help="host-memory KV tier, GiB"
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        help="GiB of host memory for a tier of evicted prefix-cache KV blocks (the replica's "
+        "total, split over its ranks)",
+    )
+    g.add_argument(
+        "--kv-offloading-backend",
+        choices=["native", "lmcache"],
+        default="native",
+        help="the host KV tier's implementation (native: this engine's own)",
     )
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -84,7 +84,7 @@ class MultiprocExecutor:
         self.num_blocks = self.kv_plan.num_blocks
         self.dead: str | None = None
         # every rank answers each step when KV moves between engines (its transfers' progress)
-        self.kv_transfer = config.kv_transfer_config is not None
+        self.kv_transfer = config.uses_kv_connector
         self.num_answers = self.world_size if self.kv_transfer else 1
         self._kv_pending: dict[str, dict[str, int]] = {}
 

@@ -135,9 +135,7 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
         progress=rank_in_replica == 0 and os.environ.get("VLLM_NO_PROGRESS", "0") != "1",
         quantization=mc.quantization,
     )
-    kv_ctx = None
-    if config.kv_transfer_config is not None:
-        kv_ctx = KVConnectorContext.from_vllm_config(config, rank_in_replica, dp_rank)
+    kv_ctx = KVConnectorContext.for_engine(config, rank_in_replica, dp_rank)
     connector = create_connector(kv_ctx, KVConnectorRole.WORKER)
     runner = ModelRunner(config, model, pc, device, connector=connector)
     plan = _kv_plan(config, runner, device)

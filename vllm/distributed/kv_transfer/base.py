@@ -131,12 +131,13 @@ class KVRequest(Protocol):
 class KVConnectorContext:
     """What a connector needs of the engine's configuration (no VllmConfig below the runner)."""
 
-    config: KVTransferConfig
+    config: KVTransferConfig | None  # --kv-transfer-config (None: only the offload tier runs)
     layout: KVCacheLayout  # byte layout of every layer's caches
     shard: KVShardLayout  # how this engine replica shards the KV over its ranks
     rank: int = 0  # worker: rank within the replica (PCP × TP order); scheduler: 0
     dp_rank: int = 0  # data-parallel replica (each replica is its own KV engine)
     model_name: str = ""
+    offload_num_blocks: int = 0  # --kv-offloading-size: host-tier blocks on each rank (0: off)
 
     @classmethod
     def from_vllm_config(cls, vllm_config, rank: int = 0, dp_rank: int = 0) -> KVConnectorContext:
@@ -153,7 +154,15 @@ class KVConnectorContext:
             rank=rank,
             dp_rank=dp_rank,
             model_name=mc.served_model_name,
+            offload_num_blocks=vllm_config.offload_num_blocks,
         )
+
+    @classmethod
+    def for_engine(cls, vllm_config, rank: int = 0, dp_rank: int = 0) -> KVConnectorContext | None:
+        """The context of an engine that runs a KV connector, None for one that does not."""
+        if not vllm_config.uses_kv_connector:
+            return None
+        return cls.from_vllm_config(vllm_config, rank, dp_rank)
 
 
 # one layer's caches: the MLA rows and, for layers with a "full" indexer, the indexer keys
@@ -194,9 +203,14 @@ class KVConnectorBase:
         self, request: KVRequest, block_ids: list[int]
     ) -> tuple[bool, dict | None]:
         """(delay_free, kv_transfer_params): whether the scheduler must keep the request's
-        blocks until a worker reports it in ``finished_sending``, and the params to return
-        to the client."""
+        blocks until a worker reports it in ``finished_sending`` (or, for a load still landing,
+        ``finished_recving``), and the params to return to the client."""
         return False, None
+
+    def take_scheduler_stats(self) -> dict[str, float]:
+        """The scheduler half's counters since the last call (e.g. the offload tier's
+        ``external_prefix_cache_queries`` / ``_hits``, in tokens)."""
+        return {}
 
     # ---- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: list[LayerKVCache]) -> None:

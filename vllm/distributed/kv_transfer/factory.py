@@ -36,7 +36,21 @@ def connector_class(name: str) -> type[KVConnectorBase]:
 
 
 def create_connector(ctx: KVConnectorContext | None, role: KVConnectorRole) -> KVConnectorBase:
-    """The configured connector for ``role``; the no-op one without --kv-transfer-config."""
-    if ctx is None or ctx.config is None:
+    """The configured connector for ``role``: --kv-transfer-config's, the CPU offload tier
+    (--kv-offloading-size), both in a ``MultiConnector``, or the no-op one."""
+    if ctx is None:
         return NoOpConnector(ctx, role)
-    return connector_class(ctx.config.kv_connector)(ctx, role)
+    connectors = []
+    if ctx.config is not None:
+        connectors.append(connector_class(ctx.config.kv_connector)(ctx, role))
+    if ctx.offload_num_blocks > 0:
+        from vllm.distributed.kv_transfer.offloading_connector import OffloadingConnector
+
+        connectors.append(OffloadingConnector(ctx, role))
+    if not connectors:
+        return NoOpConnector(ctx, role)
+    if len(connectors) == 1:
+        return connectors[0]
+    from vllm.distributed.kv_transfer.multi_connector import MultiConnector
+
+    return MultiConnector(ctx, role, connectors)
