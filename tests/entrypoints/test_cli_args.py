@@ -187,7 +187,15 @@ NOT_LANDED = [
         ["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
         "--kv-transfer-config",
     ),
-    (["--kv-offloading-size", "4"], "--kv-offloading-size"),
+    (
+        [
+            "--kv-offloading-size",
+            "4",
+            "--attention-config",
+            '{"hisparse_config": {"host_pool_gib": 0.01}}',
+        ],
+        "--kv-offloading-size",
+    ),
 ]
 
 

@@ -363,7 +363,9 @@ class VllmConfig:
         per_block = self.cache_config.block_size * kv_bytes_per_token(
             mc.arch, self.cache_config.cache_dtype, mc.dtype, self._num_mtp_layers
         )
-        per_rank = self.offload_config.kv_offloading_size_gib * 2**30 / self.parallel_config.world_size
+        per_rank = (
+            self.offload_config.kv_offloading_size_gib * 2**30 / self.parallel_config.world_size
+        )
         return int(per_rank // per_block)
 
     def _check_speculative(self) -> None:

@@ -107,12 +107,14 @@ def _wait_metric(server: RemoteServer, name: str, want: float, timeout_s: float 
 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpt):
-    """ref: one engine; p1: prefill DCP1; p2: prefill PCP2×DCP2; d1: decode DCP1 (recompute);
+    """ref: one engine; p1: prefill DCP1 with the CPU offload tier beside NIXL; p2: prefill PCP2×DCP2; d1: decode DCP1 (recompute);
     d2: decode TP2×DCP2 (fail); ddp: decode DP2 + EP2."""
     ckpt = [tiny_ckpt, "--enable-prompt-tokens-details"]
     specs = {
         "ref": ckpt,
-        "p1": ckpt + _kv("kv_producer", side_channel_port=_free_port_range(1)),
+        "p1": ckpt
+        + ["--kv-offloading-size", "0.02"]
+        + _kv("kv_producer", side_channel_port=_free_port_range(1)),
         "p2": ckpt
         + ["-pcp", "2", "-dcp", "2"]
         + _kv("kv_producer", side_channel_port=_free_port_range(2)),
@@ -185,6 +187,8 @@ def test_router_greedy_equals_one_engine_and_moves_owned_kv(engines, tiny_ckpt, 
         assert got == (n - 1) * per_token, (pair, n, got)
     # every decode rank confirmed: the prefill engine's leases are released
     assert _wait_metric(servers[pair[0]], "vllm:kv_cache_usage_perc", 0.0) == 0.0
+    if pair[0] == "p1":  # its offload tier took the prompts' full blocks while NIXL leased them
+        assert _metric(servers["p1"], "vllm:kv_offload_stored_blocks_total") >= 150 // 64
     assert _wait_metric(decode, "vllm:kv_cache_usage_perc", 0.0) == 0.0
 
 

@@ -316,6 +316,8 @@ def test_every_counter_is_exported_from_start_up(tiny_ckpt):
     for name in (
         "vllm:prefix_cache_hits_total",
         "vllm:prefix_cache_queries_total",
+        "vllm:external_prefix_cache_hits_total",
+        "vllm:external_prefix_cache_queries_total",
         "vllm:num_preemptions_total",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",

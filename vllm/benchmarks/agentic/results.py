@@ -11,6 +11,10 @@ Definitions (SPEC §9):
 - prefix_cache_hit_rate: hits over queries from the server's /metrics (vllm:prefix_cache_*_total),
   scraped before and after the harness ran (warm-up included); `prefix_cache_hit_rate_profiling`
   is the same ratio over the profiling phase alone, from the harness's own /metrics scrapes.
+- external_prefix_cache_hit_rate: the same for a KV connector's cache (the CPU offload tier,
+  vllm:external_prefix_cache_*_total): tokens found there after the device prefix cache's hit, over
+  the tokens of the requests that looked; `total_prefix_hit_rate` is device plus host hits over
+  the device cache's queries (the share of prompt tokens not recomputed).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ FIELDS = (
     "e2e_p90_ms",
     "prefix_cache_hit_rate",
     "prefix_cache_hit_rate_profiling",
+    "external_prefix_cache_hit_rate",
+    "total_prefix_hit_rate",
     "server_prompt_tokens",
     "server_generation_tokens",
     "server_startup_s",
@@ -119,6 +125,8 @@ def level_metrics(
     per_s = 1.0 / duration if duration > 0 else 0.0
     q = _delta(before, after, "vllm:prefix_cache_queries_total")
     h = _delta(before, after, "vllm:prefix_cache_hits_total")
+    xq = _delta(before, after, "vllm:external_prefix_cache_queries_total")
+    xh = _delta(before, after, "vllm:external_prefix_cache_hits_total")
     return {
         "requests": len(records),
         "errors": len(records) - len(ok),
@@ -145,6 +153,8 @@ def level_metrics(
             profiling_counters.get("vllm:prefix_cache_hits"),
             profiling_counters.get("vllm:prefix_cache_queries"),
         ),
+        "external_prefix_cache_hit_rate": _ratio(xh, xq),
+        "total_prefix_hit_rate": _ratio((h or 0) + (xh or 0), q) if h is not None else None,
         "server_prompt_tokens": _delta(before, after, "vllm:prompt_tokens_total"),
         "server_generation_tokens": _delta(before, after, "vllm:generation_tokens_total"),
     }

@@ -332,6 +332,7 @@ class _Sweep:
                         f"{tag}: {row['requests']} requests, {row['throughput_per_gpu']:.1f} tok/s/GPU, "
                         f"P90 interactivity {_fmt(row['interactivity_p90'])} tok/s/user, "
                         f"TTFT p50 {_fmt(row['ttft_median_ms'])} ms, cache hit {_pct(row['prefix_cache_hit_rate'])}"
+                        f" (with the host tier {_pct(row['total_prefix_hit_rate'])})"
                     )
                 else:
                     self.progress.event(f"{tag}: FAILED ({row['status']}): {row['message']}")
@@ -457,6 +458,7 @@ def print_table(rows: list[dict], stream=None) -> None:
         "TTFT p90",
         "ITL mean",
         "cache hit",
+        "+host hit",
     )
     lines = [head]
     for r in rows:
@@ -473,6 +475,11 @@ def print_table(rows: list[dict], stream=None) -> None:
                 _fmt(r.get("ttft_p90_ms"), 0),
                 _fmt(r.get("itl_mean_ms"), 1),
                 _pct(r.get("prefix_cache_hit_rate")),
+                _pct(
+                    r.get("total_prefix_hit_rate")
+                    if r.get("external_prefix_cache_hit_rate")
+                    else None
+                ),
             )
         )
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]

@@ -51,9 +51,7 @@ class MultiConnector(KVConnectorBase):
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         owner = self._claims.pop(request.request_id, None)
         for i, c in enumerate(self.connectors):
-            c.update_state_after_alloc(
-                request, block_ids, num_external_tokens if i == owner else 0
-            )
+            c.update_state_after_alloc(request, block_ids, num_external_tokens if i == owner else 0)
 
     def build_connector_meta(self, scheduler_output) -> MultiConnectorMetadata:
         return MultiConnectorMetadata(

@@ -8,9 +8,10 @@ physical block per rank, holding the rows that rank owns, so nothing crosses ran
 
 Ordering, all on the device without a host wait:
 
-  * stores (device → host) and loads (host → device) run on one side stream, in the order the
-    scheduler issued them, so a load of a slot always sees the store that filled it, and a slot
-    refilled after eviction is never overwritten before an earlier load of it finished;
+  * stores (device → host) and loads (host → device) run on one side stream, stores first in
+    each step, so a load of a slot always sees the store that filled it (even one issued in the
+    same step); a slot a load reads is pinned by the scheduler, so no store refills it before
+    that load finished;
   * a store waits for the compute stream's work issued before it (the rows it copies are final);
   * a block freed while its store is still running may be handed to another request at once: the
     compute stream waits for that store before a step that writes such a block (:meth:`guard`);
@@ -61,9 +62,7 @@ class HostKVStore:
                     continue
                 self.dev.append(t)
                 self.host.append(
-                    torch.empty(
-                        (self.num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda
-                    )
+                    torch.empty((self.num_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=self.cuda)
                 )
                 self.bytes_per_block += t[0].numel() * t.element_size()
 

@@ -35,8 +35,8 @@ from vllm.utils import logger
 
 
 class OffloadMetadata(KVConnectorMetadata, tag=True):
-    """One step's copies, the same on every rank: (device block, host slot) pairs. Loads are
-    issued before stores (a slot evicted and refilled in this step is read first)."""
+    """One step's copies, the same on every rank: (device block, host slot) pairs. Stores are
+    issued before loads: a load may read a slot this step's stores fill."""
 
     loads: dict[str, list[tuple[int, int]]] = {}
     stores: list[tuple[int, int]] = []
@@ -194,12 +194,10 @@ class OffloadingConnector(KVConnectorBase):
 
     def start_load_kv(self, so) -> None:
         meta = self._metadata
-        written = [b for r in so.new_reqs for b in r.block_ids]
-        written += [b for c in so.cached_reqs for b in c.new_block_ids]
         if isinstance(meta, OffloadMetadata):
-            for rid, pairs in meta.loads.items():  # same stream as the stores: ordered after them
-                nbytes = len(pairs) * self.store.bytes_per_block
-                self._pending[rid] = (self.store.load(pairs), nbytes)
+            # stores first: a block offered in this step's metadata may be the one a load of
+            # the same step reads back (its device copy evicted meanwhile); the slots loads
+            # read are pinned, so no store of the step targets them
             self.store.store(meta.stores)
             if meta.stores:
                 st = self._worker_stats
@@ -207,6 +205,11 @@ class OffloadingConnector(KVConnectorBase):
                     st.get("kv_offload_store_bytes", 0)
                     + len(meta.stores) * self.store.bytes_per_block
                 )
+            for rid, pairs in meta.loads.items():  # same stream as the stores: ordered after
+                nbytes = len(pairs) * self.store.bytes_per_block
+                self._pending[rid] = (self.store.load(pairs), nbytes)
+        written = [b for r in so.new_reqs for b in r.block_ids]
+        written += [b for c in so.cached_reqs for b in c.new_block_ids]
         self.store.guard(written)
 
     def get_finished(self, finished_req_ids):
