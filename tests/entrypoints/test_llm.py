@@ -194,3 +194,20 @@ def test_llm_without_main_guard_says_what_to_do(tiny_ckpt, tmp_path):
         if p.pid not in before and "spawn_main" in " ".join(p.info["cmdline"] or [])
     ]
     assert not left
+
+
+def test_script_that_raises_before_shutdown_exits(tiny_ckpt, tmp_path):
+    """No hang at interpreter exit when a script raises with an engine still up (its processes
+    are stopped before multiprocessing joins them)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "s.py"
+    script.write_text(
+        "from vllm import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    m = LLM({tiny_ckpt!r})\n"
+        "    m.generate([{'prompt_token_ids': [10**6]}])\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "out of vocabulary" in r.stderr

@@ -12,11 +12,13 @@ while its step never returns.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import multiprocessing as mp
 import os
 import shutil
 import time
+import weakref
 
 import msgspec
 import zmq
@@ -84,6 +86,11 @@ class EngineCoreClient:
         self.dead: str | None = None
         self.pending: list[EngineCoreOutputs] = []
         self._closed = False
+        # a script that raises before LLM.shutdown() must still exit: multiprocessing joins
+        # the (non-daemon) engine processes at exit, so stop them first (atexit runs this
+        # before multiprocessing's own handler, registered earlier)
+        ref = weakref.ref(self)
+        atexit.register(lambda: (c := ref()) is not None and c.shutdown())
         try:  # interrupted (SIGINT) or failed: no engine process may outlive this
             for i in range(dp):
                 addr = ipc_addr(d, f"input-{i}")
