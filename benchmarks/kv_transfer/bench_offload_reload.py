@@ -41,11 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 from vllm.config.arch import GLM_5_3, ModelArch  # noqa: E402
-from vllm.distributed.kv_transfer.offload_store import (  # noqa: E402
-    MAX_RUNS,
-    HostKVStore,
-    coalesce,
-)
+from vllm.distributed.kv_transfer.offload_store import HostKVStore, coalesce  # noqa: E402
 from vllm.kv_cache_interface import KVCacheLayout, cdiv, kv_bytes_per_token  # noqa: E402
 
 FLOOR = 0.70  # the floor: reload at >= 70 % of the pinned-copy ceiling
@@ -195,9 +191,7 @@ def offload_figures(args, dev: torch.device) -> dict:
     for name, blocks in (("contiguous", contiguous), ("scattered", scattered)):
         if name == "scattered" and not args.scatter:
             continue
-        runs = len(coalesce([(int(b), s) for s, b in enumerate(blocks.tolist())]))
-        # past MAX_RUNS runs the store copies by index: a read and a write per tensor
-        copies = (2 if kv.cuda and runs > MAX_RUNS else runs) * len(kv.dev)
+        copies = len(coalesce([(int(b), s) for s, b in enumerate(blocks.tolist())])) * len(kv.dev)
         if name == "contiguous":
             rows["store_contiguous"] = (cp.store_s(blocks), copies)
         rows[f"reload_{name}"] = (cp.reload_s(blocks), copies)

@@ -51,36 +51,3 @@ def test_engine_reloads_evicted_prefixes_on_cuda(tiny_ckpt):
     (ref, ref_cached), (got, cached) = runs
     assert got == ref
     assert cached[4:] == [256, 256] and ref_cached[4:] != [256, 256]
-
-
-def test_scattered_blocks_take_the_gather_path_and_match_the_runs():
-    """Fragmented block lists (more than MAX_RUNS runs) copy by index over a zero-copy view of
-    the host slots: the result equals the per-run reference, both directions, every tensor."""
-    from vllm.distributed.kv_transfer.offload_store import MAX_RUNS, coalesce
-
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(1)
-    caches = [
-        (
-            torch.randint(0, 255, (96, 64, 656), dtype=torch.uint8, device=dev, generator=g),
-            torch.randint(0, 255, (96, 64 * 132), dtype=torch.uint8, device=dev, generator=g),
-        ),
-        (torch.randn(96, 64, 12, device=dev, generator=g), None),
-    ]
-    st = HostKVStore(48, dev)
-    st.register(caches)
-    blocks = torch.randperm(96, device=dev, generator=g)[:40].tolist()
-    slots = torch.randperm(48, device=dev, generator=g)[:40].tolist()
-    pairs = list(zip(blocks, slots, strict=True))
-    assert len(coalesce(pairs)) > MAX_RUNS
-    st.store(pairs)
-    st.synchronize()
-    for d, h in zip(st.dev, st.host, strict=True):
-        assert torch.equal(h[slots].to(dev), d[blocks])
-    want = [d[blocks].clone() for d in st.dev]
-    targets = torch.randperm(96, device=dev, generator=g)[:40].tolist()
-    h = st.load(list(zip(targets, slots, strict=True)))
-    while not st.done(h):
-        pass
-    for d, w in zip(st.dev, want, strict=True):
-        assert torch.equal(d[targets], w)
