@@ -224,6 +224,11 @@ def _kv(stats, key):
 
 CONFIGS = {
     "1rank": dict(num_gpu_blocks_override=10),
+    # the MTP layer's KV rides in the same blocks; verified drafts' KV is never stored
+    "1rank-mtp2": dict(
+        num_gpu_blocks_override=10,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    ),
     # a scheduler block is 128 tokens here: 5 virtual blocks hold about 2 prompts
     "pcp2-dcp2": dict(
         num_gpu_blocks_override=5, prefill_context_parallel_size=2, decode_context_parallel_size=2
