@@ -187,15 +187,6 @@ NOT_LANDED = [
         ["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
         "--kv-transfer-config",
     ),
-    (
-        [
-            "--kv-offloading-size",
-            "4",
-            "--attention-config",
-            '{"hisparse_config": {"host_pool_gib": 0.01}}',
-        ],
-        "--kv-offloading-size",
-    ),
 ]
 
 

@@ -244,8 +244,20 @@ class VllmConfig:
 
     @property
     def uses_kv_connector(self) -> bool:
-        """A KV connector runs: --kv-transfer-config, --kv-offloading-size, or both."""
-        return self.kv_transfer_config is not None or self.offload_config.enabled
+        """A KV connector runs: --kv-transfer-config, the offload tier's, or both."""
+        return self.kv_transfer_config is not None or self.offload_num_blocks > 0
+
+    @property
+    def hisparse_host_pool_gib(self) -> float:
+        """HiSparse's pinned pool per rank. --kv-offloading-size adds its share to it: HiSparse
+        already backs every completed page up there and keeps it, keyed by block hash, as the
+        prefix cache, so the offload tier is the same pool (one pinned budget, no second copy
+        of each page)."""
+        hs = self.attention_config.hisparse
+        extra = 0.0
+        if self.offload_config.enabled:
+            extra = self.offload_config.kv_offloading_size_gib / self.parallel_config.world_size
+        return (hs.host_pool_gib if hs is not None else 0.0) + extra
 
     @property
     def num_spec_tokens(self) -> int:
@@ -335,6 +347,8 @@ class VllmConfig:
                 "--kv-offloading-size keeps prefix-cache blocks in host memory: it needs prefix "
                 "caching (drop --no-enable-prefix-caching)"
             )
+        if self.attention_config.hisparse is not None:
+            return  # the tier is HiSparse's own host pool, grown by the size (hisparse_host_pool_gib)
         if self.offload_num_blocks < 1:
             from vllm.kv_cache_interface import kv_bytes_per_token
 
@@ -357,7 +371,7 @@ class VllmConfig:
         """Blocks the host tier holds on each rank (every rank holds the same ones)."""
         from vllm.kv_cache_interface import kv_bytes_per_token
 
-        if not self.offload_config.enabled:
+        if not self.offload_config.enabled or self.attention_config.hisparse is not None:
             return 0
         mc = self.model_config
         per_block = self.cache_config.block_size * kv_bytes_per_token(
@@ -411,11 +425,6 @@ class VllmConfig:
             not_yet.append(
                 "--kv-transfer-config kv_role 'kv_both' (use kv_producer for the prefill engine "
                 "and kv_consumer for the decode engine)"
-            )
-        if self.offload_config.enabled and self.attention_config.hisparse is not None:
-            not_yet.append(
-                "--kv-offloading-size with --attention-config hisparse_config (the offload tier "
-                "beside HiSparse's host pool)"
             )
         if not_yet:
             raise NotImplementedError("not implemented yet in this engine: " + "; ".join(not_yet))

@@ -318,3 +318,28 @@ def test_served_cached_tokens_and_counters(tiny_ckpt):
     hits = metric("vllm:external_prefix_cache_hits_total")
     assert 0 < hits <= cached[4] and metric("vllm:external_prefix_cache_queries_total") >= 1500
     assert metric("vllm:kv_offload_num_loads_total") == 1
+
+
+def test_hisparse_pool_is_the_tier(tiny_ckpt):
+    """Under HiSparse the offload size grows its pinned host pool (every completed page is
+    already backed up there and kept as the prefix cache): no second tier, one budget. A prompt
+    pushed out of a small pool recomputes; with the tier's share added it hits."""
+    hs = {"hisparse_config": {"host_pool_gib": 0.0019}}  # 12 pages of 64 tokens
+    cfg = EngineArgs(
+        model=tiny_ckpt, attention_config=hs, kv_offloading_size=0.02
+    ).create_engine_config()
+    assert cfg.offload_num_blocks == 0 and not cfg.uses_kv_connector
+    assert cfg.hisparse_host_pool_gib == pytest.approx(0.0219)
+    kw = dict(attention_config=hs, num_gpu_blocks_override=14, max_num_batched_tokens=128)
+    got = {}
+    for name, extra in (("pool", {}), ("pool+tier", {"kv_offloading_size": 0.02})):
+        m = LLM(tiny_ckpt, **kw, **extra)
+        try:
+            got[name] = _turns(m)
+        finally:
+            m.shutdown()
+    for a, b in zip(got["pool"], got["pool+tier"], strict=True):
+        assert a[0] == b[0]
+    full = (300 - 1) // 64 * 64
+    assert [c for *_, c in got["pool+tier"][4:]] == [full, full]
+    assert [c for *_, c in got["pool"][4:]] != [full, full]

@@ -85,10 +85,23 @@ class ModelRunner:
                 self.states.block_table,
                 self.max_blocks_per_req,
                 cfg.hot_buffer_rows,
-                hs_cfg.host_pool_gib,
+                cfg.hisparse_host_pool_gib,
                 self.device,
                 override,
             )
+            if cfg.offload_config.enabled:
+                logger.info(
+                    "HiSparse host pool %.2f GiB per rank: hisparse_config.host_pool_gib %.2f + "
+                    "--kv-offloading-size's share %.2f, one pinned pool for running requests' "
+                    "pages and the prefix cache (the offload tier); its indexer keys stay on "
+                    "the GPU (%.1f %% of the pool's size, from the KV budget)",
+                    cfg.hisparse_host_pool_gib,
+                    hs_cfg.host_pool_gib,
+                    cfg.hisparse_host_pool_gib - hs_cfg.host_pool_gib,
+                    100
+                    * hs.idx_bytes_per_block()
+                    / (hs.mla_bytes_per_block() + hs.idx_bytes_per_block()),
+                )
             return hs, hs, hs.kv_access
         par = cfg.parallel_config
         if par.decode_context_parallel_size > 1:
