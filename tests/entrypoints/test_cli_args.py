@@ -184,7 +184,12 @@ def test_speculative_config_flag(tiny_ckpt):
 
 NOT_LANDED = [
     (
-        ["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
+        [
+            "--kv-transfer-config",
+            '{"kv_connector":"NixlConnector","kv_role":"kv_both"}',
+            "--attention-config",
+            '{"hisparse_config": {"host_pool_gib": 0.01}}',
+        ],
         "--kv-transfer-config",
     ),
 ]

@@ -421,11 +421,6 @@ class VllmConfig:
                 "--kv-transfer-config with --attention-config hisparse_config (KV received into "
                 "or sent from HiSparse's host pool)"
             )
-        if kvt is not None and kvt.kv_connector == "NixlConnector" and kvt.kv_role == "kv_both":
-            not_yet.append(
-                "--kv-transfer-config kv_role 'kv_both' (use kv_producer for the prefill engine "
-                "and kv_consumer for the decode engine)"
-            )
         if not_yet:
             raise NotImplementedError("not implemented yet in this engine: " + "; ".join(not_yet))
 

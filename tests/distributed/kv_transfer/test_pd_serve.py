@@ -107,18 +107,19 @@ def _wait_metric(server: RemoteServer, name: str, want: float, timeout_s: float 
 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpt):
-    """ref: one engine; p1: prefill DCP1 with the CPU offload tier beside NIXL; p2: prefill PCP2×DCP2; d1: decode DCP1 (recompute);
+    """ref: one engine; p1: prefill DCP1 (kv_both, upstream's usual role) with the CPU offload
+    tier beside NIXL; p2: prefill PCP2×DCP2; d1: decode DCP1 (kv_both, recompute);
     d2: decode TP2×DCP2 (fail); ddp: decode DP2 + EP2."""
     ckpt = [tiny_ckpt, "--enable-prompt-tokens-details"]
     specs = {
         "ref": ckpt,
         "p1": ckpt
         + ["--kv-offloading-size", "0.02"]
-        + _kv("kv_producer", side_channel_port=_free_port_range(1)),
+        + _kv("kv_both", side_channel_port=_free_port_range(1)),
         "p2": ckpt
         + ["-pcp", "2", "-dcp", "2"]
         + _kv("kv_producer", side_channel_port=_free_port_range(2)),
-        "d1": ckpt + _kv("kv_consumer"),
+        "d1": ckpt + _kv("kv_both", side_channel_port=_free_port_range(1)),
         "d2": ckpt
         + ["-tp", "2", "-dcp", "2"]
         + _kv("kv_consumer", kv_load_failure_policy="fail", kv_load_timeout_s=10),
