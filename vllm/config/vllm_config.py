@@ -347,6 +347,14 @@ class VllmConfig:
                 "--kv-offloading-size keeps prefix-cache blocks in host memory: it needs prefix "
                 "caching (drop --no-enable-prefix-caching)"
             )
+        avail = available_host_memory()
+        need = size * self.parallel_config.data_parallel_size  # every replica on this host
+        if avail is not None and need * 2**30 > avail:
+            raise ValueError(
+                f"--kv-offloading-size {size} GiB per replica × {self.parallel_config.data_parallel_size} "
+                f"replica(s) needs {need:.1f} GiB of host memory; this host has "
+                f"{avail / 2**30:.1f} GiB available"
+            )
         if self.attention_config.hisparse is not None:
             return  # the tier is HiSparse's own host pool, grown by the size (hisparse_host_pool_gib)
         if self.offload_num_blocks < 1:
@@ -437,6 +445,18 @@ def resolve_dtype(name: str, arch: ModelArch, device: str) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {name!r}")
     return _DTYPES[name]
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available now (Linux ``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def env_flag(name: str) -> bool:

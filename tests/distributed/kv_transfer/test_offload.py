@@ -44,6 +44,7 @@ def test_flags(tiny_ckpt):
         (dict(kv_offloading_size=-1), "--kv-offloading-size"),
         (dict(kv_offloading_size=1, enable_prefix_caching=False), "prefix caching"),
         (dict(kv_offloading_size=1, kv_offloading_backend="lmcache"), "--kv-offloading-backend"),
+        (dict(kv_offloading_size=2**20), "GiB of host memory; this host has"),  # refused, not OOM
     ],
 )
 def test_bad_flags_are_named(tiny_ckpt, kw, match):
