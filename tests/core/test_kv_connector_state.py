@@ -141,3 +141,67 @@ def test_plain_requests_unchanged(tiny_ckpt, role):
     assert [t for o in outs["a"] for t in o.new_token_ids] == [7] * 4
     assert all(o.kv_transfer_params is None for o in outs["a"])
     assert s.kv.usage() == 0 and RequestStatus.FINISHED_LENGTH.finish_reason == "length"
+
+
+# ---- a HiSparse decode engine: received KV lands in the host pool ----------------------------------
+def _hisparse_scheduler(tiny_ckpt) -> Scheduler:
+    kvt = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    cfg = EngineArgs(
+        model=tiny_ckpt,
+        max_num_batched_tokens=128,
+        max_num_seqs=4,
+        kv_transfer_config=kvt,
+        attention_config={"hisparse_config": {"host_pool_gib": 0.01}},
+    ).create_engine_config()
+    return Scheduler(cfg, KVCachePlan(6, num_host_blocks=40, num_idx_blocks=40))
+
+
+def test_hisparse_receives_into_host_pages_and_uploads_the_partial_page(tiny_ckpt):
+    s = _hisparse_scheduler(tiny_ckpt)
+    hot = s.kv.hot_blocks
+    s.add_request(_req("r", N, _params()))
+    so, _ = _step(s)
+    (recv,) = so.kv_connector_metadata.reqs_to_recv
+    pages = s.kv.pages["r"]
+    # the connector writes host pages; the device holds only the partial last page + the hot buffer
+    assert recv.local_block_ids == pages.host and len(pages.host) == 3
+    assert pages.gpu[:2] == [-1, -1] and pages.gpu[2] >= 0 and len(pages.hot) == hot
+    assert s.kv.pool.num_blocks - s.kv.pool.num_free_blocks == 1 + hot
+    _step(s, KVConnectorOutput(finished_recving=["r"]))
+    so, _ = _step(s)
+    assert so.num_scheduled_tokens["r"] == 1
+    (new,) = so.new_reqs
+    upd = new.kv_update
+    assert new.block_ids == pages.gpu and upd.host == pages.host
+    assert upd.restore == [0, 1, 2] and upd.upload == [2] and upd.hot == pages.hot
+    _drain(s)
+    assert s.kv.usage() == 0
+    # the received complete pages are now the host pool's prefix cache
+    s.add_request(_req("again", N))
+    so, _ = _step(s)
+    assert so.new_reqs[0].num_computed_tokens == 128
+    _drain(s)
+    assert s.kv.usage() == 0
+
+
+def test_hisparse_failed_load_recomputes_from_scratch(tiny_ckpt):
+    s = _hisparse_scheduler(tiny_ckpt)
+    s.add_request(_req("r", N, _params()))
+    so, _ = _step(s)
+    blocks = so.kv_connector_metadata.reqs_to_recv[0].local_block_ids
+    _step(s, KVConnectorOutput(finished_recving=["r"], invalid_block_ids=[blocks[1]]))
+    so, _ = _step(s)
+    # its pages were host-only: no resuming mid-prompt, the whole prompt is recomputed (chunked)
+    assert so.new_reqs[0].num_computed_tokens == 0 and so.num_scheduled_tokens["r"] == 128
+    _drain(s)
+    assert s.kv.usage() == 0 and s.kv.host.usage() == 0
+
+
+def test_hisparse_refuses_to_send(tiny_ckpt):
+    for role in ("kv_producer", "kv_both"):
+        with pytest.raises(NotImplementedError, match="kv_consumer"):
+            EngineArgs(
+                model=tiny_ckpt,
+                kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": role},
+                attention_config={"hisparse_config": {"host_pool_gib": 0.01}},
+            ).create_engine_config()

@@ -426,8 +426,9 @@ class VllmConfig:
         kvt = self.kv_transfer_config
         if kvt is not None and self.attention_config.hisparse is not None:
             not_yet.append(
-                "--kv-transfer-config with --attention-config hisparse_config (KV received into "
-                "or sent from HiSparse's host pool)"
+                f"--kv-transfer-config kv_role {kvt.kv_role!r} with --attention-config "
+                "hisparse_config (a HiSparse engine receives KV into its host pool: use kv_role "
+                "'kv_consumer'; sending from the host pool is not built)"
             )
         if not_yet:
             raise NotImplementedError("not implemented yet in this engine: " + "; ".join(not_yet))

@@ -60,6 +60,23 @@ class KVCacheManager(ABC):
         """Largest prefill chunk the manager can place in one step (None: no limit)."""
         return None
 
+    # ---- KV arriving from another engine (a KV connector's asynchronous load) ---------------------
+    #: a load that failed part-way may keep its blocks before the first failed one (False: the
+    #: manager cannot resume a request mid-load, so a failed load recomputes from scratch)
+    partial_loads: bool = True
+
+    def allocate_for_load(
+        self, req: Request, num_external_tokens: int, computed: list[int]
+    ) -> list[int] | None:
+        """Room for a cached prefix (``computed``) plus ``num_external_tokens`` whose KV a
+        connector writes; None (nothing changed) if the pools are short."""
+        return self.allocate_slots(req, num_external_tokens, computed)
+
+    def transfer_block_ids(self, req: Request) -> list[int]:
+        """The block ids a connector reads or writes the request's KV at, one per block, in
+        order (the device blocks here)."""
+        return self.blocks_of(req)
+
     def worker_update(self, req: Request, is_new: bool) -> KVPageUpdate | None:
         """What the workers must learn about where the request's pages live, beyond its block
         ids (None: nothing)."""

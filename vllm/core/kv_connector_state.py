@@ -63,13 +63,13 @@ class KVConnectorScheduler:
         n, is_async = self.connector.get_num_new_matched_tokens(req, num_hit)
         if not (is_async and n > 0):
             return hit_blocks, num_hit
-        if self.kv.allocate_slots(req, n, hit_blocks) is None:
+        if self.kv.allocate_for_load(req, n, hit_blocks) is None:
             return None
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.connector.update_state_after_alloc(req, self.kv.blocks_of(req), n)
+        self.connector.update_state_after_alloc(req, self.kv.transfer_block_ids(req), n)
         self.loading[req.request_id] = (req, num_hit + n)
         return PARKED
 
@@ -77,7 +77,7 @@ class KVConnectorScheduler:
         """A request was admitted with its blocks (no asynchronous load)."""
         if self.enabled and req.request_id not in self.resumed:
             # e.g. a local prefix hit covered the remote KV: the producer is told to free it
-            self.connector.update_state_after_alloc(req, self.kv.blocks_of(req), 0)
+            self.connector.update_state_after_alloc(req, self.kv.transfer_block_ids(req), 0)
         self.resumed.discard(req.request_id)
 
     def build_meta(self, so: SchedulerOutput) -> None:
@@ -103,12 +103,14 @@ class KVConnectorScheduler:
             req, loaded = self.loading.pop(rid, (None, 0))
             if req is None:
                 continue
-            blocks = self.kv.blocks_of(req)
+            blocks = self.kv.transfer_block_ids(req)
             bad = next((i for i, b in enumerate(blocks) if b in invalid), None)
             if bad is not None and self.fail_on_load_error:
                 why = out.failures.get(rid, "a prefill rank did not deliver it")
                 failed.append((req, f"KV transfer of request {rid} failed: {why}"))
                 continue
+            if bad is not None and not self.kv.partial_loads:
+                bad = 0
             computed = loaded if bad is None else min(loaded, bad * self.block_size)
             req.status = RequestStatus.WAITING
             if computed <= 0:  # nothing usable arrived: a plain prefill from scratch

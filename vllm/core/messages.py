@@ -126,6 +126,8 @@ class KVPageUpdate(msgspec.Struct, array_like=True):
     dropped: list[int] = []  # page numbers whose device block was dropped (host copy only)
     restore: list[int] = []  # page numbers known only on host whose indexer keys must be restored
     hot: list[int] = []  # device blocks of a newly leased hot buffer
+    upload: list[int] = []  # page numbers whose rows landed in the host pool (a remote engine's
+    # KV, P/D) and belong on their device block: the partial last page, which decode extends
 
 
 class KVCachePlan(msgspec.Struct, omit_defaults=True):

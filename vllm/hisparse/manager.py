@@ -33,6 +33,7 @@ class Pages:
     sent_pages: int = 0
     dropped: list[int] = field(default_factory=list)
     restore: list[int] = field(default_factory=list)
+    upload: list[int] = field(default_factory=list)
     hot_sent: bool = False
 
 
@@ -133,9 +134,54 @@ class HiSparseKVManager(KVCacheManager):
         st.idx += new_idx
         st.gpu += [-1] * len(computed) + new_gpu
         st.restore += list(range(first_restore, first_restore + len(computed)))
-        st.backed = max(st.backed, first_restore + len(computed))
+        if computed:  # cached pages are complete on the host; a partial last page is not
+            st.backed = max(st.backed, first_restore + len(computed))
         self.pages[req.request_id] = st
         return new_gpu
+
+    # ---- KV from a remote engine (P/D): received into the host pool ------------------------------
+    partial_loads = False  # received pages are host-only: a failed load recomputes from scratch
+
+    def allocate_for_load(self, req: Request, num_external_tokens: int, computed: list[int]):
+        """Pages for a prompt whose KV a connector writes into the host pool (MLA rows and
+        indexer keys, at :meth:`transfer_block_ids`): every page gets a host and an indexer
+        page; complete pages stay host-only (like prefix-cache hits: their indexer keys are
+        restored to the GPU when the request starts, decode reads their rows through the hot
+        buffer, leased here); a partial last page gets a device block, to which its received
+        rows are uploaded (decode writes its next rows there)."""
+        assert req.request_id not in self.pages, "a load is planned for a new request"
+        bs = self.block_size
+        total = len(computed) * bs + num_external_tokens
+        n_pages, full = cdiv(total, bs), total // bs
+        need_hot = self.hot_blocks if full else 0
+        self.host.touch(computed)
+        new_host = self.host.allocate(n_pages - len(computed))
+        new_idx = self.idx.allocate(n_pages)
+        new_gpu = None
+        if new_host is not None and new_idx is not None:
+            new_gpu = self._allocate_gpu(n_pages - full + need_hot, req.request_id)
+        if new_gpu is None:
+            for pool, blocks in ((self.host, new_host), (self.idx, new_idx)):
+                if blocks:
+                    pool.release(blocks)
+            self.host.release(computed)
+            return None
+        st = Pages(
+            gpu=[-1] * full + new_gpu[need_hot:],
+            host=computed + new_host,
+            idx=new_idx,
+            hot=new_gpu[:need_hot],
+            backed=len(computed),  # received pages are published once they land
+            restore=list(range(n_pages)),
+            upload=list(range(full, n_pages)),
+        )
+        self.pages[req.request_id] = st
+        return new_gpu
+
+    def transfer_block_ids(self, req: Request) -> list[int]:
+        """The request's host pages: a connector writes received KV there."""
+        st = self.pages.get(req.request_id)
+        return list(st.host) if st else []
 
     def _allocate_gpu(self, n: int, requester: str) -> list[int] | None:
         if n <= self.pool.num_free_blocks:
@@ -208,8 +254,9 @@ class HiSparseKVManager(KVCacheManager):
             dropped=[] if is_new else st.dropped,
             restore=st.restore,
             hot=st.hot if (st.hot and (is_new or not st.hot_sent)) else [],
+            upload=st.upload,
         )
-        st.sent_pages, st.dropped, st.restore = len(st.host), [], []
+        st.sent_pages, st.dropped, st.restore, st.upload = len(st.host), [], [], []
         st.hot_sent = bool(st.hot)
         return upd
 

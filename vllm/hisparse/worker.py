@@ -171,6 +171,10 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
 
     # ---- per-request tables (StepHooks) ----------------------------------------------------------
     def add_request(self, slot: int, req: NewRequestData) -> None:
+    def transfer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The host pool (pinned): KV received from a prefill engine lands there, by host page."""
+        return list(zip(self.host_mla, self.host_idx, strict=True))
+
         self.num_pages[slot] = 0
         self.hot_pos[:, slot] = -1
         self.hot_lru[:, slot] = 0
@@ -178,6 +182,7 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         self._restore(slot, req.kv_update.restore)
 
     def update_request(self, slot: int, req: CachedRequestData) -> None:
+        self._upload(slot, req.kv_update.upload)
         upd = req.kv_update
         if upd.dropped:
             self.block_table[slot, upd.dropped] = -1
@@ -209,6 +214,16 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
 
     # ---- the step (StepHooks) --------------------------------------------------------------------
     def before_forward(self, inp) -> None:
+    def _upload(self, slot: int, pages: list[int]) -> None:
+        """Pages received into the host pool that belong on their device block (the partial last
+        page of a prompt whose KV came from a prefill engine): copy their MLA rows there."""
+        if not pages:
+            return
+        src = torch.tensor(self.host_np[slot, pages], device=self.device)
+        dst = self.block_table[slot, pages].long()
+        for attn, h in zip(self.layers, self.host_mla_dev, strict=True):
+            words(attn.kv_cache)[dst] = words(h)[src]
+
         """Blocks freed by drops may be reused this step: order after last step's backups."""
         self.step += 1
         self.step_t.fill_(self.step)

@@ -153,7 +153,7 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
         )
     runner.initialize_kv_cache(plan)
     # every attention layer's caches, MTP layers last (the order of model.attention_layers())
-    connector.register_kv_caches([(a.kv_cache, a.indexer_cache) for a in model.attention_layers()])
+    connector.register_kv_caches(runner.kv_cache.transfer_caches())
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
     out.send(enc.encode(WorkerMessage(rank=global_rank, kind="ready", kv_plan=plan)))

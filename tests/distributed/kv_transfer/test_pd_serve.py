@@ -1,8 +1,9 @@
 """P/D disaggregation end to end (SPEC §7): the real vllm-router in P/D mode in front of a prefill
 engine (kv_producer) and a decode engine (kv_consumer) joined by real NIXL over UCX loopback,
 driven by the real OpenAI client. Greedy text equals one engine's, streamed or not, for prefill
-DCP1 → decode DCP1, PCP2×DCP2 → DCP1, PCP2×DCP2 → DCP2 and PCP2×DCP2 → DP2 (+EP2); the decode
-engine receives exactly the KV of the prompt positions it does not compute (its counter); leases
+DCP1 → decode DCP1, PCP2×DCP2 → DCP1, PCP2×DCP2 → DCP2 and PCP2×DCP2 → DP2 (+EP2), and into the
+host pool of a HiSparse decode engine (DCP1 → HiSparse, PCP2×DCP2 → HiSparse and PCP2×DCP2 →
+HiSparse DP2 + EP2, GPU pools smaller than the prompts); the decode engine receives exactly the KV of the prompt positions it does not compute (its counter); leases
 are released (the prefill engine's blocks return to zero); a prefill engine killed before its KV
 is pulled leaves the decode engine recomputing (same text) or failing the request within seconds,
 with no block left in use.
@@ -109,8 +110,11 @@ def _wait_metric(server: RemoteServer, name: str, want: float, timeout_s: float 
 def engines(tiny_ckpt):
     """ref: one engine; p1: prefill DCP1 (kv_both, upstream's usual role) with the CPU offload
     tier beside NIXL; p2: prefill PCP2×DCP2; d1: decode DCP1 (kv_both, recompute);
-    d2: decode TP2×DCP2 (fail); ddp: decode DP2 + EP2."""
+    d2: decode TP2×DCP2 (fail); ddp: decode DP2 + EP2; dhs, dhsdp: HiSparse decode (one rank,
+    and DP2 + EP2) whose GPU pool (6 blocks) is smaller than the prompts' pages."""
     ckpt = [tiny_ckpt, "--enable-prompt-tokens-details"]
+    hisparse = ["--attention-config", json.dumps({"hisparse_config": {"host_pool_gib": 0.05}}),
+                "--num-gpu-blocks-override", "6", "--max-num-batched-tokens", "128"]  # fmt: skip
     specs = {
         "ref": ckpt,
         "p1": ckpt
@@ -124,6 +128,11 @@ def engines(tiny_ckpt):
         + ["-tp", "2", "-dcp", "2"]
         + _kv("kv_consumer", kv_load_failure_policy="fail", kv_load_timeout_s=10),
         "ddp": ckpt
+        + ["--data-parallel-size", "2", "--enable-expert-parallel"]
+        + _kv("kv_consumer"),
+        "dhs": ckpt + hisparse + _kv("kv_consumer"),
+        "dhsdp": ckpt
+        + hisparse
         + ["--data-parallel-size", "2", "--enable-expert-parallel"]
         + _kv("kv_consumer"),
     }
@@ -141,7 +150,7 @@ def engines(tiny_ckpt):
             raise errors[0]
     routers = {
         pair: Router(servers[pair[0]], servers[pair[1]])
-        for pair in (("p1", "d1"), ("p2", "d1"), ("p2", "d2"), ("p2", "ddp"))
+        for pair in PAIRS
     }
     ref = openai.OpenAI(base_url=servers["ref"].base_url, api_key="x", max_retries=0)
     yield servers, routers, ref
@@ -166,12 +175,14 @@ def _complete(client, prompt, stream=False) -> tuple[str, dict | None]:
     return "".join(c.choices[0].text for c in chunks if c.choices), None
 
 
-PAIRS = [("p1", "d1"), ("p2", "d1"), ("p2", "d2"), ("p2", "ddp")]
+PAIRS = [("p1", "d1"), ("p2", "d1"), ("p2", "d2"), ("p2", "ddp"), ("p1", "dhs"), ("p2", "dhs"),
+         ("p2", "dhsdp")]  # fmt: skip
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("pair", PAIRS, ids=["dcp1-dcp1", "pcp2dcp2-dcp1", "pcp2dcp2-dcp2",
-                                             "pcp2dcp2-dp2ep2"])  # fmt: skip
+                                             "pcp2dcp2-dp2ep2", "dcp1-hisparse",
+                                             "pcp2dcp2-hisparse", "pcp2dcp2-hisparse-dp2ep2"])  # fmt: skip
 def test_router_greedy_equals_one_engine_and_moves_owned_kv(engines, tiny_ckpt, pair):
     servers, routers, ref = engines
     router, decode = routers[pair], servers[pair[1]]
@@ -186,6 +197,13 @@ def test_router_greedy_equals_one_engine_and_moves_owned_kv(engines, tiny_ckpt, 
         # once (each decode rank received only the rows it owns)
         got = _metric(decode, "vllm:kv_transfer_recv_bytes_total") - before
         assert got == (n - 1) * per_token, (pair, n, got)
+    if pair[1] == "dhs":  # the received complete pages are now the host pool's prefix cache
+        prompt = _prompt(tag, 150)
+        c = openai.OpenAI(base_url=decode.base_url, api_key="x", max_retries=0)
+        r = c.completions.create(model=c.models.list().data[0].id, prompt=prompt,
+                                 max_tokens=MAX_TOKENS, temperature=0, extra_body=EXTRA)  # fmt: skip
+        assert r.choices[0].text == _complete(ref, prompt)[0]
+        assert r.usage.prompt_tokens_details.cached_tokens == 128
     # every decode rank confirmed: the prefill engine's leases are released
     assert _wait_metric(servers[pair[0]], "vllm:kv_cache_usage_perc", 0.0) == 0.0
     if pair[0] == "p1":  # its offload tier took the prompts' full blocks while NIXL leased them
@@ -244,19 +262,20 @@ def test_killed_prefill_engine_recompute_or_fail(engines, tiny_ckpt):
     p1.proc.wait(10)
     want = _complete(ref, prompt)[0]
 
-    d1 = openai.OpenAI(base_url=servers["d1"].base_url, api_key="x", max_retries=0)
     kw = dict(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
               extra_body={**EXTRA, "kv_transfer_params": params})  # fmt: skip
-    got = d1.completions.create(model=d1.models.list().data[0].id, **kw).choices[0].text
-    assert got == want
-    assert _metric(servers["d1"], "vllm:kv_transfer_num_failed_loads_total") >= 1
+    for name in ("d1", "dhs"):  # dhs: a HiSparse decode engine recomputes the whole prompt
+        d = openai.OpenAI(base_url=servers[name].base_url, api_key="x", max_retries=0)
+        got = d.completions.create(model=d.models.list().data[0].id, **kw).choices[0].text
+        assert got == want, name
+        assert _metric(servers[name], "vllm:kv_transfer_num_failed_loads_total") >= 1, name
 
     d2 = openai.OpenAI(base_url=servers["d2"].base_url, api_key="x", max_retries=0)
     t0 = time.monotonic()
     with pytest.raises(openai.BadRequestError, match="KV transfer of request .* failed"):
         d2.completions.create(model=d2.models.list().data[0].id, **kw)
     assert time.monotonic() - t0 < 10  # refused at once (the side channel is gone)
-    for name in ("d1", "d2"):
+    for name in ("d1", "d2", "dhs"):
         assert _wait_metric(servers[name], "vllm:kv_cache_usage_perc", 0.0) == 0.0, name
 
 

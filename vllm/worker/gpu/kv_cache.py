@@ -38,3 +38,8 @@ class WorkerKVCache:
         for attn in self.layers:
             idx = self.layout.allocate_indexer(n, self.device) if attn.has_indexer else None
             attn.bind_kv(self.layout.allocate_mla(n, self.device), idx, kv_access)
+
+    def transfer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Every layer's (MLA rows, indexer keys) tensors, MTP layers last: what a KV connector
+        registers, reads and writes at ``KVCacheManager.transfer_block_ids``."""
+        return [(a.kv_cache, a.indexer_cache) for a in self.layers]
