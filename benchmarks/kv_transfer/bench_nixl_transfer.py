@@ -8,8 +8,16 @@ timed from metadata to ``finished_recving`` on every rank. Next to it, the copy 
 same device measured in the same run (``torch`` copy of 1 GiB). ``--layers-scale`` divides the
 layer counts to fit small machines; the per-token bytes printed are what moved.
 
+``--paths`` pulls the request once per path, in the same run: ``direct`` (one descriptor per run
+contiguous on both sides), ``staged`` (source-contiguous runs into the staging buffer, then one
+indexed scatter per cache tensor and region), ``auto`` (the connector's rule). The decode caches
+are zeroed before each path and their per-block fingerprints compared across paths
+("verification: passed").
+
     python benchmarks/kv_transfer/bench_nixl_transfer.py                    # 128K tokens, DRAM
     python benchmarks/kv_transfer/bench_nixl_transfer.py --src-dcp 2 --dst-dcp 1 --interleave 64
+    python benchmarks/kv_transfer/bench_nixl_transfer.py --src-dcp 2 --tokens 8192 \
+        --paths direct,staged                                               # short runs
     python benchmarks/kv_transfer/bench_nixl_transfer.py --device cuda      # VRAM -> VRAM
 """
 
@@ -41,6 +49,7 @@ from vllm.distributed.kv_transfer.reshard import KVShardLayout  # noqa: E402
 from vllm.kv_cache_interface import KVCacheLayout  # noqa: E402
 
 GLM53 = KVCacheLayout("fp8_ds_mla", torch.bfloat16, 512, 64, 128)
+FORCE = {"direct": False, "staged": True, "auto": None}  # NixlWorker.force_staging
 NUM_MLA_LAYERS = 79  # 78 + MTP; 22 of them (21 full + MTP) with indexer keys
 
 
@@ -97,7 +106,16 @@ def step(workers, pending) -> KVConnectorOutput:
     return aggregate_outputs(outs, pending)
 
 
+def set_threads(args) -> None:
+    """CPU: the cores shared by every rank of both engines, as the engine's workers share them
+    (``worker.py``); with more threads than cores torch's parallel loops (the staged path's
+    scatter) wait on descheduled threads."""
+    if args.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.src_dcp + args.dst_dcp)))
+
+
 def producer(args, q_out, q_in):
+    set_threads(args)
     shard = KVShardLayout(args.src_dcp, args.src_dcp, args.interleave)
     nb = shard.num_blocks(args.tokens)
     sched = NixlConnector(ctx(shard, "kv_producer", 0, args), KVConnectorRole.SCHEDULER)
@@ -108,7 +126,7 @@ def producer(args, q_out, q_in):
     for k, w in enumerate(workers):
         w.register_kv_caches(caches(args, nb, k, fill=True))
     params = []
-    for it in range(args.iters + 1):  # one request per pull (the same blocks)
+    for it in range(len(args.paths) * (args.iters + 1)):  # one request per pull (same blocks)
         r = Req(
             f"p{it}", [0] * args.tokens, args.tokens, kv_transfer_params={"do_remote_decode": True}
         )
@@ -152,6 +170,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--port", type=int, default=0, help="side channel base port (0: pick one)")
+    ap.add_argument(
+        "--paths", default="direct,staged", help="comma-separated: direct, staged, auto (see above)"
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--progress-thread",
@@ -159,26 +180,45 @@ def main() -> None:
         help="NIXL's UCX progress thread on (off in the engine)",
     )
     args = ap.parse_args()
+    args.paths = args.paths.split(",")
+    if not set(args.paths) <= set(FORCE):
+        ap.error(f"--paths: choose from {sorted(FORCE)}")
     if args.port == 0:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             args.port = s.getsockname()[1]
+    set_threads(args)
     ceiling = copy_ceiling(args)
     mpc = mp.get_context("spawn")
     q_out, q_in = mpc.Queue(), mpc.Queue()
     proc = mpc.Process(target=producer, args=(args, q_out, q_in), daemon=True)
     proc.start()
     try:
-        rows = pull(args, q_out.get(timeout=1800))
+        rows, same = pull(args, q_out.get(timeout=1800))
     finally:
         q_in.put("stop")
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    report(args, rows, ceiling)
+    report(args, rows, same, ceiling)
+    if not same:
+        sys.exit("paths landed different bytes")
 
 
-def pull(args, params) -> list[tuple[float, int, int]]:
+def fingerprint(kv_caches) -> list[torch.Tensor]:
+    """Per cache tensor and block, a position-weighted sum of its 8-byte words: a row that
+    lands in the wrong slot changes it."""
+    out = []
+    for t in (t for pair in kv_caches for t in pair if t is not None):
+        words = t.view(t.shape[0], -1).view(torch.int64)
+        g = torch.Generator(device=t.device).manual_seed(0)
+        w = torch.randint(1, 1 << 40, (words.shape[1],), generator=g, device=t.device)
+        out.append((words * w).sum(1).cpu())
+    return out
+
+
+def pull(args, params) -> tuple[list[dict], bool]:
+    """Every path's pulls; returns a row per path and whether all paths landed the same."""
     shard = KVShardLayout(args.dst_dcp, args.dst_dcp, args.interleave)
     nb = shard.num_blocks(args.tokens)
     sched = NixlConnector(ctx(shard, "kv_consumer", 0, args), KVConnectorRole.SCHEDULER)
@@ -186,60 +226,84 @@ def pull(args, params) -> list[tuple[float, int, int]]:
         NixlConnector(ctx(shard, "kv_consumer", k, args), KVConnectorRole.WORKER)
         for k in range(shard.world_size)
     ]
-    for k, w in enumerate(workers):
-        w.register_kv_caches(caches(args, nb, k, fill=False))
-    rows, pending = [], {}
-    for it, p in enumerate(params):
-        req = Req(f"d{it}", [0] * args.tokens, kv_transfer_params=p)
-        n, _ = sched.get_num_new_matched_tokens(req, 0)
-        sched.update_state_after_alloc(req, list(range(nb)), n)
-        meta = sched.build_connector_meta(None)
-        t0 = time.perf_counter()
+    kv = [caches(args, nb, k, fill=False) for k in range(shard.world_size)]
+    for w, c in zip(workers, kv, strict=True):
+        w.register_kv_caches(c)
+    rows, prints, pending = [], [], {}
+    n = args.iters + 1
+    for k, path in enumerate(args.paths):
+        for c in kv:
+            for t in (t for pair in c for t in pair if t is not None):
+                t.zero_()
         for w in workers:
-            w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
-        while True:
-            out = step(workers, pending)
-            if out.finished_recving:
-                break
-        dt = time.perf_counter() - t0
-        assert not out.invalid_block_ids, [w.worker.failures for w in workers]
-        moved = sum(w.worker.recv_bytes[req.request_id] for w in workers)
-        descs = sum(w.worker.recv_descs[req.request_id] for w in workers)
-        if it > 0:  # the first pull includes the handshakes
-            rows.append((dt, moved, descs))
+            w.worker.force_staging = FORCE[path]
+        times = []
+        for it, p in enumerate(params[k * n : (k + 1) * n]):
+            req = Req(f"d{path}{it}", [0] * args.tokens, kv_transfer_params=p)
+            got, _ = sched.get_num_new_matched_tokens(req, 0)
+            sched.update_state_after_alloc(req, list(range(nb)), got)
+            meta = sched.build_connector_meta(None)
+            t0 = time.perf_counter()
+            for w in workers:
+                w.bind_connector_metadata(meta)
+                w.start_load_kv(None)
+            while True:
+                out = step(workers, pending)
+                if out.finished_recving:
+                    break
+            dt = time.perf_counter() - t0
+            assert not out.invalid_block_ids, [w.worker.failures for w in workers]
+            if it > 0:  # the first pull includes the handshakes (and the staging buffer)
+                times.append(dt)
+        rec = {
+            key: sum(getattr(w.worker, "recv_" + key)[req.request_id] for w in workers)
+            for key in ("bytes", "staged_bytes", "descs")
+        }
+        rows.append({"path": path, **rec, "best_s": min(times)})
+        prints.append([f for c in kv for f in fingerprint(c)])
     for w in workers:
         w.shutdown()
-    return rows
+    same = all(
+        all(torch.equal(a, b) for a, b in zip(prints[0], p, strict=True)) for p in prints[1:]
+    )
+    return rows, same
 
 
-def report(args, rows, ceiling) -> None:
-    best = min(r[0] for r in rows)
-    moved, descs = rows[0][1], rows[0][2]
-    rec = {
-        "tokens": args.tokens,
-        "src_dcp": args.src_dcp,
-        "dst_dcp": args.dst_dcp,
-        "interleave": args.interleave,
-        "device": args.device,
-        "bytes": moved,
-        "bytes_per_token": moved / (args.tokens - 1),
-        "descriptors": descs,
-        "best_s": best,
-        "nixl_gbps": moved / best / 1e9,
-        "copy_ceiling_gbps": ceiling,
-    }
+def report(args, rows, same, ceiling) -> None:
+    recs = [
+        {
+            "tokens": args.tokens,
+            "src_dcp": args.src_dcp,
+            "dst_dcp": args.dst_dcp,
+            "interleave": args.interleave,
+            "device": args.device,
+            **r,
+            "bytes_per_token": r["bytes"] / (args.tokens - 1),
+            "nixl_gbps": r["bytes"] / r["best_s"] / 1e9,
+            "copy_ceiling_gbps": ceiling,
+            "same_as_first_path": same,
+        }
+        for r in rows
+    ]
     if args.json:
-        print(json.dumps(rec))
+        for rec in recs:
+            print(json.dumps(rec))
         return
+    if len(rows) > 1:
+        print(f"verification: {'passed' if same else 'FAILED'} (paths landed the same bytes)")
     print(
-        f"{'layout':>16} {'GiB':>7} {'B/token':>8} {'descs':>9} {'time s':>7} {'GB/s':>6} {'copy GB/s':>9}"
+        f"{'layout':>16} {'path':>7} {'GiB':>7} {'B/token':>8} {'descs':>9} {'time s':>7} "
+        f"{'GB/s':>6} {'copy GB/s':>9}"
     )
     lay = f"DCP{args.src_dcp}->DCP{args.dst_dcp} I{args.interleave}"
-    print(
-        f"{lay:>16} {moved / 2**30:7.2f} {rec['bytes_per_token']:8.0f} {descs:9d} "
-        f"{best:7.3f} {rec['nixl_gbps']:6.2f} {ceiling:9.2f}"
-    )
+    for rec in recs:
+        path = rec["path"] + ("*" if rec["staged_bytes"] else "")
+        print(
+            f"{lay:>16} {path:>7} {rec['bytes'] / 2**30:7.2f} {rec['bytes_per_token']:8.0f} "
+            f"{rec['descs']:9d} {rec['best_s']:7.3f} {rec['nixl_gbps']:6.2f} {ceiling:9.2f}"
+        )
+    if any(r["staged_bytes"] for r in recs):
+        print("* read through the staging buffer")
 
 
 if __name__ == "__main__":

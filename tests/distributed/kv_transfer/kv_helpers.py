@@ -1,6 +1,6 @@
 """Shared by the KV-transfer tests and the benchmark: small GLM-shaped KV layouts, caches laid out
 by the engine's own write path (``MLAMetadata.slots_for`` + the cache write references), and
-plan application with plain tensor copies."""
+plan application with plain tensor copies (direct, or staged and scattered as NixlWorker does)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,17 @@ import numpy as np
 import torch
 
 from vllm.attention.metadata import CPMetadata, MLAMetadata
+from vllm.distributed.kv_transfer.nixl_worker import word_view
 from vllm.distributed.kv_transfer.reshard import (
     KVShardLayout,
+    RankReads,
     cache_byte_runs,
     indexer_regions,
     mla_regions,
     plan_reads,
+    source_runs,
+    staged_byte_runs,
+    staged_rows,
 )
 from vllm.kernels.kv_cache import write_indexer_cache_ref, write_mla_cache_ref
 from vllm.kv_cache_interface import KVCacheLayout
@@ -102,8 +107,12 @@ def apply_plan(
     dst_caches,
     lo: int,
     hi: int,
+    staged: bool = False,
+    chunk_rows: int | None = None,
 ) -> tuple[int, int]:
-    """Copy the planned byte runs with plain tensor copies; returns (bytes, runs) moved."""
+    """Copy the planned byte runs with plain tensor copies; returns (bytes, runs) moved.
+    ``staged``: read source-contiguous runs into staging areas, ``chunk_rows`` rows at a time,
+    and scatter them to their slots with word-view indexed copies."""
     moved = num_runs = 0
     for rr in plan_reads(src, src_block_ids, dst, dst_block_ids, dst_rank, lo, hi):
         for li, (dst_mla, dst_idx) in enumerate(dst_caches):
@@ -112,14 +121,39 @@ def apply_plan(
             if dst_idx is not None:
                 pairs.append((indexer_regions(kv_layout), src_idx, dst_idx))
             for regions, s_t, d_t in pairs:
-                sb, db = as_bytes(s_t), as_bytes(d_t)
-                br = cache_byte_runs(rr.runs, regions)
-                for a, b, n in zip(
-                    br.src.tolist(), br.dst.tolist(), br.length.tolist(), strict=True
-                ):
-                    db[b : b + n] = sb[a : a + n]
-                moved += br.num_bytes
-                num_runs += len(br.length)
+                copy = _copy_staged if staged else _copy_direct
+                b, r = copy(rr, regions, s_t, d_t, chunk_rows)
+                moved, num_runs = moved + b, num_runs + r
+    return moved, num_runs
+
+
+def _copy_runs(sb: torch.Tensor, db: torch.Tensor, br) -> None:
+    for a, b, n in zip(br.src.tolist(), br.dst.tolist(), br.length.tolist(), strict=True):
+        db[b : b + n] = sb[a : a + n]
+
+
+def _copy_direct(rr: RankReads, regions, s_t, d_t, chunk_rows) -> tuple[int, int]:
+    br = cache_byte_runs(rr.runs, regions)
+    _copy_runs(as_bytes(s_t), as_bytes(d_t), br)
+    return br.num_bytes, len(br.length)
+
+
+def _copy_staged(rr: RankReads, regions, s_t, d_t, chunk_rows) -> tuple[int, int]:
+    rows = staged_rows(rr.runs)
+    step = chunk_rows or max(len(rows), 1)
+    moved = num_runs = 0
+    for region in regions:
+        view = word_view(d_t, region)  # [pages, rows_per_page, words]
+        for a in range(0, len(rows), step):
+            b = min(a + step, len(rows))
+            stage = torch.zeros((b - a) * region.row_bytes, dtype=torch.uint8)
+            br = staged_byte_runs(source_runs(rows.src[a:b]), region)
+            _copy_runs(as_bytes(s_t), stage, br)
+            dst = torch.from_numpy(rows.dst[a:b])
+            view[dst // region.rows_per_page, dst % region.rows_per_page] = stage.view(
+                view.dtype
+            ).view(b - a, -1)
+            moved, num_runs = moved + br.num_bytes, num_runs + len(br.length)
     return moved, num_runs
 
 

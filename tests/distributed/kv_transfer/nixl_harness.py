@@ -27,7 +27,14 @@ from vllm.distributed.kv_transfer.reshard import KVShardLayout
 
 NUM_LAYERS = 3  # layers 0 and 2 with an indexer cache (2 plays the MTP layer)
 NUM_BLOCKS = 40
-BYTES_PER_ROW = 3 * SMALL_FP8.mla_bytes_per_token + 2 * SMALL_FP8.indexer_bytes_per_token
+
+
+def bytes_per_row(layout=SMALL_FP8) -> int:
+    """Bytes of one token over every layer's caches (3 MLA caches, 2 indexer caches)."""
+    return 3 * layout.mla_bytes_per_token + 2 * layout.indexer_bytes_per_token
+
+
+BYTES_PER_ROW = bytes_per_row(SMALL_FP8)
 
 
 @dataclass
@@ -41,9 +48,11 @@ class FakeRequest:
     kv_transfer_params: dict | None = None
 
 
-def make_ctx(shard, role: str, rank: int = 0, model="tiny-glm", **cfg) -> KVConnectorContext:
+def make_ctx(
+    shard, role: str, rank: int = 0, model="tiny-glm", layout=SMALL_FP8, **cfg
+) -> KVConnectorContext:
     config = KVTransferConfig.from_json({"kv_connector": "NixlConnector", "kv_role": role, **cfg})
-    return KVConnectorContext(config, SMALL_FP8, shard, rank=rank, model_name=model)
+    return KVConnectorContext(config, layout, shard, rank=rank, model_name=model)
 
 
 def free_port_range(n: int) -> int:
@@ -68,8 +77,9 @@ def free_port_range(n: int) -> int:
 class Engine:
     """One engine replica: a scheduler half and one worker half (agent + caches) per rank."""
 
-    def __init__(self, shard: KVShardLayout, role: str, **cfg):
-        self.shard = shard
+    def __init__(self, shard: KVShardLayout, role: str, layout=SMALL_FP8, **cfg):
+        self.shard, self.layout = shard, layout
+        cfg["layout"] = layout
         # one engine id for the scheduler and every worker, as the shared config gives them
         cfg.setdefault("engine_id", f"{role}-{random.getrandbits(32):08x}")
         # these engines step one at a time (a producer is idle while its consumer pulls): UCX's
@@ -80,7 +90,7 @@ class Engine:
             NixlConnector(make_ctx(shard, role, rank=k, **cfg), KVConnectorRole.WORKER)
             for k in range(shard.world_size)
         ]
-        self.caches = [empty_caches(SMALL_FP8, NUM_LAYERS, NUM_BLOCKS) for _ in self.workers]
+        self.caches = [empty_caches(layout, NUM_LAYERS, NUM_BLOCKS) for _ in self.workers]
         for w, c in zip(self.workers, self.caches, strict=True):
             w.register_kv_caches(c)
         self._pending: dict = {}
@@ -132,7 +142,7 @@ class Producer(Engine):
         self.params = {}
         for req_id, n, seed in requests:
             blocks = [pool.pop() for _ in range(shard.num_blocks(n))]
-            logical = LogicalKV(SMALL_FP8, n, NUM_LAYERS, seed)
+            logical = LogicalKV(self.layout, n, NUM_LAYERS, seed)
             for k, c in enumerate(self.caches):
                 logical.write_into(c, shard, k, blocks)
             req = FakeRequest(
@@ -162,5 +172,5 @@ class Consumer(Engine):
         return blocks, n
 
     def expected(self, num_tokens: int, seed: int, blocks, rank: int, hi: int):
-        logical = LogicalKV(SMALL_FP8, num_tokens, NUM_LAYERS, seed)
+        logical = LogicalKV(self.layout, num_tokens, NUM_LAYERS, seed)
         return logical.caches(self.shard, rank, blocks, NUM_BLOCKS, 0, hi)

@@ -1,6 +1,6 @@
 """NixlConnector over real NIXL (UCX, DRAM, loopback): a prefill engine's token-sharded KV pulled
 into decode layouts of other DCP sizes, bit for bit, moving exactly the rows each decode rank
-owns; leases released on confirmation or expiry; loads failing fast and cleanly when the
+owns, through direct or staged reads alike; leases released on confirmation or expiry; loads failing fast and cleanly when the
 producer is gone, unreachable or incompatible.
 
 Each "rank" is its own NIXL agent with its own registered caches; the two-process tests run the
@@ -20,16 +20,24 @@ from tests.distributed.kv_transfer.requirements import require_nixl  # noqa: E40
 
 require_nixl()
 
+from tests.distributed.kv_transfer.kv_helpers import (  # noqa: E402
+    SMALL_BF16,
+    SMALL_FP8,
+    LogicalKV,
+    empty_caches,
+)
 from tests.distributed.kv_transfer.nixl_harness import (  # noqa: E402
-    BYTES_PER_ROW,
+    NUM_BLOCKS,
+    NUM_LAYERS,
     Consumer,
     Engine,
     FakeRequest,
     Producer,
+    bytes_per_row,
     free_port_range,
 )
 from vllm.core.request import RequestStatus  # noqa: E402
-from vllm.distributed.kv_transfer.reshard import KVShardLayout  # noqa: E402
+from vllm.distributed.kv_transfer.reshard import KVShardLayout, plan_reads  # noqa: E402
 
 TIMEOUT_S = 20.0
 
@@ -43,7 +51,7 @@ def _check_landed(c: Consumer, blocks, num_tokens: int, seed: int, hi: int, req_
             if wi is not None:
                 assert torch.equal(gi, wi), f"rank {d} layer {li}: indexer keys differ"
         owned = sum(1 for p in range(hi) if c.shard.owner(p) == c.shard.dcp_rank(d))
-        assert c.workers[d].worker.recv_bytes[req_id] == owned * BYTES_PER_ROW
+        assert c.workers[d].worker.recv_bytes[req_id] == owned * bytes_per_row(c.layout)
 
 
 def _producer_main(shard, requests, port, lease_s, q_out, q_in):
@@ -134,6 +142,98 @@ def test_in_process_reshard(src, dst):
     finally:
         c.shutdown()
         p.shutdown()
+
+
+def _consumer(shard, layout, force_staging, staging_max_bytes=None) -> Consumer:
+    c = Consumer(shard, layout=layout)
+    for w in c.workers:
+        w.worker.force_staging = force_staging
+        if staging_max_bytes is not None:
+            w.worker.staging_max_bytes = staging_max_bytes
+    return c
+
+
+# DCP2 I1 -> DCP1 (single-row direct runs; TP2 × DCP2 or PCP2 × DCP2), DCP1 -> DCP2 I1 (single
+# rows on both sides), PCP2 × TP2 × DCP2 I2 -> DCP1 (two copies of each shard)
+STAGED_CASES = [((2, 2, 1), (1, 1, 1)), ((1, 1, 1), (2, 2, 1)), ((4, 2, 2), (1, 1, 1))]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layout", [SMALL_FP8, SMALL_BF16], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("src,dst", STAGED_CASES)
+def test_staged_reads_match_direct(src, dst, layout):
+    """The same request (same rows, other blocks) pulled direct and staged: both land the layout
+    written directly, bit for bit, and move only the owned rows; staged, every byte went
+    through the staging buffer."""
+    n = 333
+    reqs = [("direct", n, 7), ("staged", n, 7)]
+    p = Producer(KVShardLayout(*src), reqs, side_channel_port=free_port_range(4), layout=layout)
+    direct = _consumer(KVShardLayout(*dst), layout, False)
+    staged = _consumer(KVShardLayout(*dst), layout, True)
+    try:
+        landed = []
+        for c, name in ((direct, "direct"), (staged, "staged")):
+            blocks, hi = c.pull(name, p.params[name], n)
+            c.wait("recving", [name], TIMEOUT_S)
+            assert not c.invalid
+            _check_landed(c, blocks, n, 7, hi, name)
+            landed.append([c.caches[d] for d in range(c.shard.world_size)])
+            w = [x.worker for x in c.workers]
+            via = sum(x.recv_staged_bytes[name] for x in w)
+            assert via == (sum(x.recv_bytes[name] for x in w) if c is staged else 0)
+        for (dm, di), (sm, si) in zip(*(sum(x, []) for x in landed), strict=True):
+            assert torch.equal(dm, sm) and (di is None or torch.equal(di, si))
+        p.wait("sending", ["direct", "staged"], TIMEOUT_S)
+    finally:
+        direct.shutdown()
+        staged.shutdown()
+        p.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_staged_chunks_share_the_buffer():
+    """A staging buffer of ~40 rows: two concurrent loads from DCP2 I1 go through it in many
+    chunks (pages split across chunks, rows of both producer ranks in one chunk), one chunk at
+    a time, and land bit for bit."""
+    reqs = [("a", 517, 3), ("b", 300, 4)]
+    p = Producer(KVShardLayout(2, 2, 1), reqs, side_channel_port=free_port_range(2))
+    c = _consumer(KVShardLayout(1, 1, 1), SMALL_FP8, None, staging_max_bytes=40 * 1024)
+    try:
+        pulled = [(name, n, seed, *c.pull(name, p.params[name], n)) for name, n, seed in reqs]
+        c.wait("recving", ["a", "b"], TIMEOUT_S)
+        assert not c.invalid
+        want = empty_caches(SMALL_FP8, NUM_LAYERS, NUM_BLOCKS)
+        w = c.workers[0].worker
+        for name, n, seed, blocks, hi in pulled:
+            LogicalKV(SMALL_FP8, n, NUM_LAYERS, seed).write_into(want, c.shard, 0, blocks, 0, hi)
+            assert w.recv_bytes[name] == hi * bytes_per_row(SMALL_FP8)
+            assert w.recv_staged_bytes[name] == w.recv_bytes[name]
+        for (gm, gi), (wm, wi) in zip(c.caches[0], want, strict=True):
+            assert torch.equal(gm, wm) and (wi is None or torch.equal(gi, wi))
+        assert c.workers[0].worker._staging.tensor.numel() <= 40 * 1024
+    finally:
+        c.shutdown()
+        p.shutdown()
+
+
+def test_staging_rule():
+    """Staged only where the direct runs are short and staging at least halves them."""
+    c = Consumer(KVShardLayout(1, 1, 1))
+    try:
+        w = c.workers[0].worker
+        ids = [list(range(16))] * 4
+
+        def staged(src, dst):
+            reads = plan_reads(KVShardLayout(*src), ids, KVShardLayout(*dst), ids, 0, 0, 1000)
+            return [w._stage(rr.runs) is not None for rr in reads]
+
+        assert staged((2, 2, 1), (1, 1, 1)) == [True, True]  # 1-row runs -> 64-row source runs
+        assert staged((4, 4, 8), (1, 1, 1)) == [True] * 4  # 8-row runs
+        assert staged((2, 2, 64), (1, 1, 1)) == [False, False]  # 64-row runs: direct
+        assert staged((1, 1, 1), (2, 2, 1)) == [False]  # strided source: staging gains nothing
+        assert staged((1, 1, 1), (1, 1, 1)) == [False]
+    finally:
+        c.shutdown()
 
 
 @pytest.mark.timeout(60)

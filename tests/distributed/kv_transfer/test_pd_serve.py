@@ -148,10 +148,7 @@ def engines(tiny_ckpt):
             for s in servers.values():
                 s.stop()
             raise errors[0]
-    routers = {
-        pair: Router(servers[pair[0]], servers[pair[1]])
-        for pair in PAIRS
-    }
+    routers = {pair: Router(servers[pair[0]], servers[pair[1]]) for pair in PAIRS}
     ref = openai.OpenAI(base_url=servers["ref"].base_url, api_key="x", max_retries=0)
     yield servers, routers, ref
     for r in routers.values():

@@ -1,7 +1,9 @@
 """The resharding planner, exhaustively on CPU: source caches written by the engine's own write
 path at the engine's slots (PCP × TP × DCP with interleave), the plan applied with plain byte
 copies, compared bit for bit with the destination layout written directly from the same logical
-rows (MLA rows, FP8 indexer values and scales, bf16 caches), and the bytes moved counted."""
+rows (MLA rows, FP8 indexer values and scales, bf16 caches), and the bytes moved counted. The
+staged path (source-contiguous runs into packed staging areas, scattered locally) is held to the
+same layouts."""
 
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ from vllm.distributed.kv_transfer.reshard import (
     indexer_regions,
     merge_runs,
     plan_reads,
+    source_runs,
+    staged_byte_runs,
+    staged_rows,
 )
 
 # (world = PCP × TP, DCP, interleave); (2, 2, 1) is PCP2 × DCP2, (4, 2, 1) PCP2 × TP2 × DCP2
@@ -52,7 +57,7 @@ def test_slot_formula_matches_engine(shard):
         np.testing.assert_array_equal(eng[mine], lay.slots(pos[mine], ids[0]))
 
 
-def _check(kv_layout, src, dst, length, lo, shuffle, seed):
+def _check(kv_layout, src, dst, length, lo, shuffle, seed, **staging):
     logical = LogicalKV(kv_layout, length, NUM_LAYERS, seed)
     pool = 48
     src_ids = block_ids_for(src, length, pool, seed, shuffle)
@@ -63,7 +68,9 @@ def _check(kv_layout, src, dst, length, lo, shuffle, seed):
     bytes_per_row = kv_layout.mla_bytes_per_token * NUM_LAYERS + kv_layout.indexer_bytes_per_token
     for d in range(dst.world_size):
         got = empty_caches(kv_layout, NUM_LAYERS, pool + 2)
-        moved, _ = apply_plan(kv_layout, src, src_ids, src_caches, dst, dst_ids, d, got, lo, length)
+        moved, _ = apply_plan(
+            kv_layout, src, src_ids, src_caches, dst, dst_ids, d, got, lo, length, **staging
+        )
         want = logical.caches(dst, d, dst_ids[0], pool + 2, lo, length)
         for (gm, gi), (wm, wi) in zip(got, want, strict=True):
             assert torch.equal(gm, wm)
@@ -86,6 +93,53 @@ def test_reshard_parity_fp8(src, dst):
 def test_reshard_parity_bf16(src, dst):
     for k, length in enumerate((65, 200)):
         _check(SMALL_BF16, KVShardLayout(*src), KVShardLayout(*dst), length, 0, k == 0, seed=k)
+
+
+# short runs: DCP2 I1 -> DCP1 (single rows, 64-row source runs), DCP1 -> DCP2 I1 (single rows on
+# both sides), PCP2 × TP2 × DCP2 I2 -> DCP1, and a few others
+STAGED = [
+    ((2, 2, 1), (1, 1, 1)),
+    ((1, 1, 1), (2, 2, 1)),
+    ((4, 2, 2), (1, 1, 1)),
+    ((4, 4, 1), (3, 3, 1)),
+    ((2, 2, 4), (4, 2, 2)),
+    ((1, 1, 1), (1, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("kv_layout", [SMALL_FP8, SMALL_BF16], ids=["fp8", "bf16"])
+@pytest.mark.parametrize("src,dst", STAGED)
+def test_staged_parity(src, dst, kv_layout):
+    """Staged reads land the same bytes as direct ones; chunks (50 rows: pages split across
+    chunks) change nothing; still only the owned rows cross."""
+    src, dst = KVShardLayout(*src), KVShardLayout(*dst)
+    for k, (length, lo, chunk) in enumerate([(129, 0, None), (333, 100, 50), (64, 0, 7)]):
+        _check(kv_layout, src, dst, length, lo, k != 2, k, staged=True, chunk_rows=chunk)
+
+
+def test_staged_runs_are_source_contiguous():
+    """DCP2 I1 -> DCP1: single-row direct runs; staged, one run per source block (or run of
+    consecutive blocks), the FP8 indexer cut per page and region."""
+    src, dst = KVShardLayout(2, 2, 1), KVShardLayout(1, 1, 1)
+    (r0, r1) = plan_reads(src, [[3, 4, 9]] * 2, dst, [[0, 1, 2, 5, 6, 7]], 0, 0, 6 * 64)
+    assert r0.runs.length.tolist() == [1] * 192
+    rows = staged_rows(r0.runs)
+    np.testing.assert_array_equal(rows.src, np.r_[3 * 64 : 5 * 64, 9 * 64 : 10 * 64])
+    runs = source_runs(rows.src, first_row=10)
+    assert (runs.src.tolist(), runs.dst.tolist(), runs.length.tolist()) == (
+        [3 * 64, 9 * 64],
+        [10, 138],
+        [128, 64],
+    )
+    k, scale = indexer_regions(SMALL_FP8)
+    page = 64 * SMALL_FP8.indexer_bytes_per_token
+    br = staged_byte_runs(runs, k)  # values: cut at the page boundary 4·64
+    assert br.src.tolist() == [3 * page, 4 * page, 9 * page]
+    assert br.dst.tolist() == [10 * 32, 74 * 32, 138 * 32]
+    assert br.length.tolist() == [64 * 32] * 3
+    br = staged_byte_runs(runs, scale)
+    assert br.src.tolist() == [3 * page + 64 * 32, 4 * page + 64 * 32, 9 * page + 64 * 32]
+    assert br.length.tolist() == [64 * 4] * 3
 
 
 def test_equal_layouts_read_whole_blocks():

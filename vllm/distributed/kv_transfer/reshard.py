@@ -25,6 +25,13 @@ them, so its runs are cut at page boundaries.
 
 Only the rows a destination rank owns cross to it. Where the source keeps several copies (PCP or
 TP replicas), destination ranks spread their reads over the copies.
+
+Short runs (DCP N -> M with a small interleave: every other row, say) make a transfer
+descriptor-bound. Such a read can be *staged*: ``staged_rows`` lists its rows in source order,
+``source_runs`` cuts them into runs contiguous on the source side only, ``staged_byte_runs``
+lowers those to byte runs into a packed staging area (per region: ``n`` rows of ``row_bytes``),
+and the reader scatters staged row r to destination slot ``dst[r]`` itself. Still only the owned
+rows cross.
 """
 
 from __future__ import annotations
@@ -249,4 +256,55 @@ def cache_byte_runs(runs: SlotRuns, regions: list[Region]) -> ByteRuns:
     parts = [pages] + [byte_runs(rest, r) for r in regions]
     return ByteRuns(
         *(np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length"))
+    )
+
+
+# ---- staging: source-contiguous reads, scattered locally ------------------------------------------
+@dataclass
+class StagedRows:
+    """A read's rows in source-slot order: staged row r comes from source slot ``src[r]`` and
+    belongs at destination slot ``dst[r]``."""
+
+    src: np.ndarray  # [rows] int64, ascending
+    dst: np.ndarray  # [rows] int64
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def staged_rows(runs: SlotRuns) -> StagedRows:
+    """Expand slot runs (as ``merge_runs`` makes them: sorted by source slot) to rows."""
+    idx = np.repeat(np.arange(len(runs)), runs.length)
+    k = np.arange(len(idx)) - np.repeat(np.cumsum(runs.length) - runs.length, runs.length)
+    src, dst = runs.src[idx] + k, runs.dst[idx] + k
+    order = np.argsort(src, kind="stable")  # a no-op for merge_runs' runs
+    return StagedRows(src[order], dst[order])
+
+
+def source_runs(src: np.ndarray, first_row: int = 0) -> SlotRuns:
+    """Maximal runs of consecutive source slots of ascending ``src``; ``dst`` is the staged row
+    (``first_row`` + index) where each run starts: staged rows are packed in source order."""
+    if len(src) == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return SlotRuns(z, z.copy(), z.copy())
+    starts = np.concatenate([[0], np.nonzero(np.diff(src) != 1)[0] + 1])
+    lengths = np.diff(np.concatenate([starts, [len(src)]]))
+    return SlotRuns(src[starts], starts + first_row, lengths.astype(np.int64))
+
+
+def staged_byte_runs(runs: SlotRuns, region: Region) -> ByteRuns:
+    """Byte runs from a region of the source cache into a packed staging area of that region
+    (staged row r at ``r·row_bytes``); ``runs.dst`` are staged rows. Cut at source pages unless
+    the region is flat (the staging side is always flat)."""
+    if not region.flat and len(runs):
+        rpp = region.rows_per_page
+        first = runs.src // rpp
+        pieces = (runs.src + runs.length - 1) // rpp - first + 1
+        idx = np.repeat(np.arange(len(runs)), pieces)
+        k = np.arange(len(idx)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        lo = np.maximum(runs.src[idx], (first[idx] + k) * rpp)
+        hi = np.minimum(runs.src[idx] + runs.length[idx], (first[idx] + k + 1) * rpp)
+        runs = SlotRuns(lo, runs.dst[idx] + lo - runs.src[idx], hi - lo)
+    return ByteRuns(
+        region.offsets(runs.src), runs.dst * region.row_bytes, runs.length * region.row_bytes
     )
