@@ -424,7 +424,7 @@ class VllmConfig:
         """Flags whose features have not landed yet fail here, saying so; none is ignored."""
         not_yet = []
         kvt = self.kv_transfer_config
-        if kvt is not None and self.attention_config.hisparse is not None:
+        if kvt is not None and self.attention_config.hisparse is not None and kvt.is_kv_producer:
             not_yet.append(
                 f"--kv-transfer-config kv_role {kvt.kv_role!r} with --attention-config "
                 "hisparse_config (a HiSparse engine receives KV into its host pool: use kv_role "

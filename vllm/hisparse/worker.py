@@ -169,20 +169,20 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
             self.host_idx.append(hi)
             self.host_idx_dev.append(device_view(hi, self.device) if hi is not None else None)
 
-    # ---- per-request tables (StepHooks) ----------------------------------------------------------
-    def add_request(self, slot: int, req: NewRequestData) -> None:
     def transfer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The host pool (pinned): KV received from a prefill engine lands there, by host page."""
         return list(zip(self.host_mla, self.host_idx, strict=True))
 
+    # ---- per-request tables (StepHooks) ----------------------------------------------------------
+    def add_request(self, slot: int, req: NewRequestData) -> None:
         self.num_pages[slot] = 0
         self.hot_pos[:, slot] = -1
         self.hot_lru[:, slot] = 0
         self._append(slot, req.kv_update)
         self._restore(slot, req.kv_update.restore)
+        self._upload(slot, req.kv_update.upload)
 
     def update_request(self, slot: int, req: CachedRequestData) -> None:
-        self._upload(slot, req.kv_update.upload)
         upd = req.kv_update
         if upd.dropped:
             self.block_table[slot, upd.dropped] = -1
@@ -212,8 +212,6 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
             if h is not None:
                 words(attn.indexer_cache)[dst] = words(h)[src]
 
-    # ---- the step (StepHooks) --------------------------------------------------------------------
-    def before_forward(self, inp) -> None:
     def _upload(self, slot: int, pages: list[int]) -> None:
         """Pages received into the host pool that belong on their device block (the partial last
         page of a prompt whose KV came from a prefill engine): copy their MLA rows there."""
@@ -224,6 +222,8 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         for attn, h in zip(self.layers, self.host_mla_dev, strict=True):
             words(attn.kv_cache)[dst] = words(h)[src]
 
+    # ---- the step (StepHooks) --------------------------------------------------------------------
+    def before_forward(self, inp) -> None:
         """Blocks freed by drops may be reused this step: order after last step's backups."""
         self.step += 1
         self.step_t.fill_(self.step)
