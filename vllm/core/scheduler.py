@@ -145,9 +145,7 @@ class Scheduler:
 
         order = [r for r in self.running if remaining(r) <= 1]
         order += [r for r in self.running if remaining(r) > 1]
-        # HiSparse: off, its greedy output diverged from the all-in-HBM run's when newcomers share
-        # the steps of a running prefill (tests/hisparse/test_hisparse_engine.py, cause open)
-        fair = self.chunked_prefill and self.config.attention_config.hisparse is None
+        fair = self.chunked_prefill
         reserve = self._newcomer_reserve() if fair else 0
         for req in order:
             if budget <= 0:
