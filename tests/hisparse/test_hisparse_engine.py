@@ -112,6 +112,17 @@ def test_hisparse_flag_validation(tiny_ckpt):
         ).create_engine_config()
 
 
+def test_host_pool_larger_than_the_host_is_refused(tiny_ckpt):
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="host_pool_gib.*GiB of host memory; this host has"):
+        EngineArgs(
+            model=tiny_ckpt,
+            data_parallel_size=2,
+            attention_config={"hisparse_config": {"host_pool_gib": 2**20}},
+        ).create_engine_config()
+
+
 def test_valid_with_dp_and_ep(ref, tiny_ckpt):
     prompts = _prompts([900, 400, 1100], salt=13)
     llm = LLM(

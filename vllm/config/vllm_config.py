@@ -324,7 +324,23 @@ class VllmConfig:
                 )
         self._check_speculative()
         self._check_offload()
+        self._check_hisparse_host_memory()
         self._refuse_unlanded()
+
+    def _check_hisparse_host_memory(self) -> None:
+        """HiSparse pins its host pool on every rank of this host at start-up: refuse a pool the
+        host cannot hold instead of an OOM kill while pinning."""
+        if self.attention_config.hisparse is None:
+            return
+        avail = available_host_memory()
+        ranks = self.parallel_config.world_size_across_dp
+        need = self.hisparse_host_pool_gib * ranks
+        if avail is not None and need * 2**30 > avail:
+            raise ValueError(
+                f"--attention-config hisparse_config.host_pool_gib: {self.hisparse_host_pool_gib:.2f} "
+                f"GiB per rank (with --kv-offloading-size's share) × {ranks} rank(s) needs "
+                f"{need:.1f} GiB of host memory; this host has {avail / 2**30:.1f} GiB available"
+            )
 
     def _check_offload(self) -> None:
         """--kv-offloading-size: a host tier of prefix-cache blocks, so it needs the prefix cache
