@@ -100,3 +100,51 @@ def test_invalid_positions_and_trash():
     )
     assert res.slots[0].tolist() == [-1, 20, -1]
     assert (res.dest[~res.miss] == 199 * 4).all()
+
+
+def test_tokens_of_one_request_resolve_in_order():
+    """Verify rows: 3 tokens of request 0, 2 of request 1 and 1 of request 2 in one call, with the
+    minimum hot buffer (3 × K rows). The same as one call per token rank (the other ranks masked):
+    a later token hits what an earlier one fetched and never evicts a row an earlier one reads;
+    after the copies every token reads its own positions. Two steps: the second evicts."""
+    bs, pages, h = 4, 12, 12  # K = 4
+    g = torch.Generator().manual_seed(1)
+    page_table = torch.full((3, pages), -1, dtype=torch.int64)
+    page_table[:, 0] = torch.tensor([1, 2, 3])  # page 0 resident, the rest host only
+    host_table = torch.arange(3 * pages).view(3, pages)
+    hot_slots = (torch.arange(3 * h) + 40 * bs).view(3, h)
+    host = torch.randn(3 * pages * bs, 2, generator=g)
+    trash = 99 * bs
+    req = torch.tensor([0, 0, 0, 1, 1, 2])
+    ranks = ([0, 3, 5], [1, 4], [2])  # rows of the 1st, 2nd, 3rd token of each request
+    steps = [
+        [[1, 8, 9, 10], [8, 9, 11, 12], [13, 14, 15, 16], [20, 21, -1, 22], [22, 23, 24, 25],
+         [30, 31, 32, 33]],
+        [[1, 20, 21, 22], [20, 21, 23, 9], [24, 25, 26, 27], [32, 33, 34, -1], [35, 36, 37, 38],
+         [40, 41, 42, 43]],
+    ]  # fmt: skip
+    state = [torch.full((3, h + 1), -1), torch.zeros((3, h + 1), dtype=torch.int64)]
+    per_rank = [x.clone() for x in state]
+    gpu = torch.zeros(100 * bs, 2)
+    gpu[bs : 2 * bs] = host[0:bs]  # request 0's resident page 0
+    hits = 0
+    for step, sel in enumerate(map(torch.tensor, steps), start=1):
+        res = resolve_ref(sel, req, page_table, host_table, hot_slots, *state, step, trash, bs, 3)
+        apply_copies(res, [gpu], [host])
+        for t, s in enumerate(req.tolist()):
+            for c, p in enumerate(sel[t].tolist()):
+                if p < 0:
+                    assert res.slots[t, c] == -1
+                elif page_table[s, p // bs] < 0:
+                    want = host[host_table[s, p // bs] * bs + p % bs]
+                    assert torch.equal(gpu[res.slots[t, c]], want), (step, t, p)
+        for rows in ranks:
+            m = torch.full_like(sel, -1)
+            m[rows] = sel[rows]
+            w = resolve_ref(m, req, page_table, host_table, hot_slots, *per_rank, step, trash, bs)
+            assert torch.equal(res.slots[rows], w.slots[rows])
+            assert torch.equal(res.miss[rows], w.miss[rows])
+            hits += int(w.hits)
+        assert torch.equal(state[0][:, :h], per_rank[0][:, :h])
+        assert torch.equal(state[1][:, :h], per_rank[1][:, :h])
+    assert hits > 0 and int(res.hits) > 0  # later tokens hit the rows earlier ones fetched

@@ -58,12 +58,6 @@ def test_unsupported_combinations_are_refused(tiny_ckpt, tmp_path):
     write_checkpoint(str(tmp_path), no_mtp, tiny_state_dict(no_mtp, 0))
     with pytest.raises(ValueError, match="no MTP layer"):
         EngineArgs(model=str(tmp_path), speculative_config=spec).create_engine_config()
-    with pytest.raises(ValueError, match="hisparse"):
-        EngineArgs(
-            model=tiny_ckpt,
-            speculative_config=spec,
-            attention_config={"hisparse_config": {"host_pool_gib": 0.01}},
-        ).create_engine_config()
 
 
 # ---- verification ---------------------------------------------------------------------------

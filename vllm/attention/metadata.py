@@ -37,6 +37,7 @@ class HiSparseMetadata:
     block_table_full: torch.Tensor  # [max_reqs, pages] device block per page (−1: host only)
     idx_block_table: torch.Tensor  # [B, pages] indexer-key pages (always on the device)
     idx_slot_mapping: torch.Tensor  # [T_kv] indexer slot of each new row, −1 = skip
+    tokens_per_req: int = 1  # most decode tokens of one request (1 + drafts in a verify row)
     # filled during the step, layer by layer: the slots resolved for each IndexShare group, and
     # per layer the event its prefetched rows landed on
     group_slots: dict[int, torch.Tensor] = field(default_factory=dict)

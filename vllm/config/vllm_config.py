@@ -416,11 +416,6 @@ class VllmConfig:
                 f"--speculative-config method 'mtp': the checkpoint {self.model_config.model} has "
                 "no MTP layer (num_nextn_predict_layers = 0 in its config.json)"
             )
-        if self.attention_config.hisparse is not None:
-            raise ValueError(
-                "--speculative-config with --attention-config hisparse_config is not supported "
-                "yet (the MTP layer's KV in HiSparse's host pool)"
-            )
 
     def _check_devices(self) -> None:
         """One GPU per rank: more ranks than this machine's GPUs would share devices."""

@@ -149,12 +149,14 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         return KVCachePlan(num_blocks=int(n_gpu), num_host_blocks=n_host, num_idx_blocks=n_idx)
 
     def allocate(self, plan: KVCachePlan, kv_access: KVAccess) -> None:
-        """Device MLA caches get one extra block: the trash target of masked copies. Layers
-        reach their rows through ``self.kv_access`` whatever ``kv_access`` the runner offers
-        (HiSparse runs on one rank per replica: TP/DP/EP need nothing more)."""
+        """Device MLA caches get one extra block: the trash target of masked copies; the host
+        pools one extra page: the trash target of masked backups. Layers reach their rows
+        through ``self.kv_access`` whatever ``kv_access`` the runner offers (HiSparse runs on
+        one rank per replica: TP/DP/EP need nothing more)."""
         pin = self.device.type == "cuda"
-        n_gpu, n_host, n_idx = plan.num_blocks, plan.num_host_blocks, plan.num_idx_blocks
+        n_gpu, n_host, n_idx = plan.num_blocks, plan.num_host_blocks + 1, plan.num_idx_blocks
         self.trash_slot = n_gpu * self.layout.block_size
+        self.trash_host_page = n_host - 1
         self.host_mla, self.host_idx, self.host_mla_dev, self.host_idx_dev = [], [], [], []
         for attn in self.layers:
             idx = self.layout.allocate_indexer(n_idx, self.device) if attn.has_indexer else None
@@ -241,11 +243,14 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
             block_table_full=self.block_table,
             idx_block_table=idx_bt,
             idx_slot_mapping=idx_bt[inp.token_req.long(), pos // bs].long() * bs + pos % bs,
+            tokens_per_req=int(inp.num_scheduled[~inp.is_prefill].max(initial=1)),
         )
 
     def graph_metadata(self, meta: MLAMetadata, slots, positions) -> None:
-        """A captured decode step: the same tables, gathered on the device; the LRU stamp read
-        from ``step_t``, set before each replay; padding rows (position −1) write no keys."""
+        """A captured decode step (or a drafting step, whose positions live on the device): the
+        same tables, gathered on the device; the LRU stamp read from ``step_t``, set before each
+        replay; padding rows (position −1) write no keys. Rows hold the same number of tokens
+        (``positions`` [B·q]: a verify row of 1 + k, padded)."""
         bs = self.layout.block_size
         idx_bt = self.idx_table[slots]
         pos = positions.clamp_min(0)
@@ -257,10 +262,18 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
             block_table_full=self.block_table,
             idx_block_table=idx_bt,
             idx_slot_mapping=torch.where(positions >= 0, islot, -1),
+            tokens_per_req=positions.shape[0] // max(slots.shape[0], 1),
         )
 
-    def after_forward(self, inp) -> None:
-        self.backup(inp.idx_np, inp.start, inp.seq_lens)
+    def after_step(self, inp, num_accepted: torch.Tensor | None) -> None:
+        """Back up what this step made final: the KV of each row's committed positions (its
+        rejected drafts excluded), the target's and the MTP layer's writes both queued."""
+        committed = None
+        if num_accepted is not None:
+            committed = torch.from_numpy(inp.seq_lens - inp.num_drafts).to(self.device)
+            rows = torch.from_numpy(inp.sample_rows).to(self.device)
+            committed.index_add_(0, rows, num_accepted.to(committed.dtype))
+        self.backup(inp.idx_np, inp.start, inp.seq_lens, committed)
 
     def device_stats(self) -> dict[str, torch.Tensor]:
         s = self.stats.clone()
@@ -277,15 +290,27 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         }
 
     # ---- page backups ----------------------------------------------------------------------------
-    def backup(self, idx_np: np.ndarray, start: np.ndarray, seq_lens: np.ndarray) -> None:
-        """Copy pages completed this step (MLA rows of every layer + indexer keys) to the host."""
+    def backup(
+        self,
+        idx_np: np.ndarray,
+        start: np.ndarray,
+        seq_lens: np.ndarray,
+        committed: torch.Tensor | None = None,
+    ) -> None:
+        """Copy to the host the pages (MLA rows of every layer + indexer keys) completed this
+        step over committed positions: [start // 64, committed // 64) per row, ``committed``
+        [B] on the device (None: ``seq_lens``, nothing rejected). The scheduler publishes, and
+        may drop, exactly the pages below its rolled-back ``num_computed_tokens``; a page that
+        rejected drafts completed is backed up at the step whose accepted tokens pass its end
+        (that step starts inside it), so its copy holds the rewritten rows."""
         bs = self.layout.block_size
-        pages, slots = [], []
+        pages, slots, rows = [], [], []
         for b, s in enumerate(idx_np.tolist()):
             lo, hi = int(start[b]) // bs, int(seq_lens[b]) // bs
             for pg in range(lo, hi):
                 pages.append(pg)
                 slots.append(s)
+                rows.append(b)
         if not pages:
             return
         s_t = torch.tensor(slots, device=self.device)
@@ -293,6 +318,9 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         gpu = self.block_table[s_t, p_t].long()
         idx = self.idx_table[s_t, p_t].long()
         host = torch.from_numpy(self.host_np[slots, pages]).to(self.device)
+        if committed is not None:  # pages past the committed end go to the trash page
+            done = p_t < committed[torch.tensor(rows, device=self.device)] // bs
+            host = torch.where(done, host, self.trash_host_page)
         stream = self.copy_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -388,6 +416,7 @@ class HiSparseKVAccess(KVAccess):
             hm.step,
             hs.trash_slot,
             meta.layout.block_size,
+            hm.tokens_per_req,
         )
         group = hs.groups[g]
         apply_copies(res, [hs.layers[me].kv_cache], [hs.host_mla_dev[me]])

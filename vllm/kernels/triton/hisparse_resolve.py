@@ -25,8 +25,10 @@ sync, fixed shapes, and ``step`` may be a device tensor: capturable in a CUDA gr
 Differences from the reference: column H of hot_pos / hot_lru (the trash column that absorbs the
 reference's masked writes) is never written. Assumptions (true of the resolver's own state): the
 valid positions of a hot buffer are distinct, the selected positions of a row are distinct,
-req_slot values are distinct, K <= H, positions < P·block_size (the reference's page-table index
-bound), stamps satisfy |lru| < 2^(62 - log2(HP)) (2^50 at H = 4096).
+req_slot values are distinct among the rows that select a position (a row of −1s uses no hot
+state and writes none, so the wrapper resolves a request's several tokens one at a time, the
+others masked), K <= H, positions < P·block_size (the reference's page-table index bound),
+stamps satisfy |lru| < 2^(62 - log2(HP)) (2^50 at H = 4096).
 
 Cost (sm_90 SASS, K = 2048, H = 4096, 8 warps): ~14K instructions per thread on the usual path,
 about half of them the victim sort; 226 registers, 32 KB shared memory, one program per SM.
@@ -206,8 +208,8 @@ def resolve_fused(
 ) -> ResolveResult:
     """:func:`~vllm.kernels.hisparse_resolve.resolve_ref` in one kernel launch (plus a 3-element sum).
 
-    positions [T, K] int32/int64 (−1 = none; distinct within a row); req_slot [T] int (distinct:
-    one decode token per request); page_table [R, P] int (GPU block, −1 = dropped);
+    positions [T, K] int32/int64 (−1 = none; distinct within a row); req_slot [T] int (distinct
+    among the rows that select a position: one decode token per request); page_table [R, P] int (GPU block, −1 = dropped);
     host_page_table [R, P] int64; hot_slots [R, H] int64; hot_pos / hot_lru [R, H + 1] int64,
     updated in place (any strides, e.g. ``hot_pos[g]``); step: int, or a 1-element int device
     tensor read by the kernel (CUDA-graph capturable); K <= H. Returns the reference's result

@@ -126,6 +126,7 @@ class DecodeGraphs:
         r, q = self.runner, self.q
         idx, row, j, pos, seq = self._tokens(size)
         meta = self._metadata(size, idx, row, pos, seq)
+        r.hooks.graph_metadata(meta, idx, pos)
         ids = self.sampled[: size * q]
         with ep_forward(size * q):
             h = r.model.mtp_forward(ids, hidden, pos, meta, 0)
@@ -138,6 +139,7 @@ class DecodeGraphs:
         for depth in range(1, self.k):
             p = torch.where((p0 >= 0) & (p0 + depth < cap), p0 + depth, -1)
             dmeta = self._metadata(size, idx, rows, p, (p + 1).clamp_min(0))
+            r.hooks.graph_metadata(dmeta, idx, p)
             with ep_forward(size):
                 h = r.model.mtp_forward(draft, h, p, dmeta, depth)
             draft = r.model.mtp_logits(h, depth).argmax(dim=-1)

@@ -446,6 +446,7 @@ class ModelRunner:
             self.drafter.propose(
                 DraftBatch(inp, rows, *target, hidden, sampled, sampled_tok, first, accepted)
             )
+        self.hooks.after_step(inp, accepted)
         host.update(self.hooks.device_stats())
         plp_plan = self._prompt_logprob_plan(inp)
         if plp_plan:

@@ -40,6 +40,13 @@ class StepHooks:
     def after_forward(self, inp: StepInputs) -> None:
         """The model ran (work may still be queued on the device); sampling has not."""
 
+    def after_step(self, inp: StepInputs, num_accepted: torch.Tensor | None) -> None:
+        """Sampling, verification and drafting are queued (the target's and the drafter's KV
+        writes with them); the device→host sync has not happened. ``num_accepted``
+        [len(inp.sample_rows)] on the device: the drafts each sampling row accepted (None: no
+        row verified drafts); the KV of a row's first ``seq_lens − num_drafts + accepted``
+        positions is final, the rest (rejected drafts) is rewritten by a later step."""
+
     def device_stats(self) -> dict[str, torch.Tensor]:
         """Device counters to bring to the host with the step's one device→host copy."""
         return {}

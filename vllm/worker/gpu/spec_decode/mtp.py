@@ -17,7 +17,8 @@ predicts token t+2. After the target step:
    the device only; the attention metadata carries host bounds (the longest possible context) as
    a CUDA graph's does. A position past the request's allocated blocks is a padding row (writes
    nothing): its draft would not be verified anyway (the scheduler caps drafts by the request's
-   room).
+   room). Features beside the KV cache add their metadata as for a captured step
+   (``StepHooks.graph_metadata``: HiSparse keeps the MTP layer's KV as any layer's).
 
 Drafts are greedy (the argmax of the MTP logits): the verification's one-draw rejection sampling
 relies on the one-hot proposal. Every rank of a replica stores the first rank's drafts, so the
@@ -158,6 +159,9 @@ class MTPDrafter(Drafter):
             cp=step.cp,
         )
         meta.slot_mapping = meta.slots_for(step.kv_token_req, step.kv_positions)
+        # a KV feature's part (HiSparse: indexer-key slots, the resolver's tables) from device
+        # tensors, as a captured step builds it: the positions are not on the host
+        r.hooks.graph_metadata(meta, slots, meta.positions)
         mine = step.token_index
         prev = prev_hidden if mine is None else prev_hidden[mine]
         h = self._pass(step.input_ids, prev, step, meta, depth)
