@@ -86,9 +86,22 @@ class KVCacheManager(ABC):
         """Forget every cached block; False (and nothing changes) while any is in use."""
         return self.pool.reset_prefix_cache()
 
+    @property
+    def prefix_pool(self) -> BlockPool:
+        """The pool whose blocks are the prefix cache."""
+        return self.pool
+
+    def record_prefix_lookup(self, req: Request, num_hit: int) -> None:
+        """Count a request's prefix-cache lookup once, when it is first admitted (a request
+        waiting for room is looked up again at every try; a preempted one when it returns)."""
+        pool = self.prefix_pool
+        if pool.enable_caching and req.use_prefix_cache:
+            pool.stats_queries += req.num_tokens
+            pool.stats_hits += num_hit
+
     def take_prefix_cache_stats(self) -> tuple[int, int]:
         """(queried tokens, hit tokens) of the prefix cache since the last call."""
-        pool = self.pool
+        pool = self.prefix_pool
         out = (pool.stats_queries, pool.stats_hits)
         pool.stats_queries = pool.stats_hits = 0
         return out
@@ -140,8 +153,6 @@ class DeviceKVCacheManager(KVCacheManager):
             if b is None:
                 break
             hits.append(b)
-        self.pool.stats_queries += req.num_tokens
-        self.pool.stats_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(

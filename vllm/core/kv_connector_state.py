@@ -66,8 +66,9 @@ class KVConnectorScheduler:
         if self.kv.allocate_for_load(req, n, hit_blocks) is None:
             return None
         req.num_computed_tokens = num_hit
-        if req.num_cached_tokens < 0:
+        if req.num_cached_tokens < 0:  # first admission
             req.num_cached_tokens = num_hit
+            self.kv.record_prefix_lookup(req, num_hit)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.connector.update_state_after_alloc(req, self.kv.transfer_block_ids(req), n)
         self.loading[req.request_id] = (req, num_hit + n)

@@ -215,8 +215,9 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.kv_connector.allocated(req)
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # first admission
                 req.num_cached_tokens = num_hit
+                self.kv.record_prefix_lookup(req, num_hit)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -76,11 +76,10 @@ class HiSparseKVManager(KVCacheManager):
         """The prefix cache is the host pool here."""
         return self.host.reset_prefix_cache()
 
-    def take_prefix_cache_stats(self) -> tuple[int, int]:
+    @property
+    def prefix_pool(self) -> BlockPool:
         """The prefix cache is the host pool here."""
-        out = (self.host.stats_queries, self.host.stats_hits)
-        self.host.stats_queries = self.host.stats_hits = 0
-        return out
+        return self.host
 
     def extra_stats(self, worker_stats: dict[str, float]) -> dict[str, float]:
         hits, misses = worker_stats.get("hisparse_hits", 0), worker_stats.get("hisparse_misses", 0)
@@ -101,8 +100,6 @@ class HiSparseKVManager(KVCacheManager):
             if b is None:
                 break
             hits.append(b)
-        self.host.stats_queries += req.num_tokens
-        self.host.stats_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------------
