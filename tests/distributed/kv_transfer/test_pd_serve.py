@@ -3,7 +3,8 @@ engine (kv_producer) and a decode engine (kv_consumer) joined by real NIXL over 
 driven by the real OpenAI client. Greedy text equals one engine's, streamed or not, for prefill
 DCP1 → decode DCP1, PCP2×DCP2 → DCP1, PCP2×DCP2 → DCP2 and PCP2×DCP2 → DP2 (+EP2), and into the
 host pool of a HiSparse decode engine (DCP1 → HiSparse, PCP2×DCP2 → HiSparse and PCP2×DCP2 →
-HiSparse DP2 + EP2, GPU pools smaller than the prompts); the decode engine receives exactly the KV of the prompt positions it does not compute (its counter); leases
+HiSparse DP2 + EP2, GPU pools smaller than the prompts), and with MTP3 on both sides (PCP2×DCP2 →
+HiSparse, the seed's deployment: the MTP layer's KV moves too); the decode engine receives exactly the KV of the prompt positions it does not compute (its counter); leases
 are released (the prefill engine's blocks return to zero); a prefill engine killed before its KV
 is pulled leaves the decode engine recomputing (same text) or failing the request within seconds,
 with no block left in use.
@@ -111,10 +112,12 @@ def engines(tiny_ckpt):
     """ref: one engine; p1: prefill DCP1 (kv_both, upstream's usual role) with the CPU offload
     tier beside NIXL; p2: prefill PCP2×DCP2; d1: decode DCP1 (kv_both, recompute);
     d2: decode TP2×DCP2 (fail); ddp: decode DP2 + EP2; dhs, dhsdp: HiSparse decode (one rank,
-    and DP2 + EP2) whose GPU pool (6 blocks) is smaller than the prompts' pages."""
+    and DP2 + EP2) whose GPU pool (6 blocks) is smaller than the prompts' pages; pm → dhsm: the
+    same PCP2×DCP2 → HiSparse with MTP3 on both engines."""
     ckpt = [tiny_ckpt, "--enable-prompt-tokens-details"]
     hisparse = ["--attention-config", json.dumps({"hisparse_config": {"host_pool_gib": 0.05}}),
                 "--num-gpu-blocks-override", "6", "--max-num-batched-tokens", "128"]  # fmt: skip
+    mtp = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3})]
     specs = {
         "ref": ckpt,
         "p1": ckpt
@@ -131,6 +134,11 @@ def engines(tiny_ckpt):
         + ["--data-parallel-size", "2", "--enable-expert-parallel"]
         + _kv("kv_consumer"),
         "dhs": ckpt + hisparse + _kv("kv_consumer"),
+        "pm": ckpt
+        + ["-pcp", "2", "-dcp", "2"]
+        + mtp
+        + _kv("kv_producer", side_channel_port=_free_port_range(2)),
+        "dhsm": ckpt + hisparse + mtp + _kv("kv_consumer"),
         "dhsdp": ckpt
         + hisparse
         + ["--data-parallel-size", "2", "--enable-expert-parallel"]
@@ -173,17 +181,18 @@ def _complete(client, prompt, stream=False) -> tuple[str, dict | None]:
 
 
 PAIRS = [("p1", "d1"), ("p2", "d1"), ("p2", "d2"), ("p2", "ddp"), ("p1", "dhs"), ("p2", "dhs"),
-         ("p2", "dhsdp")]  # fmt: skip
+         ("p2", "dhsdp"), ("pm", "dhsm")]  # fmt: skip
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("pair", PAIRS, ids=["dcp1-dcp1", "pcp2dcp2-dcp1", "pcp2dcp2-dcp2",
                                              "pcp2dcp2-dp2ep2", "dcp1-hisparse",
-                                             "pcp2dcp2-hisparse", "pcp2dcp2-hisparse-dp2ep2"])  # fmt: skip
+                                             "pcp2dcp2-hisparse", "pcp2dcp2-hisparse-dp2ep2",
+                                             "pcp2dcp2-mtp3-hisparse-mtp3"])  # fmt: skip
 def test_router_greedy_equals_one_engine_and_moves_owned_kv(engines, tiny_ckpt, pair):
     servers, routers, ref = engines
     router, decode = routers[pair], servers[pair[1]]
-    per_token = _kv_bytes_per_token(tiny_ckpt)
+    per_token = _kv_bytes_per_token(tiny_ckpt, num_mtp_layers=int(pair[0] == "pm"))
     tag = PAIRS.index(pair) * 10
     for k, (n, stream) in enumerate([(150, False), (9, False), (130, True)]):
         prompt = _prompt(tag + k, n)
@@ -276,10 +285,12 @@ def test_killed_prefill_engine_recompute_or_fail(engines, tiny_ckpt):
         assert _wait_metric(servers[name], "vllm:kv_cache_usage_perc", 0.0) == 0.0, name
 
 
-def _kv_bytes_per_token(ckpt: str) -> int:
+def _kv_bytes_per_token(ckpt: str, num_mtp_layers: int = 0) -> int:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.kv_cache_interface import kv_bytes_per_token
 
     cfg = EngineArgs(model=ckpt).create_engine_config()
     mc = cfg.model_config
-    return kv_bytes_per_token(mc.arch, cfg.cache_config.cache_dtype, mc.dtype, num_mtp_layers=0)
+    return kv_bytes_per_token(
+        mc.arch, cfg.cache_config.cache_dtype, mc.dtype, num_mtp_layers=num_mtp_layers
+    )
