@@ -9,7 +9,9 @@ from vllm.hisparse.manager import HiSparseKVManager
 
 
 def _req(rid: str, n: int) -> Request:
-    return Request(EngineCoreRequest(rid, list(range(10, 10 + n)), SamplingOptions(max_tokens=4), [0]))
+    return Request(
+        EngineCoreRequest(rid, list(range(10, 10 + n)), SamplingOptions(max_tokens=4), [0])
+    )
 
 
 def test_a_partial_page_is_never_dropped_between_prefill_chunks():

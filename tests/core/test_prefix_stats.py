@@ -11,7 +11,9 @@ from vllm.engine.arg_utils import EngineArgs
 
 def _run(s: Scheduler, reqs: list[tuple[str, list[int]]]) -> tuple[int, int, dict[str, int]]:
     for rid, prompt in reqs:
-        s.add_request(EngineCoreRequest(rid, prompt, SamplingOptions(max_tokens=3, ignore_eos=True), [0]))
+        s.add_request(
+            EngineCoreRequest(rid, prompt, SamplingOptions(max_tokens=3, ignore_eos=True), [0])
+        )
     queries = hits = waits = 0
     cached: dict[str, int] = {}
     for _ in range(200):
@@ -35,7 +37,9 @@ def _run(s: Scheduler, reqs: list[tuple[str, list[int]]]) -> tuple[int, int, dic
 
 
 def test_a_request_waiting_for_room_is_counted_once(tiny_ckpt):
-    cfg = EngineArgs(model=tiny_ckpt, max_num_batched_tokens=512, max_num_seqs=4).create_engine_config()
+    cfg = EngineArgs(
+        model=tiny_ckpt, max_num_batched_tokens=512, max_num_seqs=4
+    ).create_engine_config()
     s = Scheduler(cfg, KVCachePlan(5))  # 5 blocks of 64: one 200-token request at a time
     shared = list(range(10, 210))
     reqs = [("a", shared), ("b", shared + [5]), ("c", list(range(300, 500)))]
