@@ -31,9 +31,9 @@ Formulas (GLM-5.3 numbers in brackets; d = kv_lora_rank + rope = 576, r = kv_lor
 * Weights per GPU (`vllm.model_executor.weight_bytes`, the function the worker checks at start-up):
   the model's parameters under the layout's TP and EP, FP8 (e4m3 + one fp32 scale per 128×128
   tile for linears and routed experts) or bf16 [FP8, EP8, attention replicated: routed experts
-  725 GB / 8 = 90.6 GB + 25.5 GB of the rest = 116 GB = 108.1 GiB]. It fits when
+  725 GB / 8 = 90.6 GB + 22.0 GB of the rest = 112.6 GB = 104.9 GiB]. It fits when
   usable HBM × gpu_memory_utilization − weights − the worker's 4 GiB reserve leaves room for KV
-  [139 GiB × 0.9 − 108.1 − 4 = 13.0 GiB].
+  [139 GiB × 0.9 − 104.9 − 4 = 16.2 GiB].
 * HiSparse (SPEC §6): the host pool holds each request's MLA rows (its shard under DCP); the GPU
   keeps the indexer keys of the whole context plus a hot buffer of (n_spec + 2)·k rows per MLA
   layer ((2·k) without MTP), not divided by DCP (conservative).

@@ -19,6 +19,8 @@ are zeroed before each path and their per-block fingerprints compared across pat
     python benchmarks/kv_transfer/bench_nixl_transfer.py --src-dcp 2 --tokens 8192 \
         --paths direct,staged                                               # short runs
     python benchmarks/kv_transfer/bench_nixl_transfer.py --device cuda      # VRAM -> VRAM
+    python benchmarks/kv_transfer/bench_nixl_transfer.py --src-device cuda --dst-device pinned
+                                                          # VRAM -> a HiSparse host pool
 """
 
 from __future__ import annotations
@@ -76,18 +78,23 @@ def ctx(shard, role, rank, args) -> KVConnectorContext:
     return KVConnectorContext(cfg, GLM53, shard, rank=rank, model_name="glm-5.3")
 
 
-def caches(args, num_blocks: int, rank: int, fill: bool):
+def caches(args, num_blocks: int, rank: int, fill: bool, where: str):
     """Every layer's caches; indexer caches on IndexShare's full layers (0, 1, 2, 6, ..., 74) and
-    the MTP layer (78), every ``--layers-scale``-th layer kept."""
-    if args.device == "cuda":
+    the MTP layer (78), every ``--layers-scale``-th layer kept. ``where``: cpu, pinned (page-locked
+    host memory, as HiSparse's host pool) or cuda."""
+    if where == "cuda":
         dev = torch.device("cuda", rank % torch.cuda.device_count())
     else:
         dev = torch.device("cpu")
     full = {i for i in range(78) if max(i - 2, 0) % 4 == 0} | {78}
+
+    def place(t):
+        return t.pin_memory() if where == "pinned" else t
+
     out = []
     for li in range(0, NUM_MLA_LAYERS, args.layers_scale):
-        mla = GLM53.allocate_mla(num_blocks, dev)
-        idx = GLM53.allocate_indexer(num_blocks, dev) if li in full else None
+        mla = place(GLM53.allocate_mla(num_blocks, dev))
+        idx = place(GLM53.allocate_indexer(num_blocks, dev)) if li in full else None
         if fill:
             for t in (mla, idx):
                 if t is not None:
@@ -110,7 +117,7 @@ def set_threads(args) -> None:
     """CPU: the cores shared by every rank of both engines, as the engine's workers share them
     (``worker.py``); with more threads than cores torch's parallel loops (the staged path's
     scatter) wait on descheduled threads."""
-    if args.device == "cpu":
+    if "cuda" not in (args.src_device, args.dst_device):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (args.src_dcp + args.dst_dcp)))
 
 
@@ -124,7 +131,7 @@ def producer(args, q_out, q_in):
         for k in range(shard.world_size)
     ]
     for k, w in enumerate(workers):
-        w.register_kv_caches(caches(args, nb, k, fill=True))
+        w.register_kv_caches(caches(args, nb, k, fill=True, where=args.src_device))
     params = []
     for it in range(len(args.paths) * (args.iters + 1)):  # one request per pull (same blocks)
         r = Req(
@@ -145,9 +152,16 @@ def producer(args, q_out, q_in):
 
 
 def copy_ceiling(args) -> float:
-    dev = torch.device(args.device)
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev).random_()
-    b = torch.empty_like(a)
+    """GB/s of a 1 GiB torch copy between the two sides' kinds of memory (device to device,
+    DRAM to DRAM, or pinned host <-> device: the PCIe ceiling of host pool transfers)."""
+
+    def buf(where):
+        dev = torch.device("cuda" if where == "cuda" else "cpu")
+        t = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+        return t.pin_memory() if where == "pinned" else t
+
+    a, b = buf(args.src_device).random_(), buf(args.dst_device)
+    dev = a.device if a.is_cuda else b.device
     best = float("inf")
     for _ in range(5):
         if dev.type == "cuda":
@@ -169,6 +183,18 @@ def main() -> None:
     ap.add_argument("--layers-scale", type=int, default=1, help="divide the layer counts by this")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--src-device",
+        default=None,
+        choices=["cpu", "pinned", "cuda"],
+        help="the prefill side's caches (default: --device)",
+    )
+    ap.add_argument(
+        "--dst-device",
+        default=None,
+        choices=["cpu", "pinned", "cuda"],
+        help="the decode side's caches (default: --device); pinned = HiSparse's host pool",
+    )
     ap.add_argument("--port", type=int, default=0, help="side channel base port (0: pick one)")
     ap.add_argument(
         "--paths", default="direct,staged", help="comma-separated: direct, staged, auto (see above)"
@@ -181,6 +207,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     args.paths = args.paths.split(",")
+    args.src_device = args.src_device or args.device
+    args.dst_device = args.dst_device or args.device
     if not set(args.paths) <= set(FORCE):
         ap.error(f"--paths: choose from {sorted(FORCE)}")
     if args.port == 0:
@@ -226,7 +254,7 @@ def pull(args, params) -> tuple[list[dict], bool]:
         NixlConnector(ctx(shard, "kv_consumer", k, args), KVConnectorRole.WORKER)
         for k in range(shard.world_size)
     ]
-    kv = [caches(args, nb, k, fill=False) for k in range(shard.world_size)]
+    kv = [caches(args, nb, k, fill=False, where=args.dst_device) for k in range(shard.world_size)]
     for w, c in zip(workers, kv, strict=True):
         w.register_kv_caches(c)
     rows, prints, pending = [], [], {}
@@ -276,7 +304,7 @@ def report(args, rows, same, ceiling) -> None:
             "src_dcp": args.src_dcp,
             "dst_dcp": args.dst_dcp,
             "interleave": args.interleave,
-            "device": args.device,
+            "device": f"{args.src_device}->{args.dst_device}",
             **r,
             "bytes_per_token": r["bytes"] / (args.tokens - 1),
             "nixl_gbps": r["bytes"] / r["best_s"] / 1e9,
@@ -291,6 +319,7 @@ def report(args, rows, same, ceiling) -> None:
         return
     if len(rows) > 1:
         print(f"verification: {'passed' if same else 'FAILED'} (paths landed the same bytes)")
+    print(f"memory: {args.src_device} -> {args.dst_device}")
     print(
         f"{'layout':>16} {'path':>7} {'GiB':>7} {'B/token':>8} {'descs':>9} {'time s':>7} "
         f"{'GB/s':>6} {'copy GB/s':>9}"

@@ -32,6 +32,8 @@ errors included.
     python benchmarks/kv_transfer/bench_pd_ttft.py --tokens 1024 4096 16384   # ~10 min on 2 cores
     python benchmarks/kv_transfer/bench_pd_ttft.py --hisparse --json out.json
     python benchmarks/kv_transfer/bench_pd_ttft.py --slice --tokens 1024 4096
+    python benchmarks/kv_transfer/bench_pd_ttft.py --slice --engine-args \
+        '--gpu-memory-utilization 0.4'                                 # both engines on one GPU
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import sys
@@ -79,7 +82,7 @@ def engine_args(args, model: str, role: str) -> list[str]:
     if role == "kv_consumer" and args.hisparse:
         hs = {"hisparse_config": {"host_pool_gib": args.host_pool_gib}}
         out += ["--attention-config", json.dumps(hs)]
-    return out
+    return out + shlex.split(args.engine_args)
 
 
 def make_engines(args, model: str, log_dir: str) -> dict[str, ServerProcess]:
@@ -252,6 +255,12 @@ def parse_args(argv):
     ap.add_argument("--prefix-caching", action="store_true",
                     help="keep the engines' prefix cache on (step 3 then uses its own prompt)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--engine-args",
+        default="",
+        help="more `vllm serve` flags for both engines, e.g. '--gpu-memory-utilization 0.4' to "
+        "share one GPU",
+    )
     ap.add_argument("--json", metavar="OUT", default=None)
     ap.add_argument("--log-dir", default=None, help="servers' logs (default: a temporary folder)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)

@@ -145,12 +145,18 @@ def _activation_quant(model):
         if isinstance(m, Linear) and not n.endswith(FULL_PRECISION):
             saved[n] = m.forward
             m.forward = lambda x, m=m: nn.functional.linear(_fake_quant(x), m.weight)
+    # q_a and kv_a through their own (patched) Linears, not the stacked GEMM (same weights)
+    stacked = {m: m.fused_qkv_a for m in model.modules() if isinstance(m, glm_moe_dsa.MLAAttention)}
+    for m in stacked:
+        m.fused_qkv_a = None
     fused = glm_moe_dsa.fused_experts
     glm_moe_dsa.fused_experts = _experts_fake_quant
     try:
         yield
     finally:
         glm_moe_dsa.fused_experts = fused
+        for m, f in stacked.items():
+            m.fused_qkv_a = f
         modules = dict(model.named_modules())
         for n, f in saved.items():
             modules[n].forward = f
@@ -318,7 +324,7 @@ def _kind(name: str) -> str:
 
 
 def measured_bytes(model) -> dict[str, int]:
-    """A model's weights by kind: its parameters plus the absorbed fp32 W_UK/W_UV."""
+    """A model's weights by kind: its parameters plus the absorbed W_UK/W_UV."""
     got = dict.fromkeys(KINDS, 0)
     for n, p in model.named_parameters():
         got[_kind(n)] += p.numel() * p.element_size()
@@ -352,17 +358,17 @@ def test_weight_bytes_equal_model_parameters(config, tp, rank, ep, quant):
 
 def test_weights_do_not_fit_message():
     arch = resolve_quantization(ModelArch.from_dict(GLM_5_3), None)  # bf16
-    weights = weight_bytes_per_rank(arch, torch.bfloat16, ep_size=8)  # 207.9 GiB
+    weights = weight_bytes_per_rank(arch, torch.bfloat16, ep_size=8)  # 203.6 GiB
     total, free = 140 * 2**30, 139 * 2**30
     with pytest.raises(ValueError) as e:
         check_weights_fit(weights, free, total, 0.9, "GPU 0 (glm-5.3)")
     msg = str(e.value)
-    # 140 · 0.9 − 1 = 125.0 GiB available; 207.89 − 125.0 = 82.89 GiB short
+    # 140 · 0.9 − 1 = 125.0 GiB available; 203.63 − 125.0 = 78.63 GiB short
     assert "the weights do not fit GPU 0 (glm-5.3)" in msg and "routed experts 168.75" in msg
-    assert "125.00 GiB is available" in msg and "82.89 GiB short" in msg
+    assert "125.00 GiB is available" in msg and "78.63 GiB short" in msg
     assert "--quantization fp8" in msg
     fp8 = weight_bytes_per_rank(resolve_quantization(arch, "fp8"), torch.bfloat16, ep_size=8)
-    check_weights_fit(fp8, free, total, 0.9, "GPU 0")  # 108.1 GiB: fits
+    check_weights_fit(fp8, free, total, 0.9, "GPU 0")  # 104.9 GiB: fits
 
 
 # ---- several ranks (gloo) -----------------------------------------------------------------

@@ -56,12 +56,14 @@ def test_bf16_model_prefill_and_decode_paths(tiny_ckpt):
     """A bf16 model (the dtype served on GPUs) through sparse prefill, chunked prefill and the
     decode path: outputs keep the model's dtype and stay close to the fp32 model."""
     ids = [(3 * i) % 500 + 3 for i in range(120)]
-    ref = prompt_logits(build_model(tiny_ckpt), ids, "auto", chunk=64, decode_from=100)
+    ref = prompt_logits(build_model(tiny_ckpt), ids, "auto", chunk=64, decode_from=40)
     got = prompt_logits(
-        build_model(tiny_ckpt, dtype=torch.bfloat16), ids, "auto", chunk=64, decode_from=100
+        build_model(tiny_ckpt, dtype=torch.bfloat16), ids, "auto", chunk=64, decode_from=40
     )
     assert got.shape == ref.shape and torch.isfinite(got).all()
-    # bf16 activations: most rows within ~1 % of the logits' scale (a few rows differ more where
-    # a rounding flips an expert choice or a top-k member of this random toy model)
+    # bf16 activations and bf16 absorbed W_UK/W_UV: most rows within ~1-2 % of the logits' scale
+    # (a few rows differ more where a rounding flips an expert choice or a top-k member of this
+    # random toy model, so the medians are over 80 decode rows: over 20 they swung 1.0-2.9 %
+    # between prompts, for fp32 and bf16 absorption alike)
     err = (got.float() - ref).abs().amax(-1) / ref.abs().amax(-1)
-    assert err.median() < 0.02 and err[100:].median() < 0.02
+    assert err.median() < 0.02 and err[40:].median() < 0.02

@@ -80,9 +80,11 @@ class SparseMLAAttention(nn.Module):
         the KV rows (:mod:`vllm.attention.kv_access`)."""
         self.kv_cache, self.indexer_cache, self.kv_access = kv_cache, indexer_cache, kv_access
 
-    def set_kv_b(self, kv_b: torch.Tensor) -> None:
-        """kv_b_proj weight [H·(qk_nope + v), R] -> absorbed W_UK, W_UV (fp32)."""
-        w = kv_b.float().view(self.num_heads, self.qk_nope + self.v_dim, self.kv_lora_rank)
+    def set_kv_b(self, kv_b: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        """kv_b_proj weight [H·(qk_nope + v), R] -> absorbed W_UK, W_UV in ``dtype`` (the model's:
+        bf16 on the GPU, where the absorption GEMMs are batched bf16 matmuls with fp32
+        accumulation, as upstream's MLA; fp32 models keep fp32)."""
+        w = kv_b.view(self.num_heads, self.qk_nope + self.v_dim, self.kv_lora_rank).to(dtype)
         self.w_uk = w[:, : self.qk_nope].contiguous()
         self.w_uv = w[:, self.qk_nope :].contiguous()
 
@@ -125,10 +127,16 @@ class SparseMLAAttention(nn.Module):
         return out, topk
 
     def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
-        """MQA query [T, H, kv_lora_rank + rope] in fp32: q_nope absorbed through W_UK, then q_pe."""
+        """MQA query [T, H, kv_lora_rank + rope] in W_UK's dtype: q_nope absorbed through W_UK,
+        then q_pe. The attention kernels take bf16 queries (their MMAs round fp32 ones anyway)."""
+        w = self.w_uk
         return torch.cat(
-            [torch.einsum("thn,hnr->thr", q_nope.float(), self.w_uk), q_pe.float()], -1
+            [torch.einsum("thn,hnr->thr", q_nope.to(w.dtype), w), q_pe.to(w.dtype)], -1
         )
+
+    def _unabsorb(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output over the latent rows [T, H, R] -> [T, H, v] through W_UV."""
+        return torch.einsum("thr,hvr->thv", o.to(self.w_uv.dtype), self.w_uv)
 
     def _needs_scoring(self, meta: MLAMetadata, pos: torch.Tensor) -> torch.Tensor:
         return pos + 1 > meta.index_topk
@@ -174,7 +182,7 @@ class SparseMLAAttention(nn.Module):
                     self.scale,
                     self.kv_lora_rank,
                 )
-                out[a:b] = torch.einsum("thr,hvr->thv", o, self.w_uv)
+                out[a:b] = self._unabsorb(o)
 
     def _prefill_topk(self, meta, iq, ikeys, lo, hi, pos):
         """Indexer top-k for query tokens [lo, hi) of one request. Each run of consecutive
@@ -221,14 +229,14 @@ class SparseMLAAttention(nn.Module):
             topk[tok] = sel
         q_abs = self._absorb(q_nope[tok], q_pe[tok])
         o = self.kv_access.decode_attend(self, meta, q_abs, topk[tok])
-        out[tok] = torch.einsum("thr,hvr->thv", o, self.w_uv).to(out.dtype)
+        out[tok] = self._unabsorb(o).to(out.dtype)
 
     def _dense_attend(self, q_nope, q_pe, rows, pos):
         """MHA form over the full context rows [S, R + rope]: expand K/V per head with W_UK/W_UV."""
         rows = rows.float()
         c, kpe = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
-        k_nope = torch.einsum("sr,hnr->hsn", c, self.w_uk)  # [H, S, nope]
-        v = torch.einsum("sr,hvr->hsv", c, self.w_uv)  # [H, S, v]
+        k_nope = torch.einsum("sr,hnr->hsn", c, self.w_uk.float())  # [H, S, nope]
+        v = torch.einsum("sr,hvr->hsv", c, self.w_uv.float())  # [H, S, v]
         scores = torch.einsum("thn,hsn->ths", q_nope.float(), k_nope)
         scores = scores + torch.einsum("thp,sp->ths", q_pe.float(), kpe)
         s = torch.arange(rows.shape[0], device=rows.device)

@@ -3,14 +3,15 @@
 One function for the worker's start-up check (do this rank's weights fit its GPU?) and for
 `vllm plan`. It mirrors `GlmMoeDsaForCausalLM`'s parameters: their shapes under TP/EP, e4m3 +
 fp32 block scales for the FP8 linears and routed experts (``weight_block`` of the arch),
-``dtype`` elsewhere, the router and the indexer's ``weights_proj``/``k_norm`` in fp32; plus the
-fp32 absorbed W_UK/W_UV the attention layers derive from kv_b_proj at load.
+``dtype`` elsewhere, the router and the indexer's ``weights_proj``/``k_norm`` in fp32; kv_b_proj
+as the absorbed W_UK/W_UV (``dtype``) the attention layers derive from it at load, dropping it.
 tests/model_executor/test_fp8_weights.py compares it with a built model's parameters.
 
 GLM-5.3 in FP8 at EP8 with attention replicated (the seed's DP8+EP8 decode and PCP8×DCP8×EP8
 prefill): routed experts 75 layers × 256 × 3 × 2048 × 6144 B = 725 GB / 8 = 90.6 GB per GPU;
-attention 12.9 GB + 4.6 GB absorbed fp32, shared experts 2.8 GB, dense MLP 0.7 GB, embeddings
-and lm_head 3.8 GB (bf16), router and norms 0.5 GB: ~116 GB (108 GiB) per GPU.
+attention 14.2 GB (2.3 GB of it the bf16 absorbed W_UK/W_UV), shared experts 2.8 GB, dense MLP
+0.7 GB, embeddings and lm_head 3.8 GB (bf16), router and norms 0.5 GB: ~112.6 GB (104.9 GiB) per
+GPU.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def _attention(a: ModelArch, has_indexer: bool, dtype, block, tp) -> int:
     b += _linear(a.num_attention_heads * a.qk_head_dim, a.q_lora_rank, dtype, block, "col", tp)
     b += _linear(a.kv_lora_rank + a.qk_rope_head_dim, a.hidden_size, dtype, block)
     nv = a.qk_nope_head_dim + a.v_head_dim
-    b += _linear(a.num_attention_heads * nv, a.kv_lora_rank, dtype, block, "col", tp)
     b += _linear(a.hidden_size, a.num_attention_heads * a.v_head_dim, dtype, block, "row", tp)
-    b += heads * nv * a.kv_lora_rank * FP32  # absorbed W_UK, W_UV
+    # kv_b_proj lives on as the absorbed W_UK, W_UV in the model dtype (it is dropped at load)
+    b += heads * nv * a.kv_lora_rank * d
     if has_indexer:
         di = a.index_head_dim
         b += _linear(a.index_n_heads * di, a.q_lora_rank, dtype, block, "col", tp)

@@ -192,7 +192,45 @@ class Linear(nn.Module):
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight_scale_inv is not None:
-            return fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block)
-        w = self.weight
-        return nn.functional.linear(x, w.to(x.dtype) if w.dtype != x.dtype else w)
+        return linear_forward(x, self.weight, self.weight_scale_inv, self.block)
+
+
+def fuse_linears(parts: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Stack the weights (and FP8 scales) of Linears that project the same input along the output
+    rows, for one GEMM (and under FP8 one activation quantisation) instead of several; the parts'
+    parameters become views of the stacked tensors, so the model's parameters keep their names
+    and bytes. Returns (weight, weight_scale_inv or None) for :func:`linear_forward` with the
+    parts' block, or None where they cannot be stacked: different inputs, dtypes, devices or TP
+    shards, or FP8 scale tiles that would straddle two parts (every part but the last must end on
+    a block row)."""
+    first = parts[0]
+    same = all(
+        p.in_features == first.in_features
+        and p.weight.dtype == first.weight.dtype
+        and p.weight.device == first.weight.device
+        and p.shard is None
+        and p.block == first.block
+        for p in parts
+    )
+    if not same or (first.is_fp8 and any(p.out_features % first.block[0] for p in parts[:-1])):
+        return None
+    weight = torch.cat([p.weight.data for p in parts])
+    scale = torch.cat([p.weight_scale_inv.data for p in parts]) if first.is_fp8 else None
+    row = srow = 0
+    for p in parts:
+        p.weight.data = weight[row : row + p.out_features]
+        row += p.out_features
+        if scale is not None:
+            n = p.weight_scale_inv.shape[0]
+            p.weight_scale_inv.data = scale[srow : srow + n]
+            srow += n
+    return weight, scale
+
+
+def linear_forward(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]
+) -> torch.Tensor:
+    """x Wᵀ for a weight in the model dtype (``scale`` None) or e4m3 with block scales."""
+    if scale is not None:
+        return fp8_block_linear(x, weight, scale, block)
+    return nn.functional.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight)

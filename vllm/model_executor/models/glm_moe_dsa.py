@@ -23,7 +23,7 @@ from vllm.kernels.fp8_gemm import FP8_DTYPE
 from vllm.kernels.moe import fp8_scale_shapes, fused_experts
 from vllm.model_executor.layers.hadamard import hadamard_transform
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
-from vllm.model_executor.layers.linear import Linear, weight_block
+from vllm.model_executor.layers.linear import Linear, fuse_linears, linear_forward, weight_block
 from vllm.model_executor.layers.moe import route_tokens
 from vllm.model_executor.layers.rotary import apply_rope, rope_cos_sin
 
@@ -101,7 +101,7 @@ class MLAAttention(nn.Module):
                 f"{arch.num_attention_heads} attention heads do not split across "
                 f"--tensor-parallel-size {tp.world_size}"
             )
-        self.tp = tp
+        self.tp, self.dtype = tp, dtype
         self.num_heads = arch.num_attention_heads // tp.world_size
         self.nope, self.rope, self.v = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
         self.kv_lora_rank, self.interleave, self.theta = (
@@ -124,6 +124,10 @@ class MLAAttention(nn.Module):
             arch.hidden_size, arch.kv_lora_rank + self.rope, dtype=dtype, quant_block=q
         )
         self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, arch.rms_norm_eps, dtype)
+        # (weight, scale, block) of q_a_proj and kv_a_proj_with_mqa stacked, after loading
+        # (process_weights_after_loading); their parameters are then views of it
+        self.fused_qkv_a: tuple | None = None
+        self.q_lora_rank, self.kv_a_width = arch.q_lora_rank, arch.kv_lora_rank + self.rope
         self.kv_b_proj = Linear(
             arch.kv_lora_rank,
             arch.num_attention_heads * (self.nope + self.v),
@@ -152,18 +156,34 @@ class MLAAttention(nn.Module):
         )
 
     def process_weights_after_loading(self) -> None:
-        self.attn.set_kv_b(self.kv_b_proj.dense_weight(torch.float32))
+        """Absorb kv_b_proj into the attention's W_UK / W_UV, in the model dtype (as upstream's
+        MLA: an fp8 kv_b is dequantised once), and drop it: nothing else reads it, and GLM-5.3's
+        kv_b (79 layers) would otherwise hold 1.2 GB per GPU in fp8 beside 2.3 GB absorbed."""
+        if self.kv_b_proj is None:
+            return
+        self.attn.set_kv_b(self.kv_b_proj.dense_weight(torch.float32), self.dtype)
+        self.kv_b_proj = None
+        # q_a and kv_a read the same x: one GEMM (upstream's fused_qkv_a_proj, N = 2048 + 576 for
+        # GLM-5.3): kv_a alone (N = 576) leaves most of the GPU idle at decode sizes, and under
+        # FP8 x is quantised once
+        fused = fuse_linears([self.q_a_proj, self.kv_a_proj_with_mqa])
+        if fused is not None:
+            self.fused_qkv_a = (*fused, self.q_a_proj.block)
 
     def forward(self, x, positions, meta: MLAMetadata, prev_topk):
         t = x.shape[0]
         cos, sin = rope_cos_sin(positions, self.rope, self.theta)
-        c_q = self.q_a_layernorm(self.q_a_proj(x))
+        if self.fused_qkv_a is not None:
+            qkv = linear_forward(x, *self.fused_qkv_a)
+            c_q, kv = qkv.split([self.q_lora_rank, self.kv_a_width], -1)
+        else:
+            c_q, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        c_q = self.q_a_layernorm(c_q)
         q = self.q_b_proj(c_q).view(t, self.num_heads, self.nope + self.rope)
         q_nope, q_pe = (
             q[..., : self.nope],
             apply_rope(q[..., self.nope :], cos, sin, self.interleave),
         )
-        kv = self.kv_a_proj_with_mqa(x)
         kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, self.interleave)
         idx = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None

@@ -1,0 +1,70 @@
+"""q_a_proj and kv_a_proj_with_mqa run as one stacked GEMM after loading (`fuse_linears`): the
+same outputs as the two Linears, their parameters views of the stacked weight (names and bytes
+unchanged), and no stacking where FP8 scale tiles would straddle the two."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.layers.linear import (
+    Linear,
+    fuse_linears,
+    linear_forward,
+    quant_block_fp8,
+)
+from vllm.model_executor.model_loader import build_model
+from vllm.model_executor.models import glm_moe_dsa
+
+
+def _linear(n: int, k: int, fp8: bool, gen: torch.Generator) -> Linear:
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    if not fp8:
+        m = Linear(k, n, dtype=torch.float32)
+        m.weight.data.copy_(w)
+        return m
+    m = Linear(k, n, quant_block=(128, 128))
+    q, s = quant_block_fp8(w, (128, 128))
+    m.weight.data.copy_(q)
+    m.weight_scale_inv.data.copy_(s)
+    return m
+
+
+def test_stacked_equals_separate_fp32_and_fp8():
+    gen = torch.Generator().manual_seed(0)
+    for fp8 in (False, True):
+        parts = [_linear(256, 320, fp8, gen), _linear(72, 320, fp8, gen)]
+        x = torch.randn(5, 320, generator=gen)
+        want = [p(x) for p in parts]
+        before = [p.weight.clone() for p in parts]
+        stacked = fuse_linears(parts)
+        assert stacked is not None
+        w, s = stacked
+        assert w.shape == (328, 320) and (s is not None) == fp8
+        got = linear_forward(x, w, s, parts[0].block).split([256, 72], -1)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        for p, b in zip(parts, before, strict=True):  # views of the stack, same values
+            assert torch.equal(p.weight, b) and p.weight.untyped_storage().data_ptr() == (
+                w.untyped_storage().data_ptr()
+            )
+            torch.testing.assert_close(p(x), want[parts.index(p)], rtol=0, atol=0)
+
+
+def test_not_stacked_when_a_scale_tile_would_straddle():
+    gen = torch.Generator().manual_seed(1)
+    # the first part ends inside a 128-row tile: its last scale row cannot serve the next part
+    assert fuse_linears([_linear(100, 256, True, gen), _linear(64, 256, True, gen)]) is None
+    assert fuse_linears([_linear(64, 256, False, gen), _linear(64, 128, False, gen)]) is None
+    assert fuse_linears([_linear(100, 256, False, gen), _linear(64, 256, False, gen)]) is not None
+
+
+def test_model_stacks_and_keeps_its_parameters(tiny_ckpt):
+    model = build_model(tiny_ckpt)
+    names = [n for n, _ in model.named_parameters()]
+    assert any(n.endswith("self_attn.q_a_proj.weight") for n in names)
+    attn = [m for m in model.modules() if isinstance(m, glm_moe_dsa.MLAAttention)]
+    assert attn and all(m.fused_qkv_a is not None for m in attn)
+    for m in attn:
+        w = m.fused_qkv_a[0]
+        assert m.q_a_proj.weight.data_ptr() == w.data_ptr()
+        assert m.kv_a_proj_with_mqa.weight.data_ptr() == w[m.q_lora_rank :].data_ptr()
