@@ -1,14 +1,20 @@
 """FP8 block-scaled linear (w8a8, 128x128 weight blocks, activations per token-group of 128) at
-GLM-5.3's linears (``GLM_LINEARS`` of tests/kernels/test_fp8_gemm.py), M from decode to prefill.
+GLM-5.3's linears (``GLM_LINEARS`` of tests/kernels/test_fp8_gemm.py, with the fused q_a+kv_a),
+M from decode to prefill.
 
-Per shape: the Triton kernel (``vllm/kernels/triton/fp8_gemm.py``, quantisation included), cuBLAS's
-block-scaled GEMM through ``torch._scaled_mm`` (sm_90; quantisation by the same Triton kernel) and
-bf16 ``F.linear`` on the dequantised weight (the speed-up column's reference). M <= 256 is timed
-as CUDA-graph replays (what decode runs; eager times there are the host's launch cost), larger M
-eagerly. Roofline against the fp8 (bf16 for F.linear) matmul peak and the copy bandwidth measured
-in this process. ``--sweep`` also times other Triton tiles per shape. The last table says, per M,
-how cuBLAS compares with Triton over the shapes: it decides ``CUBLAS_MIN_M`` in
-``vllm/kernels/fp8_gemm.py``.
+Per shape: the Triton kernel as served (``vllm/kernels/triton/fp8_gemm.py``, quantisation
+included), cuBLAS's block-scaled GEMM through ``torch._scaled_mm`` (sm_90; quantisation by the
+same Triton kernel) and bf16 ``F.linear`` on the dequantised weight (the speed-up column's
+reference). At decode sizes (M <= 64) also the Triton path before issue 35 (quantisation pass,
+GEMM, torch sum of the split-K partials: ``fp8_gemm_triton_old``) and the served config with
+the other quantisation choice (``..._fused`` / ``..._sep``: checks ``FUSED_QUANT_MAX_M``); their
+bytes are what any path must move (weight and scales, x, y), the same for all, so ``roof`` is
+the share of the copy bandwidth and compares their times; from M = 256 the cost model's bytes
+include the quantisation pass. M <= 256 is timed as CUDA-graph replays (what decode runs; eager
+times there are the host's launch cost), larger M eagerly. Peaks (copy bandwidth, bf16 and fp8
+matmul) measured in this process. ``--sweep`` also times other Triton tiles per shape and prints
+the best per shape and M. The last table says, per M, how cuBLAS compares with Triton over the
+shapes: it decides ``CUBLAS_MIN_M`` in ``vllm/kernels/fp8_gemm.py``.
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ from vllm.kernels.triton import fp8_gemm as tri
 from vllm.kernels.triton.utils import resource_report
 from vllm.model_executor.layers.linear import dequant_block_fp8
 
-MS = [1, 16, 64, 256, 4096, 8192]
+MS = [1, 16, 32, 64, 256, 4096, 8192]
+DECODE_MAX_M = 64  # rows up to which the old and new decode paths are both timed
 GRAPH_MAX_M = 256
 
-# alternative tiles for --sweep: (block_m, block_n, num_warps, num_stages), split-K from the table
-SWEEP_SMALL = [(16, 32, 4, 4), (16, 128, 4, 5), (32, 128, 4, 4), (64, 128, 4, 4)]
+# alternative tiles for --sweep, (block_m, block_n, num_warps, num_stages) with split-K from the
+# table; decode sizes keep the table's block_m (one row tile: the weight is read once)
+SWEEP_DECODE = [
+    (bn, w, s) for bn in (32, 64, 128, 256) for w, s in ((4, 3), (4, 4), (4, 6), (8, 4))
+]
 SWEEP_LARGE = [(64, 128, 4, 4), (128, 128, 8, 4), (128, 64, 4, 4), (64, 256, 8, 3)]
 
 
@@ -42,22 +52,56 @@ def _num_sms() -> int:
 
 
 def _tiles(c: dict) -> str:
+    split = f"split {c['split_k']}"
+    if c["split_k"] > 1:
+        split += " (kernel)" if c["reduce_in_kernel"] else " (torch)"
+    quant = "fused" if c["fuse_quant"] else "sep"
     return (
-        f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} split {c['split_k']}"
+        f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c['num_stages']} {split} quant {quant}"
     )
 
 
+def _with_split(c: dict, k: int, split: int) -> dict:
+    nkb = math.ceil(k / 128)
+    per = math.ceil(nkb / max(1, min(split, nkb)))
+    return c | dict(split_k=math.ceil(nkb / per), k_blocks_per_split=per)
+
+
 def _sweep_cfgs(m: int, n: int, k: int) -> list[dict]:
-    """The other tiles of the sweep list (split-K recomputed for each) and, for decode sizes, the
-    table's tile without split-K."""
+    """The other tiles of the sweep list (split-K recomputed for each); at decode sizes also the
+    table's tile unsplit and with twice its split."""
     base = tri.gemm_config(m, n, k, 128, _num_sms())
-    cfgs = [
-        tri.gemm_config(m, n, k, 128, _num_sms(), t)
-        for t in (SWEEP_SMALL if m <= 64 else SWEEP_LARGE)
-    ]
-    if base["split_k"] > 1:
-        cfgs.append(base | dict(split_k=1, k_blocks_per_split=math.ceil(k / 128)))
-    return [c for c in cfgs if c != base]
+    if m <= DECODE_MAX_M:
+        tiles = [(base["block_m"], *t) for t in SWEEP_DECODE]
+    else:
+        tiles = SWEEP_LARGE
+    cfgs = [tri.gemm_config(m, n, k, 128, _num_sms(), t) for t in tiles]
+    if m <= DECODE_MAX_M:
+        cfgs += [_with_split(base, k, 1), _with_split(base, k, 2 * base["split_k"])]
+    uniq = []
+    for c in cfgs:
+        if c != base and c not in uniq:
+            uniq.append(c)
+    return uniq
+
+
+def _flip_op(cfg: dict) -> str:
+    return "fp8_gemm_triton_fused" if cfg["fuse_quant"] else "fp8_gemm_triton_sep"
+
+
+def _decode_rows(x, wq, ws, m, shape, t_ms, bf16_ms) -> list[dict]:
+    """The path before issue 35 and the served config with the other quantisation choice."""
+    n, k = wq.shape
+    flops, nbytes = fp8_block_linear_cost(m, n, k, quant_pass=False)
+    cfg = tri.gemm_config(m, n, k, 128, _num_sms())
+    old = cfg | dict(fuse_quant=False, reduce_in_kernel=False)
+    flip = cfg | dict(fuse_quant=not cfg["fuse_quant"])
+    rows = []
+    for op, c in (("fp8_gemm_triton_old", old), (_flip_op(flip), flip)):
+        ms = _time(lambda c=c: tri.fp8_block_gemm(x, wq, ws, (128, 128), c), m)
+        note = f"served/this {t_ms / ms:.2f}; {_tiles(c)}; {resource_report('fp8_gemm')}"
+        rows.append(row(op, shape, ms, flops, nbytes, "fp8", bf16_ms, note) | dict(cfg=_tiles(c)))
+    return rows
 
 
 def bench_m(name, wq, ws, w16, m: int, sweep: bool) -> list[dict]:
@@ -65,16 +109,23 @@ def bench_m(name, wq, ws, w16, m: int, sweep: bool) -> list[dict]:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     shape = f"{name} M={m} N={n} K={k}"
     bf16_ms = _time(lambda: torch.nn.functional.linear(x, w16), m)
-    flops, nbytes = fp8_block_linear_cost(m, n, k)
     cfg = tri.gemm_config(m, n, k, 128, _num_sms())
+    decode = m <= DECODE_MAX_M
+    flops, nbytes = fp8_block_linear_cost(m, n, k, quant_pass=not decode)
     t_ms = _time(lambda: tri.fp8_block_gemm(x, wq, ws), m)
     note = f"bf16 {bf16_ms:.4f} ms; {_tiles(cfg)}; {resource_report('fp8_gemm')}"
-    rows = [row("fp8_gemm_triton", shape, t_ms, flops, nbytes, "fp8", bf16_ms, note)]
+    rows = [
+        row("fp8_gemm_triton", shape, t_ms, flops, nbytes, "fp8", bf16_ms, note)
+        | dict(cfg=_tiles(cfg))
+    ]
+    if decode:
+        rows += _decode_rows(x, wq, ws, m, shape, t_ms, bf16_ms)
     if fp8_gemm.cublas_supports(x, wq, (128, 128)):
+        c_bytes = fp8_block_linear_cost(m, n, k)[1]  # it runs the quantisation pass
         try:
             c_ms = _time(lambda: fp8_gemm.fp8_block_linear_cublas(x, wq, ws), m)
             note = f"bf16 {bf16_ms:.4f} ms; triton/cublas {t_ms / c_ms:.2f}"
-            rows.append(row("fp8_gemm_cublas", shape, c_ms, flops, nbytes, "fp8", bf16_ms, note))
+            rows.append(row("fp8_gemm_cublas", shape, c_ms, flops, c_bytes, "fp8", bf16_ms, note))
         except RuntimeError as e:  # an unsupported layout or cuBLAS version: say which
             print(f"# cublas {shape}: {str(e).splitlines()[0][:160]}")
     nb16 = n * k * 2 + m * k * 2 + m * n * 2
@@ -82,7 +133,10 @@ def bench_m(name, wq, ws, w16, m: int, sweep: bool) -> list[dict]:
     for c in _sweep_cfgs(m, n, k) if sweep else []:
         s_ms = _time(lambda c=c: tri.fp8_block_gemm(x, wq, ws, (128, 128), c), m)
         note = f"table {t_ms:.4f} ms; {_tiles(c)}; {resource_report('fp8_gemm')}"
-        rows.append(row("fp8_gemm_sweep", shape, s_ms, flops, nbytes, "fp8", bf16_ms, note))
+        rows.append(
+            row("fp8_gemm_sweep", shape, s_ms, flops, nbytes, "fp8", bf16_ms, note)
+            | dict(cfg=_tiles(c))
+        )
     return rows
 
 
@@ -101,8 +155,7 @@ def decision(rows: list[dict]) -> None:
     ratios = {}
     for shape, t in by.items():
         if len(t) == 2:
-            m = int(shape.split("M=")[1].split()[0])
-            ratios.setdefault(m, []).append(t["fp8_gemm_triton"] / t["fp8_gemm_cublas"])
+            ratios.setdefault(_m_of(shape), []).append(t["fp8_gemm_triton"] / t["fp8_gemm_cublas"])
     if not ratios:
         print("# no cuBLAS block-scaled rows (needs sm_90 and torch's block-scaled _scaled_mm)")
         return
@@ -110,6 +163,50 @@ def decision(rows: list[dict]) -> None:
     for m, rs in sorted(ratios.items()):
         gm = math.exp(sum(math.log(r) for r in rs) / len(rs))
         print(f"#   M={m:<6d} {gm:6.2f}   (min {min(rs):.2f}, max {max(rs):.2f}, {len(rs)} shapes)")
+
+
+def _m_of(shape: str) -> int:
+    return int(shape.split("M=")[1].split()[0])
+
+
+def decode_table(rows: list[dict]) -> None:
+    """Old (quant + GEMM + torch sum) against new (as served) per shape and M: µs and % of the
+    copy bandwidth on the bytes any path moves."""
+    by = {}
+    for r in rows:
+        if r["op"].startswith("fp8_gemm_triton"):
+            by.setdefault(r["shape"], {})[r["op"]] = r
+    print("# decode: old = quant + GEMM + torch sum, new = as served (µs, % of copy bandwidth)")
+    hdr = f"{'old µs':>8}{'new µs':>8}{'old %':>7}{'new %':>7}{'x':>6}"
+    print(f"# {'shape':<36}{hdr}  served config with the other quantisation choice")
+    for shape, t in by.items():
+        if "fp8_gemm_triton_old" not in t:
+            continue
+        old, new = t["fp8_gemm_triton_old"], t["fp8_gemm_triton"]
+        other = t.get("fp8_gemm_triton_fused") or t.get("fp8_gemm_triton_sep")
+        alt = f"quant {other['cfg'].split()[-1]}: {other['ms'] * 1e3:.1f} µs" if other else ""
+        print(
+            f"# {shape:<36}{old['ms'] * 1e3:>8.1f}{new['ms'] * 1e3:>8.1f}{old['roofline']:>7.1%}"
+            f"{new['roofline']:>7.1%}{old['ms'] / new['ms']:>6.2f}  {alt}"
+        )
+
+
+def best_tiles(rows: list[dict]) -> None:
+    """--sweep: per shape and M, the fastest Triton config (table or swept)."""
+    best, table = {}, {}
+    for r in rows:
+        if r["op"] == "fp8_gemm_triton":
+            table[r["shape"]] = r
+        if r["op"] in ("fp8_gemm_triton", "fp8_gemm_sweep"):
+            if r["shape"] not in best or r["ms"] < best[r["shape"]]["ms"]:
+                best[r["shape"]] = r
+    print("# best Triton tile per shape and M (swept; table = gemm_config)")
+    for shape, r in best.items():
+        t = table[shape]
+        print(
+            f"# {shape:<36}{r['ms'] * 1e3:>8.1f} µs {r['roofline']:>6.1%}  {r['cfg']}"
+            f"   (table {t['ms'] * 1e3:.1f} µs: {t['ms'] / r['ms']:.2f}x)"
+        )
 
 
 def main() -> None:
@@ -124,6 +221,9 @@ def main() -> None:
         rows += bench(name, n, k, ms, args.sweep)
         torch.cuda.empty_cache()
     print_rows(rows)
+    decode_table(rows)
+    if args.sweep:
+        best_tiles(rows)
     decision(rows)
     dump_json(rows, args.json)
 

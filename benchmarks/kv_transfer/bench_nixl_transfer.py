@@ -317,9 +317,9 @@ def report(args, rows, same, ceiling) -> None:
         for rec in recs:
             print(json.dumps(rec))
         return
+    print(f"memory: {args.src_device} -> {args.dst_device}")
     if len(rows) > 1:
         print(f"verification: {'passed' if same else 'FAILED'} (paths landed the same bytes)")
-    print(f"memory: {args.src_device} -> {args.dst_device}")
     print(
         f"{'layout':>16} {'path':>7} {'GiB':>7} {'B/token':>8} {'descs':>9} {'time s':>7} "
         f"{'GB/s':>6} {'copy GB/s':>9}"

@@ -7,11 +7,16 @@ scale in the subnormal range); the product against x · dequant(W)ᵀ in fp64 wi
 only error); its scales are the correctly rounded fp32 amax / 448 (on the GPU too: the reference
 on CUDA equals the reference on the CPU bit for bit). Interpreter, fp32: the quantiser bit-exact;
 the GEMM within 1e-5 (the same per-block products and scale order, only the fp32 sum order inside
-a block differs). GPU: the quantiser bit-exact with the reference; GLM-5.3 shapes in bf16 against
-the reference on the same device, rtol 1e-2 with atol 1e-2 · max|y| (the output's bf16 rounding
-is 2^-9 relative; Hopper's fp8 tensor cores add with ~14 bits inside a 128-deep block, which is
-why the scales are applied per block); cuBLAS's block-scaled GEMM the same, at any M (its rows
-padded to 16).
+a block differs). Decode path (activations quantised inside the GEMM, split-K summed inside it):
+the same e4m3 bytes as quantise-then-GEMM (an identity weight returns xq · sx exactly), the same
+result at the same config, and split or not within the fp32 sum order of the per-block terms
+(bound below); the partials' order is fixed, so repeated calls agree bit for bit, and the arrival
+counters are zero after every call. GPU: the quantiser bit-exact with the reference; GLM-5.3
+shapes in bf16 against the reference on the same device, rtol 1e-2 with atol 1e-2 · max|y| (the
+output's bf16 rounding is 2^-9 relative; Hopper's fp8 tensor cores add with ~14 bits inside a
+128-deep block, which is why the scales are applied per block); cuBLAS's block-scaled GEMM the
+same, at any M (its rows padded to 16); the decode path's own quantisation bit-exact (identity
+weight), against the old path within 1e-5 · max|y|, and replayed in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ GLM_LINEARS = [
     ("mlp_gate|up", 12288, 6144),  # each of gate and up
     ("mlp_down", 6144, 12288),
     ("lm_head", 154880, 6144),
+    ("q_a+kv_a", 2048 + 576, 6144),  # one GEMM for both (same input; upstream's fused_qkv_a_proj)
 ]
 
 
@@ -208,6 +214,114 @@ def test_gemm_interpreter_bf16_and_other_block(interp):
     torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-3)
 
 
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def _split(mod, m, n, k, split, num_sms=132, **over):
+    """The table's config with K cut into ``split`` slices (the last one may be shorter)."""
+    per = _cdiv(_cdiv(k, 128), split)
+    cfg = mod.gemm_config(m, n, k, 128, num_sms)
+    return cfg | dict(split_k=_cdiv(_cdiv(k, 128), per), k_blocks_per_split=per, **over)
+
+
+def _sum_order_atol(x2, wq, ws, block=(128, 128)):
+    """How far two fp32 sums of the same per-K-block terms can be apart: each is within
+    (nkb - 1) · 2^-24 · Σ|terms| of the exact sum, and Σ|terms| <= (1 + 2^-4) · |x| · |W|ᵀ (the
+    activations' rounding; the weight is exact). 4x that keeps clear of any change in an e4m3 byte
+    (a step of 2^-4 of one term)."""
+    nkb = _cdiv(x2.shape[1], block[1])
+    w = dequant_block_fp8(wq, ws, block).double()
+    return 4 * nkb * 2**-24 * 1.07 * (x2.abs().double() @ w.abs().t()) + 1e-30
+
+
+def _identity_fp8(k):
+    return torch.eye(k).to(FP8_DTYPE), torch.ones(_cdiv(k, 128), _cdiv(k, 128))
+
+
+@pytest.mark.parametrize("m,k,split", [(5, 300, 1), (1, 300, 3), (19, 260, 2)])
+def test_fused_quant_same_bytes_interpreter(interp, m, k, split):
+    """The GEMM's own quantisation gives the quantiser's bytes and scales: with an identity weight
+    (scales 1) each output is one product xq · sx · 1 plus zeros, exact in fp32, so y equals the
+    reference's xq · sx bit for bit (distinct e4m3 values stay distinct after the scale). Partial K
+    (and N) tiles, M = 1, M not a multiple of the 16-row tile, split or not."""
+    mod = interp("fp8_gemm")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * torch.logspace(-3, 2, k)
+    if m > 2:
+        x[2] = 0.0
+    wq, ws = _identity_fp8(k)
+    cfg = _split(mod, m, k, k, split, fuse_quant=True)
+    assert cfg["split_k"] == split
+    got = mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg)
+    q, s = per_token_group_quant_fp8_ref(x, 128)
+    assert torch.equal(got, q.float() * s.repeat_interleave(128, 1)[:, :k])
+
+
+@pytest.mark.parametrize(
+    "m,n,k,split",
+    [(1, 200, 300, 1), (5, 70, 1024, 3), (19, 130, 260, 2), (37, 64, 512, 4)],
+)  # fmt: skip
+def test_fused_quant_equals_quant_then_gemm_interpreter(interp, m, n, k, split):
+    """Fused quantisation against the separate pass at the same config: the same e4m3 operands
+    and scales, the same per-block products summed in the same order, so the same fp32 result
+    (tolerance 0). Against the path before issue 35 (separate pass, partials summed by torch):
+    within the fp32 sum order of the split partials (:func:`_sum_order_atol`). M = 37 > the
+    table's fused rows: forced."""
+    mod = interp("fp8_gemm")
+    wq, ws = fp8_weight(n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    cfg = _split(mod, m, n, k, split, fuse_quant=True)
+    fused = mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg)
+    sep = mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg | {"fuse_quant": False})
+    torch.testing.assert_close(fused, sep, rtol=0, atol=0)
+    old = mod.fp8_block_gemm(
+        x, wq, ws, (128, 128), cfg | {"fuse_quant": False, "reduce_in_kernel": False}
+    )
+    assert ((fused.double() - old.double()).abs() <= _sum_order_atol(x, wq, ws)).all()
+    torch.testing.assert_close(fused, fp8_block_linear_ref(x, wq, ws), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 1024), (19, 70, 600)])
+def test_split_k_in_kernel_interpreter(interp, m, n, k, fuse):
+    """K split 2, 3 or one slice per K block, summed by the tile's last split: the unsplit result
+    within the fp32 sum order, bit-identical across calls, counters back to zero. A fresh x per
+    split, so partials left in reused memory by an earlier call cannot pass for this call's."""
+    mod = interp("fp8_gemm")
+    wq, ws = fp8_weight(n, k, seed=k)
+    g = torch.Generator().manual_seed(n + int(fuse))
+    for split in (2, 3, _cdiv(k, 128)):
+        x = torch.randn(m, k, generator=g)
+        cfg = _split(mod, m, n, k, split, fuse_quant=fuse)
+        got = mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg)
+        base = mod.fp8_block_gemm(
+            x, wq, ws, (128, 128), cfg | dict(split_k=1, k_blocks_per_split=9)
+        )
+        assert ((got.double() - base.double()).abs() <= _sum_order_atol(x, wq, ws)).all()
+        assert torch.equal(mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg), got)
+        assert not mod._COUNTERS[x.device].any()
+
+
+def test_split_counters_interpreter(interp, monkeypatch):
+    """The table's decode split (M = 1: 2 splits) uses the device's cached counters and leaves
+    them zero; a call needing more slots than the buffer has gets its own zeroed ones."""
+    mod = interp("fp8_gemm")
+    monkeypatch.setattr(mod, "_COUNTERS", {})
+    monkeypatch.setattr(mod, "COUNTER_SLOTS", 4)
+    wq, ws = fp8_weight(64, 1024)
+    x = torch.randn(1, 1024)
+    assert mod.gemm_config(1, 64, 1024, 128, 132)["split_k"] == 2
+    ref = fp8_block_linear_ref(x, wq, ws)
+    torch.testing.assert_close(mod.fp8_block_gemm(x, wq, ws), ref, rtol=1e-5, atol=1e-5)
+    cached = mod._COUNTERS[x.device]
+    assert cached.shape == (4,) and not cached.any()
+    wq, ws = fp8_weight(330, 1024)  # 6 tiles of 64 columns > 4 slots
+    x = torch.randn(3, 1024)
+    got = mod.fp8_block_gemm(x, wq, ws, (128, 128), _split(mod, 3, 330, 1024, 2))
+    torch.testing.assert_close(got, fp8_block_linear_ref(x, wq, ws), rtol=1e-5, atol=1e-5)
+    assert mod._COUNTERS[x.device] is cached and not cached.any()
+
+
 def test_gemm_config_table():
     from vllm.kernels.triton.fp8_gemm import gemm_config
 
@@ -215,10 +329,12 @@ def test_gemm_config_table():
     assert c["block_m"] == 16 and c["split_k"] * c["k_blocks_per_split"] >= 48
     assert c["split_k"] > 1 and (c["split_k"] - 1) * c["k_blocks_per_split"] < 48
     assert gemm_config(8192, 6144, 16384, 128, 132)["split_k"] == 1  # prefill: no split
+    assert c["fuse_quant"] and c["reduce_in_kernel"]  # decode: one launch
+    assert not gemm_config(256, 576, 6144, 128, 132)["fuse_quant"]  # prefill: separate pass
 
 
 # ---- GPU: GLM-5.3 shapes -----------------------------------------------------------------------
-GPU_MS = [1, 16, 64, 256, 4096]
+GPU_MS = [1, 16, 32, 64, 256, 4096]
 
 
 @pytest.mark.gpu
@@ -312,3 +428,71 @@ def test_public_gpu_dispatch_and_graph_capture(m, monkeypatch):
     graph.replay()
     torch.testing.assert_close(out, fp8_block_linear(x, wq, ws), rtol=0, atol=0)
     assert not torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(1, 1100), (8, 6144), (37, 6144)])
+def test_fused_quant_gpu_same_bytes(m, k):
+    """On the GPU the GEMM's own quantisation of bf16 x gives the quantiser's bytes too: with an
+    identity weight (scales 1; each output one exact product plus zeros, split or not) y is the
+    reference's xq · sx rounded to bf16, bit for bit. M = 37: a 64-row wgmma tile, forced fused."""
+    from vllm.kernels.triton import fp8_gemm as tri
+
+    wq, ws = (t.cuda() for t in _identity_fp8(k))
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * 4
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    got = tri.fp8_block_gemm(x, wq, ws, (128, 128), _split(tri, m, k, k, 1, sms, fuse_quant=True))
+    q, s = per_token_group_quant_fp8_ref(x, 128)
+    want = (q.float() * s.repeat_interleave(128, 1)[:, :k]).bfloat16()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", [GLM_LINEARS[i] for i in (0, 2, 3, 7)])
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_decode_path_gpu_against_old(name, n, k, m):
+    """The decode path (quantised in the GEMM, split-K summed in it) against quant + GEMM + torch
+    sum at the table's tiles, fp32 x and y: the same e4m3 operands and per-block products; the
+    partials' sum order may differ, and the tensor cores' inside a block, so 1e-5 of max |y|
+    (the bf16 output's rounding is 2^-9)."""
+    from vllm.kernels.triton import fp8_gemm as tri
+
+    wq, ws = fp8_weight(n, k, device="cuda", seed=m)
+    x = torch.randn(m, k, device="cuda")
+    cfg = tri.gemm_config(m, n, k, 128, torch.cuda.get_device_properties(0).multi_processor_count)
+    cfg |= dict(fuse_quant=True, reduce_in_kernel=True)
+    new = tri.fp8_block_gemm(x, wq, ws, (128, 128), cfg)
+    old = tri.fp8_block_gemm(
+        x, wq, ws, (128, 128), cfg | {"fuse_quant": False, "reduce_in_kernel": False}
+    )
+    torch.testing.assert_close(new, old, rtol=0, atol=1e-5 * old.abs().max().item())
+    assert torch.equal(tri.fp8_block_gemm(x, wq, ws, (128, 128), cfg), new)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warm", [True, False])
+def test_decode_path_graph_capture(warm, monkeypatch):
+    """kv_a at M = 8 (9 tiles, K split 12, quantised in the GEMM) captured in a CUDA graph and
+    replayed twice with new x: each replay equals an eager call bit for bit (fixed sum order), and
+    the counters are zero afterwards. Cold: the first counter-using call is inside the capture,
+    which then records its own torch.zeros (the cached buffer is made by the eager calls after)."""
+    from vllm.kernels.triton import fp8_gemm as tri
+
+    monkeypatch.setattr(tri, "_COUNTERS", {})
+    wq, ws = fp8_weight(576, 6144, device="cuda")
+    x = torch.randn(8, 6144, device="cuda", dtype=torch.bfloat16)
+    cfg = tri.gemm_config(
+        8, 576, 6144, 128, torch.cuda.get_device_properties(0).multi_processor_count
+    )
+    assert cfg["fuse_quant"] and cfg["reduce_in_kernel"] and cfg["split_k"] > 1
+    tri.fp8_block_gemm(x, wq, ws)  # compiles (never inside a capture)
+    if not warm:
+        monkeypatch.setattr(tri, "_COUNTERS", {})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tri.fp8_block_gemm(x, wq, ws)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(out, tri.fp8_block_gemm(x, wq, ws), rtol=0, atol=0)
+    assert not tri._COUNTERS[x.device].any()

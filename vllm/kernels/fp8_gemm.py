@@ -12,11 +12,13 @@ covers the rows/columns that exist.
 
 CUDA tensors: ``vllm/kernels/triton/fp8_gemm.py`` (per-token-group quant kernel + block-scaled
 GEMM, configs by M from a fixed table, no host sync, CUDA-graph capturable) for M < ``CUBLAS_MIN_M``
-rows, and from there cuBLASLt's DeepSeek-style block scaling through ``torch._scaled_mm`` on sm_90
+rows; at decode sizes that is one launch, the GEMM quantising x in its K loop (the same bytes as
+the quant kernel) and summing its split-K partials itself in a fixed order. From there,
+cuBLASLt's DeepSeek-style block scaling through ``torch._scaled_mm`` on sm_90
 (:func:`fp8_block_linear_cublas`, same quantiser): on an H200 it was 1.06x Triton's speed at M = 64
 and 1.6-1.9x from M = 256 (69-89 % of the fp8 peak at M >= 4096 but for the narrow kv_a, Triton
-38-47 %), and 0.91x at M = 16 (``docs/design/fp8.md``). Elsewhere the references below (a loop
-over K blocks, memory O(M·N)).
+38-47 %), and 0.91x at M = 16 (``docs/design/fp8.md``, measured before the one-launch decode
+path). Elsewhere the references below (a loop over K blocks, memory O(M·N)).
 """
 
 from __future__ import annotations
@@ -178,12 +180,21 @@ def fp8_block_linear_ref(
 
 
 def fp8_block_linear_cost(
-    m: int, n: int, k: int, block: tuple[int, int] = (128, 128), x_bytes: int = 2
+    m: int,
+    n: int,
+    k: int,
+    block: tuple[int, int] = (128, 128),
+    x_bytes: int = 2,
+    quant_pass: bool = True,
 ) -> tuple[int, int]:
-    """(flops, bytes) of one call: 2·M·N·K; the e4m3 weight and its scales read once, x read,
-    xq and its scales written and read back by the GEMM, y written in x's dtype."""
+    """(flops, bytes) of one call: 2·M·N·K; the e4m3 weight and its scales read once, x read, y
+    written in x's dtype, and with ``quant_pass`` (a separate quantisation kernel: cuBLAS, and
+    the Triton path above its fused rows) xq and its scales written and read back. Without it,
+    the bytes any implementation moves."""
     bn, bk = block
     ng = -(-k // bk)
     weight = n * k + -(-n // bn) * ng * 4
-    acts = m * k * x_bytes + 2 * (m * k + m * ng * 4) + m * n * x_bytes
+    acts = m * k * x_bytes + m * n * x_bytes
+    if quant_pass:
+        acts += 2 * (m * k + m * ng * 4)
     return 2 * m * n * k, weight + acts

@@ -14,9 +14,12 @@ the tensor cores, fp32 accumulate; the scale multiply per K block, as DeepSeek-V
 come from a fixed table by M (:func:`gemm_config`), not autotuned, so the serving path compiles a
 handful of variants at warm-up and never times configurations. Decode sizes (M <= 64) use 16- to
 64-row tiles; a grid of fewer than two programs per SM (decode, narrow N) splits K until it covers
-the GPU twice (each split writes fp32 partials, summed by one torch reduction in a fixed order:
-deterministic, no atomics). Nothing
-reads a device value on the host: CUDA-graph capturable.
+the GPU twice. Up to ``FUSED_QUANT_MAX_M`` rows the GEMM quantises x itself, per K block, with the
+quantiser's arithmetic (the same e4m3 bytes and scales): one launch instead of two. Split K is
+summed inside the kernel: each split stores its fp32 partial, bumps its tile's counter (acq_rel)
+and the last to arrive adds the partials in the order 0..split-1, whatever the order of arrival
+(deterministic), writes the output and resets the counter. Nothing reads a device value on the
+host: CUDA-graph capturable.
 
 Quantisation: one program per row and BLOCK_G groups; IEEE division for the scale and the
 quotient (``div_rn``, as the reference's fp32 tensor-by-tensor ``/``), round to nearest even into
@@ -45,6 +48,16 @@ _UPCAST = interpreting()
 
 
 @triton.jit
+def _quant_groups(x, FLOOR: tl.constexpr, QMAX: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """x fp32 [R, GROUP], one quantisation group per row (zeros where masked off) -> (e4m3 bits
+    uint8 [R, GROUP], scale fp32 [R]): the reference's arithmetic, so the same bits."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR), QMAX)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+    return e4m3_bits(q, SOFT_FP8), scale
+
+
+@triton.jit
 def _group_quant_kernel(
     x_ptr,  # [M, K] bf16/fp16/fp32, strides (stride_xm, 1)
     q_ptr,  # uint8 view of e4m3 [M_pad, K], strides (stride_qm, 1)
@@ -67,10 +80,8 @@ def _group_quant_kernel(
     cols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP]
     mask = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask & (row < M), other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), FLOOR), QMAX)  # [BLOCK_G]
-    q = tl.math.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
-    tl.store(q_ptr + row * stride_qm + cols, e4m3_bits(q, SOFT_FP8), mask=mask)
+    q, scale = _quant_groups(x, FLOOR, QMAX, SOFT_FP8)  # [BLOCK_G, GROUP] uint8, [BLOCK_G]
+    tl.store(q_ptr + row * stride_qm + cols, q, mask=mask)
     tl.store(s_ptr + row * stride_sm + offs_g * stride_sg, scale, mask=offs_g < num_groups)
 
 
@@ -101,12 +112,67 @@ def quant_per_token_group(
 
 
 @triton.jit
+def _a_tile(
+    a_ptrs,  # [BLOCK_M, BLOCK_K] into x (QUANT_A) or into e4m3 xq
+    as_ptrs,  # [BLOCK_M] into xq's scales (not QUANT_A)
+    mask,  # [BLOCK_M, BLOCK_K]
+    mmask,  # [BLOCK_M]
+    QUANT_A: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
+):
+    """The e4m3 activation tile of one K block (= one quantisation group) and its scales: loaded,
+    or quantised here from x with the quantiser's arithmetic (the same bytes as its output)."""
+    if QUANT_A:
+        x = tl.load(a_ptrs, mask=mask, other=0.0).to(tl.float32)
+        bits, sa = _quant_groups(x, FLOOR, QMAX, SOFT_FP8)
+        return bits.to(tl.float8e4nv, bitcast=True), sa
+    else:
+        return tl.load(a_ptrs, mask=mask, other=0.0), tl.load(as_ptrs, mask=mmask, other=0.0)
+
+
+@triton.jit
+def _store_tile(
+    acc,  # fp32 [BLOCK_M, BLOCK_N], this program's sum over its K blocks
+    o_ptrs,  # [BLOCK_M, BLOCK_N] into the output [M, N] (x.dtype)
+    p_ptrs,  # [BLOCK_M, BLOCK_N] into slice 0 of the fp32 partials [SPLIT, M, N]
+    cnt_ptr,  # int32 [>= tiles]: zero on entry, zero again on exit
+    mask,
+    stride_ps,  # elements per partials slice (M · N)
+    PARTIALS: tl.constexpr,  # K is split: write the partial into its slice
+    REDUCE: tl.constexpr,  # ...and the tile's last split sums the slices into the output
+):
+    if not PARTIALS:
+        tl.store(o_ptrs, acc.to(o_ptrs.dtype.element_ty), mask=mask)
+    else:
+        split = tl.num_programs(1)
+        # .cg (L2, the point of coherence): other SMs read these partials within this launch
+        tl.store(p_ptrs + tl.program_id(1).to(tl.int64) * stride_ps, acc, mask=mask,
+                 cache_modifier=".cg")  # fmt: skip
+        if REDUCE:
+            # all threads' partial stores precede thread 0's release (a scalar atomic is issued
+            # by one thread and its result broadcast to the others through shared memory)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+            if arrived == split - 1:  # the last split of this tile: every partial is visible
+                total = tl.zeros_like(acc)
+                for _ in range(0, split):  # slices 0..split-1, whatever the order of arrival
+                    total += tl.load(p_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                    p_ptrs += stride_ps
+                tl.store(o_ptrs, total.to(o_ptrs.dtype.element_ty), mask=mask)
+                tl.store(cnt_ptr + tl.program_id(0), 0)  # clean for the next launch or replay
+
+
+@triton.jit
 def _block_gemm_kernel(
-    a_ptr,  # e4m3 [M, K], strides (stride_am, 1)
-    as_ptr,  # fp32 [M, ceil(K/BLOCK_K)], strides (stride_asm, stride_ask)
+    a_ptr,  # QUANT_A: x [M, K] bf16/fp16/fp32; else e4m3 xq [M, K]; strides (stride_am, 1)
+    as_ptr,  # fp32 [M, ceil(K/BLOCK_K)], strides (stride_asm, stride_ask); unread when QUANT_A
     w_ptr,  # e4m3 [N, K], strides (stride_wn, 1)
     ws_ptr,  # fp32 [ceil(N/group_n), ceil(K/BLOCK_K)], strides (stride_wsn, stride_wsk)
-    out_ptr,  # [SPLIT, M, N] fp32 partials, or [M, N] in x.dtype when SPLIT = 1
+    out_ptr,  # [M, N] in x.dtype, strides (stride_om, 1)
+    part_ptr,  # PARTIALS: fp32 [SPLIT, M, N] contiguous
+    cnt_ptr,  # REDUCE: int32 [>= number of output tiles], all zero
     M,
     N,
     K,
@@ -118,9 +184,13 @@ def _block_gemm_kernel(
     stride_wn,
     stride_wsn,
     stride_wsk,
-    stride_os,
     stride_om,
     UPCAST: tl.constexpr,  # interpreter: fp32 operands (its fp8/bf16 arithmetic is wrong)
+    QUANT_A: tl.constexpr,  # a is x: quantise each K block here (decode sizes)
+    PARTIALS: tl.constexpr,
+    REDUCE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # = the scale group along K
@@ -151,9 +221,9 @@ def _block_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(kb0, kb1):
         kmask = offs_k < K - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
+        a, sa = _a_tile(a_ptrs, as_ptrs, mmask[:, None] & kmask[None, :], mmask,
+                        QUANT_A, UPCAST, FLOOR, QMAX)  # fmt: skip
         w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        sa = tl.load(as_ptrs, mask=mmask, other=0.0)
         sw = tl.load(ws_ptrs, mask=nmask, other=0.0)
         if UPCAST:
             part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -164,10 +234,11 @@ def _block_gemm_kernel(
         w_ptrs += BLOCK_K
         as_ptrs += stride_ask
         ws_ptrs += stride_wsk
-    o_ptrs = (
-        out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    )
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    om = offs_m.to(tl.int64)[:, None]
+    o_ptrs = out_ptr + om * stride_om + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+    p_ptrs = part_ptr + om * N + offs_n[None, :]  # [BLOCK_M, BLOCK_N], slice 0
+    _store_tile(acc, o_ptrs, p_ptrs, cnt_ptr, mmask[:, None] & nmask[None, :], M * N,
+                PARTIALS, REDUCE)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
@@ -188,14 +259,47 @@ TILES = [
 ]
 # grids smaller than this many programs per SM split K (at least 4 K blocks per split)
 SPLIT_PROGRAMS_PER_SM = 2
+# Rows up to which the GEMM quantises x itself in its K loop (one launch instead of two). Each
+# program quantises its own [BLOCK_M, 128] block of x per K step, so every N tile repeats the
+# work: x read in 16 bits, 2·M / BLOCK_N of the weight's bytes from L2 (M / BLOCK_N more than the
+# e4m3 xq it replaces), and two IEEE divisions per element, N / BLOCK_N times over. The pass this
+# saves costs a launch (a few µs inside a graph: most of a small weight's call) and a round trip
+# of ~3 bytes per element of x. Up to 32 rows (16- and 32-row tiles of 64 columns) the extra read
+# is at most half the weight's bytes; from 64 rows it reaches them, and at prefill sizes the
+# repeated divisions would cost more than the separate pass. A starting point, not yet measured:
+# bench_fp8_gemm.py prints both choices at M = 1, 16, 32 and 64.
+FUSED_QUANT_MAX_M = 32
+# Split-K arrival counters, one int32 per output tile, zero between launches (each tile's last
+# split resets its own). One buffer per device, zeroed by an eager call and then kept for the
+# process: captured graphs hold its address, so it is never freed or replaced. The table splits
+# only grids of at most num_sms tiles (gemm_config); a call needing more slots (forced configs),
+# or one made inside a capture before any eager call (a zeroing memset would run only at replay),
+# gets its own torch.zeros buffer: one memset more, correct everywhere, in graphs too. Launches on
+# one device share the buffer, so split-K calls must not run concurrently on two streams (the
+# engine runs its linears on one compute stream; its side streams only copy).
+COUNTER_SLOTS = 1024
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """All-zero int32 [>= tiles] counters for an in-kernel split-K reduction; no host sync."""
+    buf = _COUNTERS.get(device)
+    if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        buf = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    if buf is None or tiles > buf.numel():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    return buf
 
 
 def gemm_config(
     m: int, n: int, k: int, block_k: int, num_sms: int, tile: tuple | None = None
 ) -> dict:
     """The fixed config for an [M, K] x [N, K]ᵀ call: tile sizes from :data:`TILES` (or ``tile``
-    = (block_m, block_n, num_warps, num_stages), the benchmark's sweep) and the K split that
-    fills the GPU when the output has few tiles (decode sizes; narrow N such as kv_a's 576)."""
+    = (block_m, block_n, num_warps, num_stages), the benchmark's sweep), the K split that fills
+    the GPU when the output has few tiles (decode sizes; narrow N such as kv_a's 576), reduced
+    inside the kernel, and whether the kernel quantises x itself (:data:`FUSED_QUANT_MAX_M`).
+    ``reduce_in_kernel=False`` (partials summed by torch, as before issue 35) and ``fuse_quant``
+    against the table are for the tests and the benchmark's comparison."""
     block_m, block_n, warps, stages = tile or next(t[1:] for t in TILES if m <= t[0])
     nkb = triton.cdiv(k, block_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -204,6 +308,7 @@ def gemm_config(
     return dict(
         block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
         split_k=triton.cdiv(nkb, per_split), k_blocks_per_split=per_split, group_m=8,
+        fuse_quant=m <= FUSED_QUANT_MAX_M, reduce_in_kernel=True,
     )  # fmt: skip
 
 
@@ -218,7 +323,6 @@ def fp8_block_gemm(
     :func:`gemm_config` (tests and the benchmark's sweep)."""
     check_cuda_or_interpreter(x, weight, weight_scale_inv)
     n, k = weight.shape
-    bn, bk = block
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -226,23 +330,33 @@ def fp8_block_gemm(
         return torch.empty(*lead, n, dtype=x.dtype, device=x.device)
     if k == 0:
         return torch.zeros(*lead, n, dtype=x.dtype, device=x.device)
-    xq, sx = quant_per_token_group(x2, bk)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    cfg = cfg or gemm_config(m, n, k, bk, _num_sms(x.device))
-    split = cfg["split_k"]
-    if split == 1:
-        dst = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    cfg = cfg or gemm_config(m, n, k, block[1], _num_sms(x.device))
+    return _gemm(x2, weight, weight_scale_inv, block, cfg).reshape(*lead, n)
+
+
+def _gemm(x2, weight, weight_scale_inv, block, cfg) -> torch.Tensor:
+    """x2 [M, K] (unit last stride) -> [M, N] in x2.dtype: one launch, or two with the separate
+    quantisation pass, or three with torch's sum of the partials (cfg["reduce_in_kernel"] off)."""
+    (m, k), n, (bn, bk) = x2.shape, weight.shape[0], block
+    if cfg["fuse_quant"]:
+        a, sa = x2, x2  # sa: a placeholder, the kernel quantises a itself
     else:
-        dst = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"]), split)
-    compiled = _block_gemm_kernel[grid](
-        xq, sx, weight, weight_scale_inv, dst, m, n, k, bn, cfg["k_blocks_per_split"],
-        xq.stride(0), sx.stride(0), sx.stride(1), weight.stride(0),
-        weight_scale_inv.stride(0), weight_scale_inv.stride(1),
-        dst.stride(0) if split > 1 else 0, dst.stride(-2),
-        UPCAST=_UPCAST, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=bk,
-        GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        a, sa = quant_per_token_group(x2, bk)
+    split, reduce = cfg["split_k"], cfg["reduce_in_kernel"]
+    tiles = triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"])
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else None
+    out = part if split > 1 and not reduce else torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    cnt = _split_counters(x2.device, tiles) if split > 1 and reduce else out
+    compiled = _block_gemm_kernel[(tiles, split)](
+        a, sa, weight, weight_scale_inv, out, out if part is None else part, cnt,
+        m, n, k, bn, cfg["k_blocks_per_split"], a.stride(0), sa.stride(0), sa.stride(1),
+        weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1), out.stride(-2),
+        UPCAST=_UPCAST, QUANT_A=cfg["fuse_quant"], PARTIALS=split > 1, REDUCE=reduce,
+        FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+        BLOCK_K=bk, GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     record("fp8_gemm", compiled)
-    out = dst if split == 1 else dst.sum(0).to(x.dtype)
-    return out.reshape(*lead, n)
+    return part.sum(0).to(x2.dtype) if split > 1 and not reduce else out
