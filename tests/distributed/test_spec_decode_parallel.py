@@ -2,7 +2,8 @@
 equal the single-rank run without drafts (the CPU parity matrix of issue 36), also with prefix-cache
 hits, preemption and a seeded sampled request in the mix. Drafting runs its first pass with the
 target step's PCP/DCP split, its later passes through the planner's decode sharding, and, under
-DP + EP, an idle replica runs the same passes on padding."""
+DP + EP, an idle replica runs the same passes on padding — eagerly, or replaying the decode graphs
+(verify + drafting) at the size every EP rank agreed."""
 
 from __future__ import annotations
 
@@ -28,16 +29,18 @@ def aligned_ckpt(tmp_path_factory) -> str:
 
 
 def _greedy(ckpt, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw):
+    """-> (greedy token ids per prompt, the run's per-step stats)."""
     m = LLM(ckpt, **KW, **kw)
     try:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
         outs = m.generate([{"prompt_token_ids": p} for p in prompts], params)
-        accepted = sum(
-            s.spec_decoding.num_accepted_tokens for s in m.stats_history if s.spec_decoding
-        )
-        return [o.outputs[0].token_ids for o in outs], accepted
+        return [o.outputs[0].token_ids for o in outs], m.stats_history
     finally:
         m.shutdown()
+
+
+def _accepted(hist) -> int:
+    return sum(s.spec_decoding.num_accepted_tokens for s in hist if s.spec_decoding)
 
 
 @pytest.fixture(scope="module")
@@ -52,30 +55,47 @@ def reference(aligned_ckpt):
         dict(tensor_parallel_size=2),
         dict(prefill_context_parallel_size=2, decode_context_parallel_size=2),
         dict(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_comm_backend="a2a"),
-        dict(data_parallel_size=2, enable_expert_parallel=True),
+        # DP2 + EP2: test_dp_ep_drafts_eager_and_graphs, eagerly and with graphs
     ],
-    ids=["tp2", "pcp2xdcp2", "dcp2-a2a", "dp2-ep2"],
+    ids=["tp2", "pcp2xdcp2", "dcp2-a2a"],
 )
 def test_parallel_drafts_match_single_rank(aligned_ckpt, reference, layout):
-    got, accepted = _greedy(aligned_ckpt, speculative_config=SPEC, **layout)
+    got, hist = _greedy(aligned_ckpt, speculative_config=SPEC, **layout)
     assert got == reference
-    assert accepted > 0
+    assert _accepted(hist) > 0
+
+
+# ---- DP + EP, eager and with the decode graphs (verify + drafting; uncaptured on CPU) ----------
+DP_EP = dict(data_parallel_size=2, enable_expert_parallel=True)
+# rows of q = 4 tokens within the largest size: sizes 1 and 2 are kept
+GRAPHS = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
 
 
 @pytest.mark.timeout(300)
-def test_dp_ep_idle_replica_keeps_step(aligned_ckpt):
-    """One request on two DP replicas: the idle one runs the drafting passes on padding so the
-    EP collectives of the MTP layer's MoE stay matched."""
-    ref = _greedy(aligned_ckpt, PROMPTS[2:3], [20])[0]
-    got, _ = _greedy(
-        aligned_ckpt,
-        PROMPTS[2:3],
-        [20],
-        speculative_config=SPEC,
-        data_parallel_size=2,
-        enable_expert_parallel=True,
-    )
-    assert got == ref
+@pytest.mark.parametrize("num_prompts", [1, 4], ids=["idle-replica", "shrinking"])
+def test_dp_ep_drafts_eager_and_graphs(aligned_ckpt, reference, num_prompts):
+    """The EP collectives of every step — the target's MoE and the MTP layer's in each drafting
+    pass — stay matched across the replicas: eagerly, an idle replica runs the passes on padding;
+    with graphs, every rank replays the verify graph, then the drafting graph, at the agreed size,
+    or every rank runs the step eagerly.
+
+    One prompt: the other replica is idle throughout (all-padding replays). Four prompts with
+    different max_tokens, two per replica: the batches shrink at different steps, so a replica
+    pads to the other's size, then idles; the 130-token prompt's chunks make mixed steps, which
+    every rank runs eagerly, the replica decoding beside them too. Tokens equal the single-rank
+    run's without drafts."""
+    prompts, max_tokens = (PROMPTS[2:3], [20]) if num_prompts == 1 else (PROMPTS, MAX_TOKENS)
+    want = reference if num_prompts == 4 else _greedy(aligned_ckpt, prompts, max_tokens)[0]
+    spec = dict(speculative_config=SPEC, **DP_EP)
+    eager, eager_hist = _greedy(aligned_ckpt, prompts, max_tokens, **spec)
+    got, hist = _greedy(aligned_ckpt, prompts, max_tokens, compilation_config=GRAPHS, **spec)
+    assert eager == want
+    assert got == want
+    assert _accepted(eager_hist) > 0 and _accepted(hist) > 0
+    assert sum(s.num_cudagraph_steps for s in eager_hist) == 0
+    # steps that verified drafts on a replica (decode-only and mixed): most replayed the graphs
+    verified = sum(1 for s in hist if s.spec_decoding and s.spec_decoding.num_drafts)
+    assert 2 * sum(s.num_cudagraph_steps for s in hist) > verified
 
 
 # ---- prefix hits, preemption and a seeded sampled request in the mix --------------------------
@@ -128,6 +148,7 @@ def _run_mix(ckpt, **kw):
             "cached": [o.num_cached_tokens for o in outs[-len(FOLLOWUPS) :]],
             "preemptions": sum(s.num_preemptions for s in hist),
             "accepted": sum(s.spec_decoding.num_accepted_tokens for s in hist if s.spec_decoding),
+            "graph_steps": sum(s.num_cudagraph_steps for s in hist),
         }
     finally:
         m.shutdown()
@@ -149,9 +170,17 @@ def mix_reference(aligned_ckpt):
         (dict(prefill_context_parallel_size=2, decode_context_parallel_size=2), 3),
         (dict(prefill_context_parallel_size=2, decode_context_parallel_size=2), 1),
         (dict(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_comm_backend="a2a"), 3),
-        (dict(data_parallel_size=2, enable_expert_parallel=True), 3),
+        (DP_EP, 3),
+        (dict(**DP_EP, compilation_config=GRAPHS), 3),
     ],
-    ids=["tp2-k3", "pcp2xdcp2-k3", "pcp2xdcp2-k1", "dcp2-a2a-k3", "dp2-ep2-k3"],
+    ids=[
+        "tp2-k3",
+        "pcp2xdcp2-k3",
+        "pcp2xdcp2-k1",
+        "dcp2-a2a-k3",
+        "dp2-ep2-k3",
+        "dp2-ep2-k3-graphs",
+    ],
 )
 def test_parallel_drafts_with_prefix_hits_and_preemption(aligned_ckpt, mix_reference, layout, k):
     """Preempted rows drop their drafts with the workers' state and recompute (through their own
@@ -177,6 +206,7 @@ def test_parallel_drafts_with_prefix_hits_and_preemption(aligned_ckpt, mix_refer
     )
     assert got["preemptions"] > 0
     assert got["accepted"] > 0
+    assert got["graph_steps"] > 0 or "compilation_config" not in layout
     assert all(c > 0 for c in got["cached"]), got["cached"]
     assert got["tokens"] == mix_reference["tokens"]
     diffs = [

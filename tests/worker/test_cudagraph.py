@@ -5,12 +5,17 @@ tests/worker/test_cudagraph_gpu.py replays real graphs on CUDA."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace as NS
+
 import numpy as np
 import pytest
+import torch
 
 from vllm import LLM, SamplingParams
 from vllm.config.compilation import CompilationConfig, default_capture_sizes
+from vllm.distributed.ep import ep_forward, ep_moe, max_tokens_across_ep
 from vllm.engine.arg_utils import EngineArgs
+from vllm.worker.gpu.model_runner import ModelRunner
 
 
 def _cc(value, eager=False, seqs=256):
@@ -72,6 +77,42 @@ def test_engine_args_wire_the_flag(tiny_ckpt):
         EngineArgs(
             model=tiny_ckpt, compilation_config='{"cudagraph_mode": "PIECEWISE"}'
         ).create_engine_config()
+
+
+def _sizes_kept(sizes, k=0, ep=1, tp=1):
+    runner = NS(
+        config=NS(num_spec_tokens=k),
+        pc=NS(ep=NS(world_size=ep) if ep > 1 else None, tp=NS(world_size=tp)),
+    )
+    return ModelRunner._capture_sizes(runner, tuple(sizes))
+
+
+def test_capture_sizes():
+    """Rows of 1 + k tokens within the largest size; under EP every graph's MoE passes — B·q
+    tokens in the verify forward and the first drafting pass — fit EP's fixed capacity."""
+    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert _sizes_kept(sizes) == sizes
+    assert _sizes_kept(sizes, k=3) == sizes[:7]
+    assert _sizes_kept(sizes, ep=2) == sizes
+    assert _sizes_kept(sizes, k=3, ep=2) == sizes[:7]
+    assert _sizes_kept((256,), k=3) == (256,)  # one size: kept without EP (no capacity)
+    assert _sizes_kept((256,), k=3, ep=2) == ()  # 1,024 tokens: over EP's fixed capacity
+    assert _sizes_kept((256,), k=3, ep=2, tp=4) == (256,)  # 256 per TP rank
+    assert _sizes_kept((300,), ep=2) == ()
+
+
+def test_graph_forward_reads_nothing_on_the_host():
+    """Inside a decode graph's forward (``ep_forward(..., graph=True)``) the MoE may not take
+    EP's counts path nor agree a bound by a host all-reduce; checked on CPU, where nothing is
+    captured and neither would fail by itself."""
+    pc = NS(ep=None, tp=NS(world_size=1))
+    x, w, ids = torch.zeros(2, 8), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long)
+    with ep_forward(4096, graph=True):
+        with pytest.raises(AssertionError, match="counts path"):
+            ep_moe(pc, x, w, ids, None)
+        with pytest.raises(AssertionError, match="host all-reduce"):
+            max_tokens_across_ep(pc, 2)
+    assert max_tokens_across_ep(pc, 2) == 2
 
 
 # ---- the static-buffer decode path against eager, on the tiny checkpoint --------------------

@@ -56,12 +56,16 @@ EP_FIXED_MAX_TOKENS = 256
 
 # The forward's bound, set by the runner around each forward (:func:`ep_forward`); None: no bound.
 _max_tokens: int | None = None
+# Whether that forward is a decode CUDA graph's (captured, or its uncaptured stand-in on CPU): its
+# bound is the size every EP rank agreed before the replay, so nothing in it may read the host.
+_in_graph = False
 
 
 def max_tokens_across_ep(pc: ParallelContext, num_tokens: int) -> int:
     """The most tokens any rank of this rank's EP group runs in this forward. Every EP rank calls
     it once before each forward (DP replicas' dummy steps included): one all-reduce of a host int
     over the EP group's CPU group, no device sync. Without EP: ``num_tokens``."""
+    assert not _in_graph, "a host all-reduce inside a decode graph (its bound is its size)"
     if pc.ep is None or pc.ep.world_size == 1:
         return num_tokens
     t = torch.tensor([num_tokens], dtype=torch.int64)
@@ -70,15 +74,18 @@ def max_tokens_across_ep(pc: ParallelContext, num_tokens: int) -> int:
 
 
 @contextmanager
-def ep_forward(max_tokens: int | None) -> Iterator[None]:
+def ep_forward(max_tokens: int | None, graph: bool = False) -> Iterator[None]:
     """Run a forward with every MoE layer's dispatch shapes set by ``max_tokens`` (the value
-    :func:`max_tokens_across_ep` agreed, or a CUDA graph's captured size agreed the same way)."""
-    global _max_tokens
-    prev, _max_tokens = _max_tokens, max_tokens
+    :func:`max_tokens_across_ep` agreed, or a CUDA graph's captured size agreed the same way).
+    ``graph``: a decode graph's forward, which must take the fixed-capacity path in every MoE
+    layer and run no host all-reduce — checked on CPU too, where the graph runs uncaptured."""
+    global _max_tokens, _in_graph
+    prev = _max_tokens, _in_graph
+    _max_tokens, _in_graph = max_tokens, graph
     try:
         yield
     finally:
-        _max_tokens = prev
+        _max_tokens, _in_graph = prev
 
 
 def fixed_capacity(max_tokens: int, tp_size: int) -> int | None:
@@ -98,6 +105,7 @@ def ep_moe(
         cap = fixed_capacity(_max_tokens, pc.tp.world_size)
         if cap is not None:
             return ep_moe_fixed(pc, x, weights, ids, experts, cap)
+    assert not _in_graph, f"a decode graph's MoE over {_max_tokens} tokens takes the counts path"
     return ep_moe_counts(pc, x, weights, ids, experts)
 
 

@@ -22,6 +22,14 @@ and the k drafts after it (fewer near a request's end: the rest of the row is pa
 tokens (inputs: the samples, copied in after the eager verification, and the target's hidden
 states, an output of the first graph), then its k − 1 chained steps, writing the next drafts into
 ``next_tokens``. Padding rows write their drafts into a scratch row of it.
+
+Under DP + EP the graphs hold the MoE layers' collectives, so every EP rank runs the same ones:
+each step the ranks agree on one size (the runner's ``_graph_size``) and each replays the verify
+graph, then the drafting graph, at that size — a rank with fewer requests pads, an idle replica
+replays both with every row padding (``inp`` None) — or every rank runs the step eagerly, the
+drafter's passes included. Inside, every MoE pass (the verify forward and the first drafting pass
+over size·q tokens, the chained drafting passes over size) takes EP's fixed-capacity dispatch
+with that token count as its bound; ``ep_forward(..., graph=True)`` asserts it, on CPU too.
 """
 
 from __future__ import annotations
@@ -116,7 +124,7 @@ class DecodeGraphs:
         meta = self._metadata(size, idx, row, pos, seq)
         r.hooks.graph_metadata(meta, idx, pos)
         # every EP rank replays the same size (agreed per step): the MoE dispatch shapes follow it
-        with ep_forward(size * self.q):
+        with ep_forward(size * self.q, graph=True):
             hidden = r.model(r.states.next_tokens[idx[row], j], pos, meta)
         return r.model.compute_logits(hidden), hidden
 
@@ -128,7 +136,8 @@ class DecodeGraphs:
         meta = self._metadata(size, idx, row, pos, seq)
         r.hooks.graph_metadata(meta, idx, pos)
         ids = self.sampled[: size * q]
-        with ep_forward(size * q):
+        # the bounds are fixed by the agreed size, as the verify forward's: no host read
+        with ep_forward(size * q, graph=True):
             h = r.model.mtp_forward(ids, hidden, pos, meta, 0)
         sel = self.arange[:size] * q + self.accepted[:size]
         h, p0 = h[sel], pos[sel]
@@ -140,7 +149,7 @@ class DecodeGraphs:
             p = torch.where((p0 >= 0) & (p0 + depth < cap), p0 + depth, -1)
             dmeta = self._metadata(size, idx, rows, p, (p + 1).clamp_min(0))
             r.hooks.graph_metadata(dmeta, idx, p)
-            with ep_forward(size):
+            with ep_forward(size, graph=True):
                 h = r.model.mtp_forward(draft, h, p, dmeta, depth)
             draft = r.model.mtp_logits(h, depth).argmax(dim=-1)
             drafts.append(draft)

@@ -145,24 +145,39 @@ class ModelRunner:
         if cc.use_cudagraph:
             why_not = self._graphs_unsupported()
             if why_not:
-                logger.info("CUDA graphs off: %s; every step runs eagerly", why_not)
+                mtp = " (MTP drafting included)" if self.drafter.num_spec_tokens else ""
+                logger.info("CUDA graphs off: %s; every step%s runs eagerly", why_not, mtp)
                 return
             # the longest context a request can have here: the device pool, or HiSparse's host
             # pool, which holds every page
             held = max(plan.num_blocks, plan.num_host_blocks) * self.layout.block_size
             max_ctx = min(self.config.model_config.max_model_len, held)
-            sizes = cc.cudagraph_capture_sizes
-            if self.pc.ep is not None and self.pc.ep.world_size > 1:
-                # a graph's MoE dispatch must take EP's fixed-capacity path (no host read)
-                tp = self.pc.tp.world_size
-                sizes = tuple(s for s in sizes if fixed_capacity(s, tp) is not None)
-                if not sizes:
-                    logger.info("CUDA graphs off: no capture size fits EP's fixed capacity")
-                    return
-            q = 1 + self.config.num_spec_tokens  # tokens per row: at most the largest size
-            sizes = tuple(x for x in sizes if x * q <= max(sizes)) or sizes[:1]
+            sizes = self._capture_sizes(cc.cudagraph_capture_sizes)
+            if not sizes:
+                logger.info(
+                    "CUDA graphs off: no capture size fits EP's fixed capacity at %d tokens a row",
+                    1 + self.config.num_spec_tokens,
+                )
+                return
             self.graphs = DecodeGraphs(self, sizes, max_ctx, self.config.num_spec_tokens)
             self.graphs.capture_all()
+
+    def _capture_sizes(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """The batch sizes to capture (empty: none fits). A row holds q = 1 + k tokens, and B·q
+        stays within the largest configured size. Under EP every MoE pass of a graph — the
+        verify forward and the first drafting pass over B·q tokens, the chained drafting passes
+        over B — must take EP's fixed-capacity dispatch, which reads nothing on the host."""
+        q = 1 + self.config.num_spec_tokens
+        ep, tp = self.pc.ep, self.pc.tp.world_size
+
+        def fits(num_tokens: int) -> bool:
+            return ep is None or ep.world_size == 1 or fixed_capacity(num_tokens, tp) is not None
+
+        sizes = tuple(s for s in sizes if fits(s))
+        if not sizes:
+            return ()
+        sizes = tuple(x for x in sizes if x * q <= max(sizes)) or sizes[:1]
+        return tuple(s for s in sizes if fits(s * q))
 
     def _graph_size(self, num_reqs: int | None) -> int | None:
         """The captured size this step replays, agreed by every EP rank (one host all-reduce,
@@ -181,9 +196,6 @@ class ModelRunner:
         par = self.config.parallel_config
         if par.prefill_context_parallel_size > 1 or par.decode_context_parallel_size > 1:
             return "PCP/DCP decode is not captured yet"
-        ep = self.pc.ep
-        if self.config.num_spec_tokens and ep is not None and ep.world_size > 1:
-            return "speculative decoding steps under EP are not captured yet"
         return None
 
     def graph_pool_bytes(self) -> int:
@@ -294,7 +306,9 @@ class ModelRunner:
 
     def _dummy_step(self) -> None:
         """DP replicas sharing EP: a step with no requests whose collectives match the others'
-        (replaying the graph they replay, all rows padding, when they replay one)."""
+        — replaying the graphs they replay (the verify graph, then the drafting graph), all rows
+        padding, when they replay; else the target forward and the drafter's passes on one
+        padding token, as an eager step's."""
         if self.graphs is not None:
             size = self._graph_size(0)
             if size is not None:
