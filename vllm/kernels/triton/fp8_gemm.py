@@ -14,8 +14,9 @@ the tensor cores, fp32 accumulate; the scale multiply per K block, as DeepSeek-V
 come from a fixed table by M (:func:`gemm_config`), not autotuned, so the serving path compiles a
 handful of variants at warm-up and never times configurations. Decode sizes (M <= 64) use 16- to
 64-row tiles; a grid of fewer than two programs per SM (decode, narrow N) splits K until it covers
-the GPU twice. Up to ``FUSED_QUANT_MAX_M`` rows the GEMM quantises x itself, per K block, with the
-quantiser's arithmetic (the same e4m3 bytes and scales): one launch instead of two. Split K is
+the GPU twice. The GEMM can quantise x itself, per K block, with the quantiser's arithmetic (the
+same e4m3 bytes and scales): one launch instead of two, slower on the H200 (``FUSED_QUANT_MAX_M``
+= 0, off). Split K is
 summed inside the kernel: each split stores its fp32 partial, bumps its tile's counter (acq_rel)
 and the last to arrive adds the partials in the order 0..split-1, whatever the order of arrival
 (deterministic), writes the output and resets the counter. Nothing reads a device value on the
@@ -259,16 +260,15 @@ TILES = [
 ]
 # grids smaller than this many programs per SM split K (at least 4 K blocks per split)
 SPLIT_PROGRAMS_PER_SM = 2
-# Rows up to which the GEMM quantises x itself in its K loop (one launch instead of two). Each
-# program quantises its own [BLOCK_M, 128] block of x per K step, so every N tile repeats the
-# work: x read in 16 bits, 2·M / BLOCK_N of the weight's bytes from L2 (M / BLOCK_N more than the
-# e4m3 xq it replaces), and two IEEE divisions per element, N / BLOCK_N times over. The pass this
-# saves costs a launch (a few µs inside a graph: most of a small weight's call) and a round trip
-# of ~3 bytes per element of x. Up to 32 rows (16- and 32-row tiles of 64 columns) the extra read
-# is at most half the weight's bytes; from 64 rows it reaches them, and at prefill sizes the
-# repeated divisions would cost more than the separate pass. A starting point, not yet measured:
-# bench_fp8_gemm.py prints both choices at M = 1, 16, 32 and 64.
-FUSED_QUANT_MAX_M = 32
+# Rows up to which the GEMM quantises x itself in its K loop (one launch instead of two): 0, off.
+# Each program quantises its own [BLOCK_M, 128] block of x per K step, so every N tile repeats
+# the work (x read in 16 bits, two IEEE divisions per element, N / BLOCK_N times over), and the
+# divisions sit between the loads and the dot, in the pipeline's way. On the H200 it lost at every
+# size (bench_fp8_gemm.py, graph replays, 2026-12-05): M = 1 o_proj 232.6 µs against 38.0 µs with
+# the separate quantiser, mlp gate/up 172.4 against 29.4, q_a 25.1 against 8.4; at M = 16 it is
+# 1.1-2.0x slower except kv_a (8.9 against 7.7 µs separate). Kept switchable for the tests and the
+# benchmark's comparison (docs/design/fp8.md).
+FUSED_QUANT_MAX_M = 0
 # Split-K arrival counters, one int32 per output tile, zero between launches (each tile's last
 # split resets its own). One buffer per device, zeroed by an eager call and then kept for the
 # process: captured graphs hold its address, so it is never freed or replaced. The table splits
