@@ -363,12 +363,18 @@ def test_weights_do_not_fit_message():
     with pytest.raises(ValueError) as e:
         check_weights_fit(weights, free, total, 0.9, "GPU 0 (glm-5.3)")
     msg = str(e.value)
-    # 140 · 0.9 − 1 = 125.0 GiB available; 203.63 − 125.0 = 78.63 GiB short
+    # min(140 · 0.9, 139) = 126.0 GiB available; 203.63 − 126.0 = 77.63 GiB short
     assert "the weights do not fit GPU 0 (glm-5.3)" in msg and "routed experts 168.75" in msg
-    assert "125.00 GiB is available" in msg and "78.63 GiB short" in msg
+    assert "126.00 GiB is available" in msg and "77.63 GiB short" in msg
     assert "--quantization fp8" in msg
     fp8 = weight_bytes_per_rank(resolve_quantization(arch, "fp8"), torch.bfloat16, ep_size=8)
     check_weights_fit(fp8, free, total, 0.9, "GPU 0")  # 104.9 GiB: fits
+    # another process (a second engine sharing the GPU) holds 30 GiB: this engine's share at 0.8
+    # is 112 GiB, 110 of them free, so it loads (counting the other's 30 GiB against this share
+    # would leave 82); with only 60 GiB free, what is free is the limit
+    check_weights_fit(fp8, 110 * 2**30, total, 0.8, "GPU 0")
+    with pytest.raises(ValueError, match="60.00 GiB is available"):
+        check_weights_fit(fp8, 60 * 2**30, total, 0.9, "GPU 0")
 
 
 # ---- several ranks (gloo) -----------------------------------------------------------------

@@ -152,16 +152,16 @@ def weight_bytes_per_rank(
 def check_weights_fit(
     weights: WeightBytes, free_bytes: int, total_bytes: int, utilization: float, where: str
 ) -> None:
-    """Raise ValueError naming the shortfall in GiB when ``weights`` exceed this GPU's share:
-    total · --gpu-memory-utilization, less what is already in use (other processes, context)."""
-    used = total_bytes - free_bytes
-    budget = total_bytes * utilization - used
+    """Raise ValueError naming the shortfall in GiB when ``weights`` exceed this process's share
+    of the GPU: total · --gpu-memory-utilization (as upstream: an engine's fraction, whatever
+    other processes hold), and never more than is free."""
+    budget = min(total_bytes * utilization, free_bytes)
     if weights.total <= budget:
         return
     raise ValueError(
         f"the weights do not fit {where}: this rank holds {weights.describe()}, but "
         f"{max(budget, 0) / GiB:.2f} GiB is available (--gpu-memory-utilization {utilization:g} "
-        f"of {total_bytes / GiB:.2f} GiB, {used / GiB:.2f} GiB already in use): "
+        f"of {total_bytes / GiB:.2f} GiB, {free_bytes / GiB:.2f} GiB free): "
         f"{(weights.total - budget) / GiB:.2f} GiB short. Use an FP8 checkpoint or "
         "--quantization fp8, spread the experts over more ranks (--enable-expert-parallel with "
         "a larger --data-parallel-size or --tensor-parallel-size), or raise "

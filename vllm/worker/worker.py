@@ -33,19 +33,27 @@ def _device(config: VllmConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def kv_budget_bytes(total: int, free: int, own: int, utilization: float, reserve: int) -> int:
+    """KV cache bytes for one engine process on a GPU: its share (total ·
+    --gpu-memory-utilization, as upstream) less what it already holds (``own``) and the
+    ``reserve`` for activations and graphs, and never more than is free. Other processes on the
+    GPU (a second engine sharing it, at its own fraction) only limit it through ``free``."""
+    return int(min(total * utilization - own, free) - reserve)
+
+
 def _kv_plan(config: VllmConfig, runner, device: torch.device) -> KVCachePlan:
     cc = config.cache_config
     if cc.kv_cache_memory_bytes is not None:
         budget = cc.kv_cache_memory_bytes
     else:
         free, total = torch.cuda.mem_get_info(device)
-        used = total - free
         # the activations of a max_num_batched_tokens chunk, estimated from the model's shapes,
         # plus a fixed reserve (CUDA context, allocator slack, sampler, collectives' buffers)
         reserve = (
             runner.activation_bytes() + runner.graph_pool_bytes() + ACTIVATION_RESERVE_GIB * 2**30
         )
-        budget = int(total * cc.gpu_memory_utilization - used - reserve)
+        own = torch.cuda.memory_reserved(device)  # this process: weights, loading's leftovers
+        budget = kv_budget_bytes(total, free, own, cc.gpu_memory_utilization, reserve)
     plan = runner.plan_kv(budget)
     if plan.num_blocks < 1:
         raise RuntimeError(
