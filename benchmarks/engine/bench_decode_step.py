@@ -49,20 +49,22 @@ def checkpoint(layers: int) -> str:
 
 def fill_cache(runner: ModelRunner, num_tokens: int) -> None:
     """Valid rows (written by the production cache writers) in the first num_tokens slots."""
-    g = torch.Generator(device="cuda").manual_seed(0)
+    dev = runner.device
+    g = torch.Generator(device=dev).manual_seed(0)
     lay = runner.layout
     step = 1 << 20
     for attn in runner.model.attention_layers():
         for a in range(0, num_tokens, step):
             n = min(step, num_tokens - a)
-            slots = torch.arange(a, a + n, device="cuda")
-            kv = torch.randn(n, lay.kv_lora_rank, device="cuda", generator=g)
-            pe = torch.randn(n, lay.rope_dim, device="cuda", generator=g)
+            slots = torch.arange(a, a + n, device=dev)
+            kv = torch.randn(n, lay.kv_lora_rank, device=dev, generator=g)
+            pe = torch.randn(n, lay.rope_dim, device=dev, generator=g)
             write_mla_cache(attn.kv_cache, kv, pe, slots, lay)
             if attn.indexer_cache is not None:
-                k = torch.randn(n, lay.index_head_dim, device="cuda", generator=g)
+                k = torch.randn(n, lay.index_head_dim, device=dev, generator=g)
                 write_indexer_cache(attn.indexer_cache, k, slots, lay)
-    torch.cuda.synchronize()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def decode_run(path, batch, context, steps, graphs: bool, top_p: float) -> dict:
