@@ -158,7 +158,10 @@ class SparseMLAAttention(nn.Module):
                 continue
             pos = meta.positions[lo:hi]
             if dense:
-                out[lo:hi] = self._dense_attend(q_nope[lo:hi], q_pe[lo:hi], rows, pos)
+                tail = meta.positions_cpu is not None and _is_tail(
+                    meta.positions_cpu[lo:hi], rows.shape[0]
+                )
+                out[lo:hi] = self._dense_attend(q_nope[lo:hi], q_pe[lo:hi], rows, pos, tail)
                 continue
             if iq is not None:
                 sel = self._all_positions(meta, pos)
@@ -231,8 +234,37 @@ class SparseMLAAttention(nn.Module):
         o = self.kv_access.decode_attend(self, meta, q_abs, topk[tok])
         out[tok] = self._unabsorb(o).to(out.dtype)
 
-    def _dense_attend(self, q_nope, q_pe, rows, pos):
-        """MHA form over the full context rows [S, R + rope]: expand K/V per head with W_UK/W_UV."""
+    def _dense_attend(self, q_nope, q_pe, rows, pos, tail: bool = False):
+        """MHA form over the full context rows [S, R + rope]: K/V expanded per head through
+        W_UK/W_UV. bf16/fp16 queries take the fused SDPA kernels (flash attention on the GPU when
+        the queries are the context's last T positions, ``tail``); fp32 ones the reference."""
+        if q_nope.dtype in (torch.bfloat16, torch.float16):
+            return self._dense_attend_sdpa(q_nope, q_pe, rows, pos, tail)
+        return self._dense_attend_ref(q_nope, q_pe, rows, pos)
+
+    def _dense_attend_sdpa(self, q_nope, q_pe, rows, pos, tail: bool):
+        dt, h, s = q_nope.dtype, self.num_heads, rows.shape[0]
+        c, kpe = rows[:, : self.kv_lora_rank].to(dt), rows[:, self.kv_lora_rank :].to(dt)
+        k = torch.cat(
+            [
+                torch.einsum("sr,hnr->hsn", c, self.w_uk.to(dt)),
+                kpe.unsqueeze(0).expand(h, s, kpe.shape[-1]),
+            ],
+            -1,
+        )  # [H, S, nope + rope]
+        v = torch.einsum("sr,hvr->hsv", c, self.w_uv.to(dt))  # [H, S, v]
+        q = torch.cat([q_nope, q_pe.to(dt)], -1).transpose(0, 1)  # [H, T, nope + rope]
+        if tail:  # query i at position S − T + i: causal, aligned to the last key
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(q.shape[1], s)
+        else:
+            mask = torch.arange(s, device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=self.scale)
+        return o.transpose(0, 1)  # [T, H, v]
+
+    def _dense_attend_ref(self, q_nope, q_pe, rows, pos):
+        """fp32 reference of the MHA form."""
         rows = rows.float()
         c, kpe = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
         k_nope = torch.einsum("sr,hnr->hsn", c, self.w_uk.float())  # [H, S, nope]
@@ -245,3 +277,9 @@ class SparseMLAAttention(nn.Module):
         )
         p = torch.softmax(scores, dim=-1)
         return torch.einsum("ths,hsv->thv", p, v)
+
+
+def _is_tail(positions: np.ndarray, num_keys: int) -> bool:
+    """Positions are the last len(positions) of num_keys, in order (a prefill chunk on one rank)."""
+    n = len(positions)
+    return n > 0 and int(positions[0]) == num_keys - n and bool((np.diff(positions) == 1).all())

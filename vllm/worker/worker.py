@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 
 import msgspec
@@ -160,6 +161,17 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
             plan.num_blocks,
         )
     runner.initialize_kv_cache(plan)
+    if device.type == "cuda":  # CPU runs have no kernels to compile
+        t0 = time.perf_counter()
+        lengths = runner.warm_up()
+        if rank_in_replica == 0 and lengths:
+            logger.info(
+                "warm-up: %d prefill steps (prompts of %d-%d tokens) and a mixed step in %.1f s",
+                len(lengths),
+                lengths[0],
+                lengths[-1],
+                time.perf_counter() - t0,
+            )
     # every attention layer's caches, MTP layers last (the order of model.attention_layers())
     connector.register_kv_caches(runner.kv_cache.transfer_caches())
     inp = ctx.socket(zmq.PULL)

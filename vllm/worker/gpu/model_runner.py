@@ -19,7 +19,15 @@ import torch
 from vllm.attention.kv_access import KVAccess, LocalKVAccess
 from vllm.attention.metadata import MLAMetadata, decode_token_rows
 from vllm.config import VllmConfig
-from vllm.core.messages import KVCachePlan, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from vllm.core.messages import (
+    CachedRequestData,
+    KVCachePlan,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingOptions,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from vllm.distributed.ep import ep_forward, fixed_capacity, max_tokens_across_ep
 from vllm.distributed.kv_transfer import KVConnectorBase, NoOpConnector, step_output
 from vllm.distributed.parallel_state import ParallelContext
@@ -161,6 +169,63 @@ class ModelRunner:
                 return
             self.graphs = DecodeGraphs(self, sizes, max_ctx, self.config.num_spec_tokens)
             self.graphs.capture_all()
+
+    def warm_up(self) -> list[int]:
+        """Run the eager path once at start-up for each kind of step a server will see, so that
+        its Triton kernels compile here and not inside a request (a first-use compile is a
+        TTFT of seconds): prefills of every power of two up to the step budget and one token
+        short of each (Triton specialises integer arguments on divisibility by 16, so both
+        kinds of token count compile), then a mixed step (a decode row beside a prefill chunk).
+        The requests are the runner's own, on the first KV blocks, and are finished before it
+        returns: at start-up no block holds anything. Every rank runs the same steps (they are
+        collective where steps are). Returns the prompt lengths run."""
+        sbs = self.scheduler_block_size
+        cap = min(
+            self.config.scheduler_config.max_num_batched_tokens,
+            self.config.model_config.max_model_len - 1,
+            self.num_blocks * sbs - 1,
+        )
+        lengths = warm_up_lengths(cap)
+        if not lengths:
+            return []
+        greedy = SamplingOptions(temperature=0.0, max_tokens=2)
+        vocab = self.config.model_config.vocab_size
+
+        def request(rid: str, n: int, first_block: int) -> NewRequestData:
+            tokens = [(7919 * i + n) % vocab for i in range(n)]
+            blocks = list(range(first_block, first_block + cdiv(n + 1, sbs)))
+            return NewRequestData(rid, tokens, n, blocks, 0, greedy)
+
+        prev: list[str] = []
+        for i, n in enumerate(lengths):
+            r = request(f"__warmup{i}", n, 0)
+            self.execute(
+                SchedulerOutput(
+                    new_reqs=[r],
+                    num_scheduled_tokens={r.req_id: n},
+                    total_num_scheduled_tokens=n,
+                    finished_req_ids=prev,
+                )
+            )
+            prev = [r.req_id]
+        # a mixed step: the last request decodes its next token beside a new prompt chunk, on
+        # the blocks after its own (when the cache holds both)
+        n_last = lengths[-1]
+        start = cdiv(n_last + 1, sbs)
+        n = min(cap - 1, self.num_blocks * sbs - start * sbs - 1)
+        if n > 0:
+            r = request("__warmup_mixed", n, start)
+            self.execute(
+                SchedulerOutput(
+                    new_reqs=[r],
+                    cached_reqs=[CachedRequestData(prev[0], [], n_last)],
+                    num_scheduled_tokens={prev[0]: 1, r.req_id: n},
+                    total_num_scheduled_tokens=n + 1,
+                )
+            )
+            prev.append(r.req_id)
+        self.execute(SchedulerOutput(finished_req_ids=prev))
+        return lengths
 
     def _capture_sizes(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """The batch sizes to capture (empty: none fits). A row holds q = 1 + k tokens, and B·q
@@ -546,6 +611,19 @@ class SamplingPlan:
     sampled_tok: np.ndarray  # [N] step token of each sampled position
     lrows: np.ndarray  # [N] batch row of each sampled position
     batch: SamplingBatch
+
+
+def warm_up_lengths(cap: int) -> list[int]:
+    """Prompt lengths of the start-up warm-up (:meth:`ModelRunner.warm_up`): 2^k and 2^k − 1 for
+    every 2^k <= cap (one-token prompts excepted), and cap and cap − 1 themselves."""
+    out: set[int] = set()
+    p = 2
+    while p <= cap:
+        out.update((p, p - 1))
+        p *= 2
+    if cap >= 2:
+        out.update((cap, cap - 1))
+    return sorted(n for n in out if n >= 2)
 
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

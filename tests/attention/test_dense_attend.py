@@ -1,0 +1,65 @@
+"""The MHA form of prefill attention (contexts no longer than index_topk): the fused SDPA path
+that bf16 models take against the fp32 reference, on fresh random inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.attention.layer import SparseMLAAttention, _is_tail
+
+
+def _layer(h, nope, v, r, rope, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    attn = SparseMLAAttention(0, h, nope, v, r, rope, (nope + rope) ** -0.5, has_indexer=False)
+    kv_b = torch.randn(h * (nope + v), r, generator=g) * r**-0.5
+    attn.set_kv_b(kv_b.to(device), torch.bfloat16)
+    return attn, g
+
+
+def _check(attn, g, t, s, positions, device, tail):
+    h, r, rope = attn.num_heads, attn.kv_lora_rank, attn.rope_dim
+    rows = torch.randn(s, r + rope, generator=g).to(device, torch.bfloat16)
+    q_nope = torch.randn(t, h, attn.qk_nope, generator=g).to(device, torch.bfloat16)
+    q_pe = torch.randn(t, h, rope, generator=g).to(device, torch.bfloat16)
+    pos = torch.as_tensor(positions, device=device)
+    assert _is_tail(np.asarray(positions), s) == tail
+    got = attn._dense_attend(q_nope, q_pe, rows, pos, tail)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, h, attn.v_dim)
+    ref = attn._dense_attend_ref(q_nope, q_pe, rows, pos)
+    err = (got.float() - ref).abs().max().item()
+    assert err <= 2e-2 * ref.abs().max().item(), err
+
+
+@pytest.mark.parametrize(
+    "t,s,positions,tail",
+    [
+        (24, 24, list(range(24)), True),  # a whole prompt
+        (8, 40, list(range(32, 40)), True),  # a later chunk
+        (8, 16, list(range(4)) + list(range(12, 16)), False),  # a PCP rank's two runs
+        (5, 20, [3, 4, 5, 6, 7], False),  # not aligned to the last key
+    ],
+)
+def test_sdpa_matches_reference_cpu(t, s, positions, tail):
+    attn, g = _layer(4, 16, 16, 32, 8, "cpu", seed=t * 100 + s)
+    _check(attn, g, t, s, positions, "cpu", tail)
+
+
+def test_fp32_queries_take_the_reference():
+    attn, g = _layer(2, 8, 8, 16, 4, "cpu", seed=1)
+    q_nope, q_pe = torch.randn(3, 2, 8, generator=g), torch.randn(3, 2, 4, generator=g)
+    rows, pos = torch.randn(3, 20, generator=g), torch.arange(3)
+    got = attn._dense_attend(q_nope, q_pe, rows, pos, True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, attn._dense_attend_ref(q_nope, q_pe, rows, pos))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t,s", [(2048, 2048), (512, 2048), (300, 1000)])
+def test_sdpa_matches_reference_glm_dims_cuda(t, s):
+    """GLM-5.3's head dims (qk 192 + 64, v 256: the flash-attention kernel on the GPU)."""
+    attn, g = _layer(64, 192, 256, 512, 64, "cuda", seed=t + s)
+    _check(attn, g, t, s, list(range(s - t, s)), "cuda", True)
+    _check(attn, g, 16, s, list(range(8)) + list(range(s - 8, s)), "cuda", False)

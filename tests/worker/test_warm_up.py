@@ -1,0 +1,97 @@
+"""The start-up warm-up (`ModelRunner.warm_up`): which prompt lengths it runs, that it leaves
+no request state behind, and that a runner that warmed up answers exactly as one that did not."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.core.messages import (
+    CachedRequestData,
+    KVCachePlan,
+    NewRequestData,
+    SamplingOptions,
+    SchedulerOutput,
+)
+from vllm.distributed.parallel_state import ParallelContext
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.model_loader import build_model
+from vllm.worker.gpu.model_runner import ModelRunner, warm_up_lengths
+
+
+def test_lengths_cover_both_divisibility_classes():
+    assert warm_up_lengths(2048) == sorted(
+        {2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512, 1023, 1024}
+        | {2047, 2048}
+    )
+    got = warm_up_lengths(100)
+    assert got[-2:] == [99, 100] and 64 in got and 63 in got and 128 not in got
+    assert warm_up_lengths(1) == [] and warm_up_lengths(2) == [2]
+
+
+def _runner(path, blocks=40, budget=96):
+    cfg = EngineArgs(
+        model=path,
+        max_num_seqs=4,
+        max_model_len=512,
+        max_num_batched_tokens=budget,
+        num_gpu_blocks_override=blocks,
+        kv_cache_memory_bytes=1,
+    ).create_engine_config()
+    model = build_model(path, dtype=cfg.model_config.dtype, device=torch.device("cpu"))
+    runner = ModelRunner(cfg, model, ParallelContext.single(), torch.device("cpu"))
+    runner.initialize_kv_cache(KVCachePlan(blocks))
+    return runner
+
+
+def _generate(runner, prompts, steps=4):
+    """Greedy tokens of each prompt (prefilled together, then decoded together)."""
+    greedy = SamplingOptions(temperature=0.0, max_tokens=100)
+    bs = runner.scheduler_block_size
+    new, first = [], 0
+    for i, p in enumerate(prompts):
+        nb = -(-(len(p) + steps + 1) // bs)
+        new.append(NewRequestData(f"r{i}", p, len(p), list(range(first, first + nb)), 0, greedy))
+        first += nb
+    ids = [r.req_id for r in new]
+    out = runner.execute(
+        SchedulerOutput(
+            new_reqs=new,
+            num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new},
+            total_num_scheduled_tokens=sum(len(p) for p in prompts),
+        )
+    )
+    toks = {r: [t[0]] for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True)}
+    for s in range(1, steps):
+        out = runner.execute(
+            SchedulerOutput(
+                step=s,
+                cached_reqs=[
+                    CachedRequestData(r, [], len(p) + s - 1)
+                    for r, p in zip(ids, prompts, strict=True)
+                ],
+                num_scheduled_tokens={r: 1 for r in ids},
+                total_num_scheduled_tokens=len(ids),
+            )
+        )
+        for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True):
+            toks[r].append(t[0])
+    return [toks[r] for r in ids]
+
+
+def test_warm_up_leaves_nothing_behind(tiny_ckpt):
+    prompts = [[(11 * i + j) % 200 + 5 for i in range(n)] for j, n in enumerate((70, 9, 33))]
+    cold = _generate(_runner(tiny_ckpt), prompts)
+    warm = _runner(tiny_ckpt)
+    lengths = warm.warm_up()
+    assert lengths == warm_up_lengths(96)
+    assert warm.states.slot_of == {}  # every warm-up request finished
+    assert _generate(warm, prompts) == cold
+
+
+def test_warm_up_fits_a_small_cache(tiny_ckpt):
+    """Lengths are capped by what the cache holds; with no room for the mixed step it is left out."""
+    runner = _runner(tiny_ckpt, blocks=2, budget=4096)
+    bs = runner.scheduler_block_size
+    lengths = runner.warm_up()
+    assert lengths[-1] == 2 * bs - 1
+    assert runner.states.slot_of == {}
