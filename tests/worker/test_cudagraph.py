@@ -154,13 +154,16 @@ def _graph_steps(m: LLM, since: int) -> int:
 
 
 def test_static_decode_equals_eager(pair):
-    """Chunked prompts join while others decode (mixed steps run eagerly, decode-only steps take
-    the static path), requests finish at different steps (padding changes), greedy and seeded
-    sampled rows, logprobs; the prefix-cache rerun hits and must give the same tokens."""
+    """Chunked prompts join while others decode (in mixed steps the decode rows take the static
+    path and the prompt chunks run eagerly after them; decode-only steps take the static path),
+    requests finish at different steps (padding changes), greedy and seeded sampled rows,
+    logprobs; the prefix-cache rerun hits and must give the same tokens."""
     eager, graphs = pair
     since = len(graphs.stats_history)
     ref, got = _run(eager, seeds=True), _run(graphs, seeds=True)
     assert _graph_steps(graphs, since) >= 15
+    split = sum(s.num_cudagraph_split_steps for s in graphs.stats_history[since:])
+    assert split >= 3
     assert _graph_steps(eager, 0) == 0
     assert got[0] == ref[0]
     for g, r in zip(got[1], ref[1], strict=True):

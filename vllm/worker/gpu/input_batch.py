@@ -40,6 +40,28 @@ class StepInputs:
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1])
 
+    def rows(self, lo: int, hi: int) -> StepInputs:
+        """Batch rows [lo, hi) and their tokens as a step of their own (views of the device
+        tensors; the token rows renumbered from 0)."""
+        t0, t1 = int(self.query_start_loc[lo]), int(self.query_start_loc[hi])
+        sr = self.sample_rows
+        return StepInputs(
+            req_ids=self.req_ids[lo:hi],
+            idx_mapping=self.idx_mapping[lo:hi],
+            idx_np=self.idx_np[lo:hi],
+            start=self.start[lo:hi],
+            num_scheduled=self.num_scheduled[lo:hi],
+            query_start_loc=self.query_start_loc[lo : hi + 1] - t0,
+            seq_lens=self.seq_lens[lo:hi],
+            is_prefill=self.is_prefill[lo:hi],
+            sample_rows=sr[(sr >= lo) & (sr < hi)] - lo,
+            num_drafts=self.num_drafts[lo:hi],
+            input_ids=self.input_ids[t0:t1],
+            positions=self.positions[t0:t1],
+            token_req=self.token_req[t0:t1] - lo if lo else self.token_req[t0:t1],
+            positions_np=None if self.positions_np is None else self.positions_np[t0:t1],
+        )
+
 
 def build_step_inputs(
     so: SchedulerOutput,

@@ -305,6 +305,7 @@ class ModelRunner:
             out = ModelRunnerOutput(step=so.step)
             out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
             return out
+        n_dec = self._decode_rows_first(so, start_of)
         inp = build_step_inputs(so, self.states, self.device, start_of, self.staging)
         self.hooks.before_forward(inp)
         self._grammar = (so.grammar_req_ids, so.grammar_bitmask)
@@ -312,16 +313,62 @@ class ModelRunner:
         plan = self._sampling_plan(inp)
         size = self._graph_size(self.graphs.decode_batch(inp)) if self.graphs else None
         hidden = logits = target = None
+        split = False
         if size is not None:  # a decode-only step: replay its CUDA graph, logits included
             logits = self.graphs.run(inp, size)
+        elif n_dec and (size := self._split_size(inp, plan, n_dec)) is not None:
+            logits = self._run_split(inp, plan, n_dec, size)
+            split = True
         else:
             target = self.prepare(inp)
             hidden = self.forward(*target)
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
         out = self._sample(inp, plan, hidden, so.step, logits, target, size)
+        if split:
+            out.stats["cudagraph_split_steps"] = 1
         out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
         return out
+
+    # ---- mixed steps: the decode rows replay their graph, the prompt chunks run eagerly ------
+    def _decode_rows_first(self, so: SchedulerOutput, start_of: dict[str, int]) -> int:
+        """A step with both decode rows (one new token each) and prompt chunks, where the decode
+        rows may replay a graph by themselves: reorders ``so``'s rows decode rows first and
+        returns how many (0: the step runs as one). Only without MTP drafts and without EP
+        (under EP every rank would have to split alike); the order is the batch's, and the
+        scheduler reads outputs by request id."""
+        g = self.graphs
+        if g is None or g.k or (self.pc.ep is not None and self.pc.ep.world_size > 1):
+            return 0
+        st, sched = self.states, so.num_scheduled_tokens
+        dec = [r for r, n in sched.items() if n == 1 and start_of[r] >= st.num_known[st.slot_of[r]]]
+        if not dec or len(dec) == len(sched) or len(dec) > g.sizes[-1]:
+            return 0
+        if (st.prompt_logprobs[[st.slot_of[r] for r in sched]] >= 0).any():
+            return 0  # prompt logprobs read the whole step's hidden states
+        first = set(dec)
+        so.num_scheduled_tokens = {r: 1 for r in dec} | {
+            r: n for r, n in sched.items() if r not in first
+        }
+        return len(dec)
+
+    def _split_size(self, inp: StepInputs, plan, n_dec: int) -> int | None:
+        """The graph size of the first n_dec rows, if they are decode rows that each sample."""
+        if plan is None or inp.is_prefill[:n_dec].any() or len(plan.rows) < n_dec:
+            return None
+        if not (plan.rows[:n_dec] == np.arange(n_dec)).all():
+            return None
+        return self.graphs.size_for(n_dec)
+
+    def _run_split(self, inp: StepInputs, plan, n_dec: int, size: int) -> torch.Tensor:
+        """Logits of the step's sampled positions, rows in order: the decode rows' graph replay
+        (host-light), then the prompt chunks' eager forward, queued behind it on the device."""
+        logits_d = self.graphs.run(inp.rows(0, n_dec), size)
+        rest = inp.rows(n_dec, len(inp.req_ids))
+        hidden = self.forward(*self.prepare(rest))
+        tok = plan.sampled_tok[n_dec:] - int(inp.query_start_loc[n_dec])
+        logits_p = self.model.compute_logits(hidden[self.staging.to_device(tok)])
+        return torch.cat([logits_d, logits_p])
 
     def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
         """This rank's share of the step and its attention metadata."""
