@@ -93,7 +93,7 @@ def run_shape(path, args, mqa: bool, mixed: bool) -> dict:
         if args.device == "cuda":
             torch.cuda.synchronize()
 
-    walls, prof_ms, top = [], None, []
+    walls, prof_ms, top, split = [], None, [], 0
     total = args.warmup + args.reps
     prev: list[str] = []
     for s in range(total):
@@ -143,8 +143,9 @@ def run_shape(path, args, mqa: bool, mixed: bool) -> dict:
             prof.__enter__()
         sync()
         t0 = time.perf_counter()
-        runner.execute(so)
+        ro = runner.execute(so)
         sync()
+        split += int(ro.stats.get("cudagraph_split_steps", 0))
         if s >= args.warmup and not profiling:
             walls.append(time.perf_counter() - t0)
         if profiling:
@@ -171,6 +172,7 @@ def run_shape(path, args, mqa: bool, mixed: bool) -> dict:
         "gpu_ms": prof_ms,
         "wall_over_gpu": med * 1e3 / prof_ms if prof_ms else None,
         "prefill_tok_per_s": tokens / med,
+        "split_steps": split,  # mixed steps whose decode rows replayed a graph
         "top_kernels_ms": top,
     }
 
@@ -206,12 +208,12 @@ def main() -> int:
         print(f"\n{r['shape']} {r['form']}: top kernels (ms, calls)")
         for k, ms, n in r["top_kernels_ms"]:
             print(f"  {ms:8.3f} {n:5d}  {k}")
-    print("\nshape   form   tokens  dec  wall ms  max ms  gpu ms  wall/gpu  prefill tok/s")
+    print("\nshape   form   tokens  dec  wall ms  max ms  gpu ms  wall/gpu  prefill tok/s  split")
     for r in rows:
         print(
             f"{r['shape']:7} {r['form']:6} {r['prefill_tokens']:6} {r['decode_rows']:4} "
             f"{r['step_ms_median']:8.2f} {r['step_ms_max']:7.2f} {r['gpu_ms'] or 0:7.2f} "
-            f"{r['wall_over_gpu'] or 0:8.2f} {r['prefill_tok_per_s']:13.0f}"
+            f"{r['wall_over_gpu'] or 0:8.2f} {r['prefill_tok_per_s']:13.0f}  {r['split_steps']}"
         )
     return 0
 
