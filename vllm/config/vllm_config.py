@@ -200,6 +200,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # per-request prompt tokens per step (0: no cap)
+    # schedule step N + 1 while step N runs (its sampled tokens stay on the device)
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)

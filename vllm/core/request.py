@@ -47,6 +47,8 @@ class Request:
         # the workers drafted after this request's last sampled token (every step that samples
         # an eligible request drafts; a preemption drops the drafts with the workers' state)
         self.has_drafts = False
+        # --async-scheduling: tokens sampled by steps in flight, not yet appended
+        self.num_output_placeholders = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -77,6 +77,8 @@ class Scheduler:
         self._stats = self._new_stats()
         self._worker_stats: dict[str, float] = {}
         self.kv_connector = KVConnectorScheduler(config, self.kv, self.waiting)
+        self.async_scheduling = sc.async_scheduling
+        self._placeholders: dict[int, list[str]] = {}  # step -> requests it samples (async)
 
     # ---- admission ------------------------------------------------------------------------
     @property
@@ -141,7 +143,9 @@ class Scheduler:
 
         # decodes first, then unfinished prompts (chunks), each in admission order
         def remaining(r: Request) -> int:
-            return r.num_tokens - r.num_computed_tokens
+            if self.async_scheduling and self._emitted_all(r):
+                return 0  # its last token is in flight: nothing to compute
+            return r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
 
         order = [r for r in self.running if remaining(r) <= 1]
         order += [r for r in self.running if remaining(r) > 1]
@@ -153,7 +157,9 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
             left = remaining(req)
-            assert left > 0, f"running request {req.request_id} has nothing to compute"
+            assert left > 0 or self.async_scheduling, f"{req.request_id} has nothing to compute"
+            if left <= 0:
+                continue
             room = budget if left == 1 else budget - reserve
             n = min(left, room, self.max_chunk, self._prefill_cap(left))
             if left == 1 and n == 1:  # a decode: verify the drafts proposed last step too
@@ -253,9 +259,18 @@ class Scheduler:
                 if self._grammar.has(rid)
                 and self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens
             ]
+        samples: list[str] = []
         for req in self.running:
             if req.request_id in num_sched:
                 req.num_computed_tokens += num_sched[req.request_id]
+                # a chunk reaching the newest token samples the next one
+                if self.async_scheduling and req.num_computed_tokens >= (
+                    req.num_tokens + req.num_output_placeholders
+                ):
+                    req.num_output_placeholders += 1
+                    samples.append(req.request_id)
+        if samples:
+            self._placeholders[self.step] = samples
         out = SchedulerOutput(
             step=self.step,
             new_reqs=new_reqs,
@@ -270,6 +285,24 @@ class Scheduler:
         self.finished_ids = []
         self.kv_connector.build_meta(out)
         return out
+
+    def _emitted_all(self, req: Request) -> bool:
+        """Its tokens, those in flight included, reach max_tokens or the context limit."""
+        n = req.num_tokens + req.num_output_placeholders
+        out = len(req.output_token_ids) + req.num_output_placeholders
+        return n >= self.max_request_tokens or (
+            req.max_tokens is not None and out >= req.max_tokens
+        )
+
+    def can_schedule_ahead(self) -> bool:
+        """--async-scheduling: whether the next step may be scheduled before the one in flight
+        has reported. Not while a request follows a grammar (its next bitmask needs the token
+        in flight): those steps are scheduled after the results, as without the flag."""
+        if not self.async_scheduling:
+            return False
+        return self._grammar is None or not any(
+            self._grammar.has(r.request_id) for r in self.running
+        )
 
     def _num_drafts(self, req: Request, room: int) -> int:
         """Drafted tokens to verify with a decode of ``req``: --speculative-config's count, no
@@ -348,6 +381,10 @@ class Scheduler:
         for k, v in ro.stats.items():
             self._worker_stats[k] = self._worker_stats.get(k, 0) + v
         sampled = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
+        for rid in self._placeholders.pop(so.step, ()):
+            req = self.requests.get(rid)
+            if req is not None:
+                req.num_output_placeholders -= 1
         spec, self._spec = self._spec, {}
         for rid in so.num_scheduled_tokens:
             req = self.requests.get(rid)

@@ -66,6 +66,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
     # features
     attention_config: str | dict | None = None
     speculative_config: str | dict | None = None
@@ -102,6 +103,20 @@ class EngineArgs:
                 f"model {self.model!r}: no such folder (this engine loads local HF checkpoint folders)"
             )
         return path
+
+    def _check_async_scheduling(self) -> None:
+        """--async-scheduling with what it does not support yet: a start-up error naming both."""
+        attn = AttentionConfig.from_json(self.attention_config)
+        other = [
+            ("--speculative-config", self.speculative_config is not None),
+            ("--kv-transfer-config", self.kv_transfer_config is not None),
+            ("--kv-offloading-size", bool(self.kv_offloading_size)),
+            ("--data-parallel-size > 1", self.data_parallel_size > 1),
+            ("HiSparse (--attention-config hisparse_config)", attn.hisparse is not None),
+        ]
+        for name, on in other:
+            if on:
+                raise ValueError(f"--async-scheduling is not supported with {name} yet")
 
     def create_engine_config(self) -> VllmConfig:
         path = self.resolve_model_path()
@@ -160,7 +175,10 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            async_scheduling=self.async_scheduling,
         )
+        if self.async_scheduling:
+            self._check_async_scheduling()
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
             raise ValueError("--kv-offloading-size must be >= 0 (GiB)")
         return VllmConfig(
@@ -305,6 +323,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "for a seat always get room next to a running prefill)",
     )
     _bool_flag(p, "--enable-chunked-prefill", True, "split long prompts across steps")
+    _bool_flag(
+        p,
+        "--async-scheduling",
+        False,
+        "schedule each step while the previous one runs (the host's scheduling and output "
+        "processing overlap the GPU's step; a finished request is computed one step more)",
+    )
     g = p.add_argument_group("features (JSON)")
     g.add_argument(
         "--attention-config",

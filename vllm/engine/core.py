@@ -45,10 +45,23 @@ class EngineCore:
         self.dp_rank = dp_rank
         self.executor = MultiprocExecutor(config, dp_rank, dist_init, heartbeats)
         self.scheduler = Scheduler(config, self.executor.kv_plan)
+        self._in_flight: SchedulerOutput | None = None  # --async-scheduling: sent, not read
+
+    @property
+    def in_flight(self) -> bool:
+        """--async-scheduling: a step was sent and its results not yet read."""
+        return self._in_flight is not None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self.in_flight
 
     def step(self, lockstep: bool = False) -> EngineCoreOutputs | None:
         """One model step. With `lockstep` (DP replicas sharing EP) the workers run a forward even
-        with nothing scheduled (a dummy step) so every replica's EP all-to-alls stay matched."""
+        with nothing scheduled (a dummy step) so every replica's EP all-to-alls stay matched.
+        With --async-scheduling the next step is scheduled and sent before the results of the
+        one in flight are read (:meth:`_step_async`)."""
+        if self.scheduler.async_scheduling and not lockstep:
+            return self._step_async()
         if not self.scheduler.has_work():
             if lockstep:
                 self.executor.execute(SchedulerOutput(dummy=True))
@@ -60,6 +73,23 @@ class EngineCore:
         return EngineCoreOutputs(
             engine_index=self.dp_rank, outputs=outs, stats=self.scheduler.stats()
         )
+
+    def _step_async(self) -> EngineCoreOutputs | None:
+        """Schedule and send step N + 1, then read step N's results and apply them: the
+        scheduler's work and the results' round trip overlap the workers' step. Step N + 1's
+        decode rows take the tokens step N samples from the workers' device state. A request
+        that step N finishes is computed once more by step N + 1 and that output is dropped."""
+        sched, ahead = self.scheduler, None
+        if sched.has_work() and (self._in_flight is None or sched.can_schedule_ahead()):
+            ahead = sched.schedule()
+            self.executor.submit(ahead)
+        if self._in_flight is None:
+            self._in_flight = ahead
+            return None
+        so, self._in_flight = self._in_flight, ahead
+        ro = self.executor.collect()
+        outs = sched.take_stuck() + sched.update_from_output(so, ro)
+        return EngineCoreOutputs(engine_index=self.dp_rank, outputs=outs, stats=sched.stats())
 
     def info(self) -> dict:
         s = self.scheduler
@@ -155,8 +185,8 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
     idle_ms = 10 if wave.active else IDLE_POLL_MS
     shutdown = False
     while True:
-        timeout = 0 if sched.waiting or sched.running else idle_ms
-        if timeout and sched.has_work():
+        timeout = 0 if sched.waiting or sched.running or core.in_flight else idle_ms
+        if timeout and core.has_work():
             timeout = TRANSFER_POLL_MS
         aborted = False
         while inp.poll(timeout):
@@ -183,9 +213,9 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
             elif kind == b"shutdown":
                 shutdown = True
                 break
-        if aborted and not sched.has_work():  # no step will report the freed seats and blocks
+        if aborted and not core.has_work():  # no step will report the freed seats and blocks
             out.send(enc.encode(EngineCoreOutputs(engine_index=core.dp_rank, stats=sched.stats())))
-        any_work, any_stop = wave.sync(sched.has_work(), shutdown or stop["flag"])
+        any_work, any_stop = wave.sync(core.has_work(), shutdown or stop["flag"])
         if any_stop:
             return
         if not any_work:

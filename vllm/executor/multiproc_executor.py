@@ -140,12 +140,26 @@ class MultiprocExecutor:
         return got
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(so)
+        return self.collect()
+
+    def submit(self, so: SchedulerOutput) -> None:
+        """Send a step to the workers without waiting for its results (they answer in order)."""
         if self.dead:
             raise EngineDeadError(self.dead)
         raw = self.enc.encode(so)
         try:
             for s in self.socks:
                 send_nonblocking(s, raw, self._check_alive, timeout_s=float("inf"))
+        except EngineDeadError as e:
+            self.dead = str(e)
+            raise
+
+    def collect(self) -> ModelRunnerOutput:
+        """The results of the oldest step submitted and not yet collected."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        try:
             msgs = self._collect("output", self.num_answers, float("inf"))
         except EngineDeadError as e:
             self.dead = str(e)
