@@ -334,11 +334,13 @@ class ModelRunner:
     def _decode_rows_first(self, so: SchedulerOutput, start_of: dict[str, int]) -> int:
         """A step with both decode rows (one new token each) and prompt chunks, where the decode
         rows may replay a graph by themselves: reorders ``so``'s rows decode rows first and
-        returns how many (0: the step runs as one). Only without MTP drafts and without EP
-        (under EP every rank would have to split alike); the order is the batch's, and the
-        scheduler reads outputs by request id."""
-        g = self.graphs
+        returns how many (0: the step runs as one). Only without MTP drafts, EP (every EP rank
+        would have to split alike), HiSparse and KV connectors (their step hooks see the step as
+        one batch); the scheduler reads outputs by request id."""
+        g, cfg = self.graphs, self.config
         if g is None or g.k or (self.pc.ep is not None and self.pc.ep.world_size > 1):
+            return 0
+        if cfg.attention_config.hisparse is not None or cfg.uses_kv_connector:
             return 0
         st, sched = self.states, so.num_scheduled_tokens
         dec = [r for r, n in sched.items() if n == 1 and start_of[r] >= st.num_known[st.slot_of[r]]]
