@@ -27,7 +27,7 @@ def _check(attn, g, t, s, positions, device, tail):
     assert _is_tail(np.asarray(positions), s) == tail
     got = attn._dense_attend(q_nope, q_pe, rows, pos, tail)
     assert got.dtype == torch.bfloat16 and got.shape == (t, h, attn.v_dim)
-    ref = attn._dense_attend_ref(q_nope, q_pe, rows, pos)
+    ref = attn._dense_attend_fp32(q_nope, q_pe, rows, pos)
     err = (got.float() - ref).abs().max().item()
     assert err <= 2e-2 * ref.abs().max().item(), err
 
@@ -52,7 +52,7 @@ def test_fp32_queries_take_the_reference():
     rows, pos = torch.randn(3, 20, generator=g), torch.arange(3)
     got = attn._dense_attend(q_nope, q_pe, rows, pos, True)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, attn._dense_attend_ref(q_nope, q_pe, rows, pos))
+    torch.testing.assert_close(got, attn._dense_attend_fp32(q_nope, q_pe, rows, pos))
 
 
 @pytest.mark.gpu

@@ -240,7 +240,7 @@ class SparseMLAAttention(nn.Module):
         the queries are the context's last T positions, ``tail``); fp32 ones the reference."""
         if q_nope.dtype in (torch.bfloat16, torch.float16):
             return self._dense_attend_sdpa(q_nope, q_pe, rows, pos, tail)
-        return self._dense_attend_ref(q_nope, q_pe, rows, pos)
+        return self._dense_attend_fp32(q_nope, q_pe, rows, pos)
 
     def _dense_attend_sdpa(self, q_nope, q_pe, rows, pos, tail: bool):
         dt, h, s = q_nope.dtype, self.num_heads, rows.shape[0]
@@ -263,8 +263,8 @@ class SparseMLAAttention(nn.Module):
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=self.scale)
         return o.transpose(0, 1)  # [T, H, v]
 
-    def _dense_attend_ref(self, q_nope, q_pe, rows, pos):
-        """fp32 reference of the MHA form."""
+    def _dense_attend_fp32(self, q_nope, q_pe, rows, pos):
+        """The MHA form in fp32 (fp32 models, and the fused path's reference in the tests)."""
         rows = rows.float()
         c, kpe = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
         k_nope = torch.einsum("sr,hnr->hsn", c, self.w_uk.float())  # [H, S, nope]
