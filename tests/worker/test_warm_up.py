@@ -95,3 +95,14 @@ def test_warm_up_fits_a_small_cache(tiny_ckpt):
     lengths = runner.warm_up()
     assert lengths[-1] == 2 * bs - 1
     assert runner.states.slot_of == {}
+
+
+def test_no_warm_up_under_hisparse(tiny_ckpt):
+    cfg = EngineArgs(
+        model=tiny_ckpt,
+        attention_config={"hisparse_config": {"host_pool_gib": 0.05}},
+        num_gpu_blocks_override=14,
+    ).create_engine_config()
+    model = build_model(tiny_ckpt, dtype=cfg.model_config.dtype, device=torch.device("cpu"))
+    runner = ModelRunner(cfg, model, ParallelContext.single(), torch.device("cpu"))
+    assert runner.warm_up() == []

@@ -164,6 +164,8 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
     if device.type == "cuda":  # CPU runs have no kernels to compile
         t0 = time.perf_counter()
         lengths = runner.warm_up()
+        if rank_in_replica == 0 and not lengths:
+            logger.info("warm-up skipped (HiSparse or no room): kernels compile at first use")
         if rank_in_replica == 0 and lengths:
             logger.info(
                 "warm-up: %d prefill steps (prompts of %d-%d tokens) and a mixed step in %.1f s",

@@ -178,7 +178,10 @@ class ModelRunner:
         kinds of token count compile), then a mixed step (a decode row beside a prefill chunk).
         The requests are the runner's own, on the first KV blocks, and are finished before it
         returns: at start-up no block holds anything. Every rank runs the same steps (they are
-        collective where steps are). Returns the prompt lengths run."""
+        collective where steps are). Not under HiSparse, whose requests' pages are placed by the
+        scheduler (its kernels compile at first use). Returns the prompt lengths run."""
+        if self.config.attention_config.hisparse is not None:
+            return []
         sbs = self.scheduler_block_size
         cap = min(
             self.config.scheduler_config.max_num_batched_tokens,
