@@ -279,7 +279,8 @@ def test_synthetic_mode_sets_the_accepted_length(aligned_ckpt):
 
 def test_static_buffer_path_with_drafts(aligned_ckpt, reference):
     """The CUDA-graph path (verify graph + drafting graph; uncaptured on CPU, same static
-    buffers and padding): decode steps replay it, outputs equal the reference."""
+    buffers and padding): decode steps replay it, and in mixed steps the decode rows replay it
+    while the prompt chunks (and their drafting) run eagerly; outputs equal the reference."""
     m = LLM(
         aligned_ckpt,
         speculative_config={"method": "mtp", "num_speculative_tokens": 3},
@@ -289,6 +290,7 @@ def test_static_buffer_path_with_drafts(aligned_ckpt, reference):
     try:
         _assert_same(_run(m), reference)
         assert sum(s.num_cudagraph_steps for s in m.stats_history) >= 5
+        assert sum(s.num_cudagraph_split_steps for s in m.stats_history) >= 2
         assert _spec_totals(m)[2] > 0
     finally:
         m.shutdown()

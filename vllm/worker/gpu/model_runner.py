@@ -316,18 +316,19 @@ class ModelRunner:
         plan = self._sampling_plan(inp)
         size = self._graph_size(self.graphs.decode_batch(inp)) if self.graphs else None
         hidden = logits = target = None
-        split = False
+        split = None
         if size is not None:  # a decode-only step: replay its CUDA graph, logits included
             logits = self.graphs.run(inp, size)
         elif n_dec and (size := self._split_size(inp, plan, n_dec)) is not None:
-            logits = self._run_split(inp, plan, n_dec, size)
-            split = True
+            logits, target, hidden = self._run_split(inp, plan, n_dec, size)
+            split = (n_dec, size, target, hidden)
+            hidden = target = None
         else:
             target = self.prepare(inp)
             hidden = self.forward(*target)
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
-        out = self._sample(inp, plan, hidden, so.step, logits, target, size)
+        out = self._sample(inp, plan, hidden, so.step, logits, target, size, split)
         if split:
             out.stats["cudagraph_split_steps"] = 1
         out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
@@ -335,26 +336,30 @@ class ModelRunner:
 
     # ---- mixed steps: the decode rows replay their graph, the prompt chunks run eagerly ------
     def _decode_rows_first(self, so: SchedulerOutput, start_of: dict[str, int]) -> int:
-        """A step with both decode rows (one new token each) and prompt chunks, where the decode
-        rows may replay a graph by themselves: reorders ``so``'s rows decode rows first and
-        returns how many (0: the step runs as one). Only without MTP drafts, EP (every EP rank
-        would have to split alike), HiSparse and KV connectors (their step hooks see the step as
-        one batch); the scheduler reads outputs by request id."""
+        """A step with both decode rows (the last sampled token, and with MTP up to k drafts to
+        verify) and prompt chunks, where the decode rows may replay a graph by themselves:
+        reorders ``so``'s rows decode rows first and returns how many (0: the step runs as one).
+        With MTP the decode rows' drafting replays the drafting graph and the chunks' drafting
+        runs eagerly. Not under EP (every EP rank would have to split alike), HiSparse and KV
+        connectors (their step hooks see the step as one batch); the scheduler reads outputs by
+        request id."""
         g, cfg = self.graphs, self.config
-        if g is None or g.k or (self.pc.ep is not None and self.pc.ep.world_size > 1):
+        if g is None or (self.pc.ep is not None and self.pc.ep.world_size > 1):
             return 0
         if not so.new_reqs and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens):
             return 0  # one token per row: decode only (a rare one-token prompt chunk: eager)
         if cfg.attention_config.hisparse is not None or cfg.uses_kv_connector:
             return 0
         st, sched = self.states, so.num_scheduled_tokens
-        dec = [r for r, n in sched.items() if n == 1 and start_of[r] >= st.num_known[st.slot_of[r]]]
+        dec = [
+            r for r, n in sched.items() if n <= g.q and start_of[r] >= st.num_known[st.slot_of[r]]
+        ]
         if not dec or len(dec) == len(sched) or len(dec) > g.sizes[-1]:
             return 0
         if (st.prompt_logprobs[[st.slot_of[r] for r in sched]] >= 0).any():
             return 0  # prompt logprobs read the whole step's hidden states
         first = set(dec)
-        so.num_scheduled_tokens = {r: 1 for r in dec} | {
+        so.num_scheduled_tokens = {r: sched[r] for r in dec} | {
             r: n for r, n in sched.items() if r not in first
         }
         return len(dec)
@@ -367,15 +372,43 @@ class ModelRunner:
             return None
         return self.graphs.size_for(n_dec)
 
-    def _run_split(self, inp: StepInputs, plan, n_dec: int, size: int) -> torch.Tensor:
+    def _run_split(self, inp: StepInputs, plan, n_dec: int, size: int):
         """Logits of the step's sampled positions, rows in order: the decode rows' graph replay
-        (host-light), then the prompt chunks' eager forward, queued behind it on the device."""
+        (host-light), then the prompt chunks' eager forward, queued behind it on the device.
+        Returns them with the chunks' (RankStep, metadata) and hidden states (their drafting)."""
         logits_d = self.graphs.run(inp.rows(0, n_dec), size)
         rest = inp.rows(n_dec, len(inp.req_ids))
-        hidden = self.forward(*self.prepare(rest))
-        tok = plan.sampled_tok[n_dec:] - int(inp.query_start_loc[n_dec])
+        target = self.prepare(rest)
+        hidden = self.forward(*target)
+        tok = plan.sampled_tok[_decode_samples(plan, n_dec) :] - int(inp.query_start_loc[n_dec])
+        if not len(tok):
+            return logits_d, target, hidden
         logits_p = self.model.compute_logits(hidden[self.staging.to_device(tok)])
-        return torch.cat([logits_d, logits_p])
+        return torch.cat([logits_d, logits_p]), target, hidden
+
+    def _draft_split(self, inp: StepInputs, plan, split, sampled, accepted) -> None:
+        """The drafting of a split step: the decode rows' drafting graph, then the chunks'
+        eager drafting pass (the MTP layer over every chunk token: its KV, and the drafts of
+        the rows that finish their prompt)."""
+        n_dec, size, target, hidden = split
+        nsd = _decode_samples(plan, n_dec)
+        acc = (None, None) if accepted is None else (accepted[:n_dec], accepted[n_dec:])
+        self.graphs.draft(inp.rows(0, n_dec), size, sampled[:nsd], acc[0])
+        rows = plan.rows[n_dec:] - n_dec
+        rest = inp.rows(n_dec, len(inp.req_ids))
+        t0 = int(inp.query_start_loc[n_dec])
+        self.drafter.propose(
+            DraftBatch(
+                rest,
+                rows,
+                *target,
+                hidden,
+                sampled[nsd:] if len(rows) else None,
+                plan.sampled_tok[nsd:] - t0,
+                plan.first[n_dec:] - nsd,
+                acc[1],
+            )
+        )
 
     def prepare(self, inp: StepInputs) -> tuple[RankStep, MLAMetadata]:
         """This rank's share of the step and its attention metadata."""
@@ -535,6 +568,7 @@ class ModelRunner:
         logits=None,
         target=None,
         replayed: int | None = None,
+        split=None,
     ) -> ModelRunnerOutput:
         """Sample the rows that produce tokens, from ``hidden`` (every token's final hidden
         state) or, after a graph replay, from ``logits`` (one row per request). A row verifying
@@ -573,7 +607,9 @@ class ModelRunner:
             if lp is not None:
                 host.update(lp_chosen=lp[0], lp_rank=lp[1], lp_ids=lp[2], lp_vals=lp[3])
         # queued before the sync: the device drafts while we wait
-        if replayed is not None:
+        if split is not None:
+            self._draft_split(inp, plan, split, sampled, accepted)
+        elif replayed is not None:
             self.graphs.draft(inp, replayed, sampled, accepted)
         elif target is not None:
             self.drafter.propose(
@@ -670,6 +706,11 @@ class SamplingPlan:
     sampled_tok: np.ndarray  # [N] step token of each sampled position
     lrows: np.ndarray  # [N] batch row of each sampled position
     batch: SamplingBatch
+
+
+def _decode_samples(plan, n_dec: int) -> int:
+    """Sampled positions of the first n_dec rows (decode rows, which all sample: 1 + d each)."""
+    return int(plan.first[n_dec]) if len(plan.rows) > n_dec else len(plan.sampled_tok)
 
 
 def warm_up_lengths(cap: int) -> list[int]:
