@@ -140,6 +140,10 @@ def test_unknown_model_folder(tmp_path):
         (["-tp", "1024"], "--tensor-parallel-size 1024"),
         (["-tp", "3"], "--tensor-parallel-size 3"),
         (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+        (
+            ["--async-scheduling", "--speculative-config", '{"method":"mtp"}'],
+            "--async-scheduling is not supported with --speculative-config",
+        ),
         pytest.param(
             ["--device", "cuda"],
             "--device cuda",
@@ -173,6 +177,13 @@ def test_tiny_checkpoint_command(tmp_path):
         timeout=120,
     )
     assert r.returncode == 0 and (tmp_path / "t" / "config.json").exists()
+
+
+def test_async_scheduling_flag(tiny_ckpt):
+    assert not _parse([tiny_ckpt]).create_engine_config().scheduler_config.async_scheduling
+    cfg = _parse([tiny_ckpt, "--async-scheduling"]).create_engine_config()
+    assert cfg.scheduler_config.async_scheduling
+    assert not _parse([tiny_ckpt, "--no-async-scheduling"]).async_scheduling
 
 
 def test_speculative_config_flag(tiny_ckpt):
