@@ -59,7 +59,12 @@ def test_fp32_queries_take_the_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("t,s", [(2048, 2048), (512, 2048), (300, 1000)])
 def test_sdpa_matches_reference_glm_dims_cuda(t, s):
-    """GLM-5.3's head dims (qk 192 + 64, v 256: the flash-attention kernel on the GPU)."""
+    """GLM-5.3's head dims (qk 192 + 64, v 256): a chunk at the context's end takes the
+    flash-attention kernel (only it is allowed here: a fall-back would raise); a PCP rank's
+    two runs take the masked path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     attn, g = _layer(64, 192, 256, 512, 64, "cuda", seed=t + s)
-    _check(attn, g, t, s, list(range(s - t, s)), "cuda", True)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        _check(attn, g, t, s, list(range(s - t, s)), "cuda", True)
     _check(attn, g, 16, s, list(range(8)) + list(range(s - 8, s)), "cuda", False)

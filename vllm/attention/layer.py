@@ -254,14 +254,21 @@ class SparseMLAAttention(nn.Module):
         )  # [H, S, nope + rope]
         v = torch.einsum("sr,hvr->hsv", c, self.w_uv.to(dt))  # [H, S, v]
         q = torch.cat([q_nope, q_pe.to(dt)], -1).transpose(0, 1)  # [H, T, nope + rope]
-        if tail:  # query i at position S − T + i: causal, aligned to the last key
+        t = q.shape[1]
+        # 4-D [1, H, ., .]: the fused kernels take no other rank (3-D inputs fall back to the
+        # math path, which materialises the scores)
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if tail and t == s:  # the whole context: plain causal
+            o = sdpa(q, k, v, is_causal=True, scale=self.scale)
+        elif tail:  # query i at position S − T + i: causal, aligned to the last key
             from torch.nn.attention.bias import causal_lower_right
 
-            mask = causal_lower_right(q.shape[1], s)
+            o = sdpa(q, k, v, causal_lower_right(t, s), scale=self.scale)
         else:
             mask = torch.arange(s, device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=self.scale)
-        return o.transpose(0, 1)  # [T, H, v]
+            o = sdpa(q, k, v, mask, scale=self.scale)
+        return o[0].transpose(0, 1)  # [T, H, v]
 
     def _dense_attend_fp32(self, q_nope, q_pe, rows, pos):
         """The MHA form in fp32 (fp32 models, and the fused path's reference in the tests)."""
