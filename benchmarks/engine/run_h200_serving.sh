@@ -2,7 +2,11 @@
 # One device call (~9 min on an H200): the GPU tests of the engine paths, the prefill/mixed step
 # benchmark, then `vllm serve` + `vllm bench serve` (2K in / 128 out) on the GLM-5.3-shaped slice
 # in the configurations BENCHMARKS.md §11 compares. Needs `vllm` on PATH and the engine's
-# dependencies importable. Results -> $OUT (or ./out); a summary is printed last.
+# dependencies importable (on a machine without network: install cp312 wheels of msgspec, pyzmq,
+# fastapi, starlette, uvicorn, pydantic, pydantic-core, annotated-types, typing-inspection,
+# opentelemetry-api and importlib-metadata with --no-deps --target, put that folder and the
+# checkout on PYTHONPATH, and make `vllm` run `python3 -m vllm.entrypoints.cli.main`).
+# Results -> $OUT (or ./out); a summary is printed last.
 #   CONFIGS="bf16 bf16_async bf16_8k fp8 nomtp mtp3" bash benchmarks/engine/run_h200_serving.sh
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
