@@ -18,14 +18,15 @@ from vllm.model_executor.model_loader import build_model
 from vllm.worker.gpu.model_runner import ModelRunner, warm_up_lengths
 
 
-def test_lengths_cover_both_divisibility_classes():
+def test_lengths_cover_every_integer_class():
+    """1 (a constant for Triton), multiples of 16 and others, in every power-of-two bucket."""
     assert warm_up_lengths(2048) == sorted(
-        {2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512, 1023, 1024}
+        {1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 127, 128, 255, 256, 511, 512, 1023, 1024}
         | {2047, 2048}
     )
     got = warm_up_lengths(100)
     assert got[-2:] == [99, 100] and 64 in got and 63 in got and 128 not in got
-    assert warm_up_lengths(1) == [] and warm_up_lengths(2) == [2]
+    assert warm_up_lengths(0) == [] and warm_up_lengths(1) == [1] and warm_up_lengths(2) == [1, 2]
 
 
 def _runner(path, blocks=40, budget=96):

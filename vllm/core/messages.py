@@ -112,6 +112,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
     num_cudagraph_steps: int = 0  # steps that replayed a decode CUDA graph (deltas)
     num_cudagraph_split_steps: int = 0  # of which mixed steps (prompt chunks run eagerly)
+    num_jit_compiles: int = 0  # Triton compiles inside steps after start-up: stalls (deltas)
     spec_decoding: SpecDecodingStats | None = None  # with --speculative-config
     kv_transfer: dict[str, float] = {}  # KV connector counters (deltas, summed over ranks)
     extra: dict = {}

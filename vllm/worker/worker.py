@@ -22,6 +22,7 @@ from vllm.core.messages import (
     decoder,
     encoder,
 )
+from vllm.kernels.triton.precompile import CompileWatch
 from vllm.utils import HeartbeatBoard, die_with_parent, init_logging, logger
 
 ACTIVATION_RESERVE_GIB = float(os.environ.get("VLLM_CUDA_ACTIVATION_RESERVE_GIB", "4"))
@@ -174,6 +175,13 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
                 lengths[-1],
                 time.perf_counter() - t0,
             )
+    watch = None
+    if device.type == "cuda":
+        n, secs = runner.precompile()
+        if rank_in_replica == 0 and n:
+            logger.info("compiled %d context-dependent kernel variants in %.1f s", n, secs)
+        # from here every Triton compile is a stall inside a request: logged and counted
+        watch = CompileWatch().start()
     # every attention layer's caches, MTP layers last (the order of model.attention_layers())
     connector.register_kv_caches(runner.kv_cache.transfer_caches())
     inp = ctx.socket(zmq.PULL)
@@ -188,8 +196,11 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
             break
         so = dec.decode(raw)
         prof.before()
+        seen = len(watch.compiles) if watch is not None else 0
         ro = runner.execute(so)
         prof.after(so)
+        if watch is not None and len(watch.compiles) > seen:
+            ro.stats["jit_compiles"] = ro.stats.get("jit_compiles", 0) + len(watch.compiles) - seen
         if driver:
             out.send(enc.encode(WorkerMessage(rank=global_rank, kind="output", output=ro)))
         elif kv_ctx is not None:  # the scheduler combines every rank's KV transfers

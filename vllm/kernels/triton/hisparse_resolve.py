@@ -68,7 +68,9 @@ def _smallest(x, KP: tl.constexpr, HP: tl.constexpr):
         return tl.sort(x)
 
 
-@triton.jit
+# the step changes every call: not specialised on (a compiled variant per class of it — 1, a
+# multiple of 16, other — would compile inside the first steps of a server)
+@triton.jit(do_not_specialize=("step",))
 def _resolve_kernel(
     pos_ptr,  # [T, K] int32/int64 selected positions (−1 = none)
     req_ptr,  # [T] int64 request slot of each token

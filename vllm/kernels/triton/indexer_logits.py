@@ -39,7 +39,10 @@ def _load_operand(ptrs, mask, IS_FP8: tl.constexpr, BOTH_FP8: tl.constexpr):
     return x
 
 
-@triton.jit
+# Sizes that change with every call are not specialised on, and the logits' rows are strided by a
+# multiple of 16 (:func:`_logits_buffer`): one compiled variant per dtype pair, whatever the
+# context (a first-use compile inside a server is a stall of the whole step).
+@triton.jit(do_not_specialize=("num_q", "num_k", "num_s_blocks"))
 def _indexer_logits_kernel(
     q_ptr,  # [T, H, D] e4m3 bytes or float, strides (stride_qt, stride_qh, 1)
     coef_ptr,  # [T, H] fp32 = w · q_scale, contiguous
@@ -86,7 +89,7 @@ def _indexer_logits_kernel(
     tl.store(o_ptrs, out, mask=tmask[:, None] & smask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("max_ctx",))
 def _indexer_logits_paged_kernel(
     q_ptr,  # [T, H, D] e4m3 bytes or float, strides (stride_qt, stride_qh, 1)
     coef_ptr,  # [T, H] fp32 = w · q_scale, contiguous
@@ -154,6 +157,12 @@ def _as_operand(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return x, False
 
 
+def _logits_buffer(t: int, s: int, device) -> torch.Tensor:
+    """[t, s] fp32 whose rows are strided by a multiple of 16 (aligned row starts for the
+    kernels that read it, and one compiled variant of each whatever s is)."""
+    return torch.empty(t, -(-s // 16) * 16, dtype=torch.float32, device=device)[:, :s]
+
+
 def _coef(w: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
     return (w.float() * q_scale.float()).contiguous()
 
@@ -174,7 +183,7 @@ def indexer_logits(
 
     q: [T, H, D] e4m3 (``torch.float8_e4m3fn``) or float; q_scale, w: [T, H] float (w already
     × H^-0.5 · D^-0.5); k: [S, D] e4m3 or float; k_scale: [S] float. D a power of two (128).
-    Returns logits [T, S] fp32 — ``indexer_logits_ref``.
+    Returns logits [T, S] fp32 — ``indexer_logits_ref`` — with rows strided by a multiple of 16.
     """
     t, h, d = q.shape
     s = k.shape[0]
@@ -185,7 +194,7 @@ def indexer_logits(
     check_cuda_or_interpreter(q, k, w)
     qx, q8 = _as_operand(q)
     kx, k8 = _as_operand(k)
-    out = torch.empty(t, s, dtype=torch.float32, device=q.device)
+    out = _logits_buffer(t, s, q.device)
     if t == 0 or s == 0:
         return out
     if num_stages is None:  # measured on an H200; fp32 tiles need the shallower pipe
@@ -220,7 +229,7 @@ def indexer_logits_paged(
     of the indexer cache (``layout``: FP8 pages of block_size×D e4m3 values then block_size fp32
     scales, or [NB, block_size, D] model dtype with unit scales). q: [T, H, D] e4m3 or float;
     q_scale, w: [T, H]; token_req: [T] request row of each token; ctx_lens: [T].
-    Returns logits [T, max_ctx] fp32; columns j >= ctx_lens[t] are not written (their values
+    Returns logits [T, max_ctx] fp32 (rows strided by a multiple of 16); columns j >= ctx_lens[t] are not written (their values
     are unspecified: callers read a row only below its context, as top-k's limit does). The grid
     is (splits, T) with each program striding over its row's blocks, so a generous max_ctx (a
     CUDA graph's fixed width) costs nothing past each row's context.
@@ -230,7 +239,7 @@ def indexer_logits_paged(
         raise ValueError(f"q head dim {d} must equal index_head_dim (a power of two)")
     check_cuda_or_interpreter(q, cache, block_table)
     qx, q8 = _as_operand(q)
-    out = torch.empty(t, max_ctx, dtype=torch.float32, device=q.device)
+    out = _logits_buffer(t, max_ctx, q.device)
     if t == 0 or max_ctx == 0:
         return out
     bs = layout.block_size

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# the row count changes every call: not specialised on (one compiled variant per row width)
+@triton.jit(do_not_specialize=("m_total",))
 def _row_copy_kernel(
     dst_ptr,  # int32 [N_dst, W]
     src_ptr,  # int32 [N_src, W]

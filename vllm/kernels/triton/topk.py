@@ -43,14 +43,26 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton.utils import check_cuda_or_interpreter, next_pow2, record
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, next_pow2, prev_pow2, record
 
-__all__ = ["indexer_topk", "topk_stages", "topk_launch_config"]
+__all__ = [
+    "indexer_topk",
+    "topk_stages",
+    "topk_launches",
+    "topk_launch_config",
+    "topk_compile_plan",
+]
 
 INT32_MIN = -2147483648
 MAX_SAMPLE = 16384  # pivot sample held in registers (16 warps × 32 per thread)
 # the pivot's margin is widened when the sampled runs' design effect exceeds this (see the top)
 DEFF_REDO = 1.5
+# The sizes that change with every call (rows, columns, chunks) are not specialised on (Triton
+# would compile a kernel per class: == 1, a multiple of 16, other), so that the compiled variants
+# depend only on the constexprs, which change at powers of two of the columns: a server compiles
+# them all at start-up (:func:`topk_compile_plan`), and none inside a request. The logits' row
+# stride stays specialised: the logits producers pad it to a multiple of 16.
+NOT_SPECIALIZED = ("num_rows", "num_cols", "num_chunks")
 
 
 @triton.jit
@@ -134,7 +146,7 @@ def _emit(orow, key, pos, valid, thr, need, n_gt, n_tie):
     return n_gt + tl.sum(gt.to(tl.int32)), n_tie + tl.sum(tie.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _pivot_kernel(
     logits_ptr,  # [T, S] fp32, strides (stride_lt, 1)
     limit_ptr,  # [T] int, positions < limit are eligible
@@ -197,7 +209,7 @@ def _pivot_kernel(
         tl.store(pivot_ptr + row, piv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _collect_kernel(
     logits_ptr,  # [T, S] fp32, strides (stride_lt, 1)
     limit_ptr,  # [T] int
@@ -343,7 +355,7 @@ def _kth_largest_list(ka, lrow, jt, total, k, lo, BLK: tl.constexpr, TILE: tl.co
     return lo.to(tl.int32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _select_kernel(
     limit_ptr,  # [T] int
     pivot_ptr,  # [T] int32
@@ -410,7 +422,7 @@ def _select_kernel(
             n_out += tl.sum(per_thread)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def _fallback_kernel(
     logits_ptr,  # [T, S] fp32, strides (stride_lt, 1)
     limit_ptr,  # [T] int
@@ -486,8 +498,8 @@ def indexer_topk(
     for a given configuration); callers that need score order sort them.
 
     Tuning (the set never depends on it): ``chunk``/``num_warps``: the streaming pass's tile per
-    program; ``rows_per_program``: rows per collect program (default up to 32, keeping ~1000
-    programs); ``select_warps``/``select_regs``: the per-row select's warps and candidate keys
+    program; ``rows_per_program``: rows per collect program (default a power of two up to 32,
+    keeping ~1000 programs); ``select_warps``/``select_regs``: the per-row select's warps and candidate keys
     per thread held in registers (default 4096 per row); ``prefetch``: load a row's chunk while
     the previous row's is compacted (off by default: it holds twice the registers);
     ``collect_maxnreg``: a register cap for the streaming pass, so that 4 programs of 8 warps fit
@@ -540,8 +552,9 @@ def topk_launch_config(
     num_chunks = triton.cdiv(s, chunk)
     chunks_pad = next_pow2(num_chunks)
     # several rows per collect program (fewer, longer programs: the look-back waits overlap with
-    # other programs' loads), while keeping ~1000 programs or more
-    rows = rows_per_program or max(1, min(32, t * num_chunks // 1024))
+    # other programs' loads), while keeping ~1000 programs or more; a power of two, so that the
+    # compiled variants stay few (six)
+    rows = rows_per_program or prev_pow2(max(1, min(32, t * num_chunks // 1024)))
     sthreads = min(32 * select_warps, cap)
     # the margin needs e = k / stride >~ 32 sample hits above the k-th score (see the top): one
     # score in 32 (runs of 8 adjacent scores: a 32-byte sector per 8 samples instead of one per
@@ -584,12 +597,72 @@ def topk_launch_config(
     )
 
 
-def topk_stages(logits, limit, topk, *args, **kwargs):
-    """(out, [pivot, collect, finish], count): the launches of :func:`indexer_topk` as closures
-    over freshly allocated buffers, for the benchmark's per-stage times (pivot and collect may be
-    repeated in that order; finish is the select and fallback launches), and the per-row
-    candidate counts they fill (rows with limit > topk; outside [topk, cap]: the fallback).
-    The tuning arguments are :func:`topk_launch_config`'s."""
+_RECORD_NAMES = dict(
+    pivot="topk_pivot", collect="topk", select="topk_select", fallback="topk_fallback"
+)
+
+
+def _grid(cfg, stage: str, t: int) -> tuple[int]:
+    return (cfg["collect_grid"],) if stage == "collect" else (t,)
+
+
+def _launches(cfg, t, s, stride_lt, logits, limit, out, pivot, tab, count, cand):
+    """{stage: (kernel, positional arguments, keyword arguments)} of the four launches, from
+    tensors or (for a compile-only warm-up) their dtypes; the launcher and
+    :func:`topk_compile_plan` both build them here, so that the plan compiles what runs."""
+    nc = cfg["num_chunks"]
+    return dict(
+        pivot=(_pivot_kernel, (logits, limit, out, pivot, tab, s, nc, stride_lt, cfg["z"]),
+               cfg["pivot"]),
+        collect=(_collect_kernel, (logits, limit, pivot, tab, count, cand, t, s, nc, stride_lt),
+                 cfg["collect"]),
+        select=(_select_kernel, (limit, pivot, count, cand, out, s), cfg["select"]),
+        fallback=(_fallback_kernel, (logits, limit, count, out, s, stride_lt), cfg["fallback"]),
+    )  # fmt: skip
+
+
+def topk_compile_plan(
+    max_rows: int, max_cols: int, topk: int, limit_dtype: torch.dtype = torch.int64, **tuning
+) -> list[tuple]:
+    """Every kernel variant :func:`indexer_topk` compiles for at most ``max_rows`` rows of at
+    most ``max_cols`` columns (CUDA launches, logits rows strided by a multiple of 16 as the
+    indexer's logits are), as ``(kernel, args, kwargs)`` with dtypes in place of tensors — what
+    ``kernel.warmup(*args, grid=..., **kwargs)`` compiles without launching. The constexprs are
+    those of the power-of-two bucket of the columns, but for the collect's rows per program,
+    which follows rows × chunks: every power of two between the bucket's least and greatest.
+    Columns <= ``topk`` need the pivot pass only. One entry per variant."""
+    plan: dict[tuple, tuple] = {}
+    if max_rows < 1 or max_cols < 1 or topk < 1:
+        return []
+    i32, i64, f32 = torch.int32, torch.int64, torch.float32
+    b = 1
+    while True:
+        lo, hi = (b // 2 + 1 if b > 1 else 1), min(b, max_cols)  # the bucket (b/2, b]
+        r_lo = topk_launch_config(1, lo, topk, **tuning)["collect"]["ROWS"]
+        r_hi = topk_launch_config(max_rows, hi, topk, **tuning)["collect"]["ROWS"]
+        for s in (lo, hi):
+            r = r_lo
+            while r <= r_hi:
+                cfg = topk_launch_config(1, s, topk, **tuning)
+                cfg["collect"]["ROWS"] = r
+                launches = _launches(cfg, 1, s, 16, f32, limit_dtype, i32, i32, i32, i32, i64)
+                for stage, (kernel, args, kw) in launches.items():
+                    if s <= topk and stage != "pivot":
+                        continue
+                    # the sizes are not specialised on: the constexprs and options are the key
+                    plan.setdefault((kernel.fn.__name__, tuple(sorted(kw.items()))),
+                                    (kernel, args, kw))  # fmt: skip
+                r *= 2
+        if hi >= max_cols:
+            return list(plan.values())
+        b *= 2
+
+
+def topk_launches(logits, limit, topk, *args, **kwargs):
+    """(out, cfg, {stage: (kernel, args, kwargs)}, count) for :func:`indexer_topk` on these
+    tensors, over freshly allocated buffers, nothing launched (``cfg`` None and no launches for
+    an empty problem). Every buffer starts 16-byte aligned, so that the kernels' pointer
+    specialisations do not follow T."""
     if logits.dim() != 2 or limit.shape != (logits.shape[0],):
         raise ValueError(f"logits {tuple(logits.shape)} must be [T, S] with limit [T]")
     check_cuda_or_interpreter(logits, limit)
@@ -597,36 +670,49 @@ def topk_stages(logits, limit, topk, *args, **kwargs):
     dev = logits.device
     out = torch.empty(t, topk, dtype=torch.int32, device=dev)
     if t == 0 or topk == 0:
-        return out, [], None
+        return out, None, {}, None
     if logits.dtype != torch.float32 or logits.stride(-1) != 1:
         logits = logits.float().contiguous()
     cfg = topk_launch_config(t, s, topk, *args, **kwargs)
     if not logits.is_cuda:
         cfg["collect"].pop("maxnreg", None)
-    cap, num_chunks = cfg["cap"], cfg["num_chunks"]
     limit = limit.contiguous()
+    if limit.data_ptr() % 16:
+        limit = limit.clone()
     i32 = dict(dtype=torch.int32, device=dev)
-    pivot, count = torch.empty(2, t, **i32)
-    tab = torch.empty(t, num_chunks, **i32)
-    cand = torch.empty(t, cap, dtype=torch.int64, device=dev)
-    stride_lt = logits.stride(0)
+    pivot, count = torch.empty(t, **i32), torch.empty(t, **i32)
+    tab = torch.empty(t, cfg["num_chunks"], **i32)
+    cand = torch.empty(t, cfg["cap"], dtype=torch.int64, device=dev)
+    launches = _launches(cfg, t, s, logits.stride(0), logits, limit, out, pivot, tab, count, cand)
+    return out, cfg, launches, count
+
+
+def topk_stages(logits, limit, topk, *args, **kwargs):
+    """(out, [pivot, collect, finish], count): the launches of :func:`indexer_topk` as closures
+    over freshly allocated buffers, for the benchmark's per-stage times (pivot and collect may be
+    repeated in that order; finish is the select and fallback launches), and the per-row
+    candidate counts they fill (rows with limit > topk; outside [topk, cap]: the fallback).
+    When no row has more than ``topk`` columns the pivot pass alone answers every row, and is
+    the only stage. The tuning arguments are :func:`topk_launch_config`'s."""
+    out, cfg, launches, count = topk_launches(logits, limit, topk, *args, **kwargs)
+    if cfg is None:
+        return out, [], None
+    t, s = logits.shape
+
+    def run(stage):
+        kernel, args, kw = launches[stage]
+        record(_RECORD_NAMES[stage], kernel[_grid(cfg, stage, t)](*args, **kw))
 
     def pivot_launch():
-        k = _pivot_kernel[(t,)](
-            logits, limit, out, pivot, tab, s, num_chunks, stride_lt, cfg["z"], **cfg["pivot"]
-        )
-        record("topk_pivot", k)
+        run("pivot")
 
     def collect_launch():
-        k = _collect_kernel[(cfg["collect_grid"],)](
-            logits, limit, pivot, tab, count, cand, t, s, num_chunks, stride_lt, **cfg["collect"]
-        )
-        record("topk", k)
+        run("collect")
 
     def finish_launch():
-        k = _select_kernel[(t,)](limit, pivot, count, cand, out, s, **cfg["select"])
-        record("topk_select", k)
-        k = _fallback_kernel[(t,)](logits, limit, count, out, s, stride_lt, **cfg["fallback"])
-        record("topk_fallback", k)
+        run("select")
+        run("fallback")
 
+    if s <= topk:  # every row's limit is <= topk: the pivot pass answers them all
+        return out, [pivot_launch], count
     return out, [pivot_launch, collect_launch, finish_launch], count

@@ -24,6 +24,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= n (n >= 1)."""
+    return 1 << (int(n).bit_length() - 1)
+
+
 def dot_dtype(device: torch.device):
     """Operand type of the bf16 tensor-core path: fp32 in the interpreter (its bf16 is wrong)."""
     return tl.float32 if device.type == "cpu" else tl.bfloat16

@@ -230,6 +230,25 @@ class ModelRunner:
         self.execute(SchedulerOutput(finished_req_ids=prev))
         return lengths
 
+    def precompile(self) -> tuple[int, float]:
+        """Compile, without running them, the kernel variants that follow a request's context
+        rather than the step's size: the indexer's top-k, whose constexprs change at every power
+        of two of the context (:func:`vllm.kernels.triton.topk.topk_compile_plan`), for every
+        context up to ``max_model_len`` and every row count up to the step budget. The prefill
+        warm-up covers step sizes, not contexts; a compile inside a request stalls its step by
+        0.2-1 s. No memory and no state is touched, so HiSparse runs it too. Returns (variants,
+        seconds); CUDA only."""
+        layers = self.model.attention_layers()
+        if self.device.type != "cuda" or not any(a.has_indexer for a in layers):
+            return 0, 0.0
+        from vllm.kernels.triton.precompile import precompile
+        from vllm.kernels.triton.topk import topk_compile_plan
+
+        sc = self.config.scheduler_config
+        rows = max(sc.max_num_batched_tokens, sc.max_num_seqs * (1 + self.config.num_spec_tokens))
+        max_len = self.config.model_config.max_model_len
+        return precompile(topk_compile_plan(rows, max_len, self.arch.index_topk))
+
     def _capture_sizes(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """The batch sizes to capture (empty: none fits). A row holds q = 1 + k tokens, and B·q
         stays within the largest configured size. Under EP every MoE pass of a graph — the
@@ -715,15 +734,17 @@ def _decode_samples(plan, n_dec: int) -> int:
 
 def warm_up_lengths(cap: int) -> list[int]:
     """Prompt lengths of the start-up warm-up (:meth:`ModelRunner.warm_up`): 2^k and 2^k − 1 for
-    every 2^k <= cap (one-token prompts excepted), and cap and cap − 1 themselves."""
+    every 2^k <= cap, and cap and cap − 1 themselves; with a one-token prompt (Triton turns an
+    integer argument equal to 1 into a constant: a variant of its own, which a one-token chunk
+    after a prefix-cache hit or an eager single-request decode step would compile)."""
     out: set[int] = set()
     p = 2
     while p <= cap:
         out.update((p, p - 1))
         p *= 2
-    if cap >= 2:
+    if cap >= 1:
         out.update((cap, cap - 1))
-    return sorted(n for n in out if n >= 2)
+    return sorted(n for n in out if n >= 1)
 
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
