@@ -35,6 +35,7 @@ from vllm.core.messages import (  # noqa: E402
 from vllm.distributed.parallel_state import ParallelContext  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.kernels.kv_cache import write_indexer_cache, write_mla_cache  # noqa: E402
+from vllm.kernels.triton.precompile import CompileWatch  # noqa: E402
 from vllm.model_executor.model_loader import build_model  # noqa: E402
 from vllm.model_executor.tiny import GLM_SLICE, TINY_CONFIG, tiny_state_dict, write_checkpoint  # noqa: E402
 from vllm.worker.gpu.model_runner import ModelRunner  # noqa: E402
@@ -67,7 +68,9 @@ def fill_cache(runner: ModelRunner, num_tokens: int) -> None:
         torch.cuda.synchronize()
 
 
-def decode_run(path, batch, context, steps, graphs: bool, top_p: float) -> dict:
+def decode_run(
+    path, batch, context, steps, graphs: bool, top_p: float, precompile: bool = True
+) -> dict:
     per_req_blocks = -(-(context + steps + 8) // 64)
     blocks = batch * per_req_blocks + 1
     cfg = EngineArgs(
@@ -88,7 +91,11 @@ def decode_run(path, batch, context, steps, graphs: bool, top_p: float) -> dict:
     t0 = time.perf_counter()
     runner.initialize_kv_cache(KVCachePlan(blocks))
     capture_s = time.perf_counter() - t0
+    # as a worker does: the context-dependent kernel variants compiled before serving, then
+    # every compile inside a step counted (each is a stall)
+    n_pre, pre_s = runner.precompile() if precompile else (0, 0.0)
     fill_cache(runner, blocks * 64)
+    watch = CompileWatch().start()
     sampling = SamplingOptions(
         temperature=0.8 if top_p < 1 else 0.0, top_p=top_p, seed=1, max_tokens=10**6
     )
@@ -138,6 +145,7 @@ def decode_run(path, batch, context, steps, graphs: bool, top_p: float) -> dict:
                 (e.key[:60], round(e.self_device_time_total / 1e3 / window, 3), e.count // window)
                 for e in top
             ]
+    watch.stop()
     steady = walls[warm + window :]
     med = statistics.median(steady)
     del runner, model
@@ -148,6 +156,10 @@ def decode_run(path, batch, context, steps, graphs: bool, top_p: float) -> dict:
         "context": context,
         "top_p": top_p,
         "capture_s": capture_s,
+        "precompiled": n_pre,
+        "precompile_s": pre_s,
+        "jit_compiles_in_steps": len(watch.compiles),
+        "jit_compiles": watch.compiles,
         "step_ms_median": med * 1e3,
         "step_ms_mean": statistics.mean(steady) * 1e3,
         "step_ms_max": max(steady) * 1e3,
@@ -168,6 +180,11 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--top-p", type=float, default=1.0, help="< 1: sampled rows with top-p")
     ap.add_argument("--max-tokens-in-cache", type=int, default=8 << 20)
+    ap.add_argument(
+        "--no-precompile",
+        action="store_true",
+        help="skip the start-up compile of the context-dependent kernels (ModelRunner.precompile)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     path = checkpoint(args.layers)
@@ -177,7 +194,10 @@ def main() -> int:
             if b * c > args.max_tokens_in_cache:
                 print(f"skip B={b} C={c}: {b * c} tokens > --max-tokens-in-cache", flush=True)
                 continue
-            pair = [decode_run(path, b, c, args.steps, g, args.top_p) for g in (False, True)]
+            pair = [
+                decode_run(path, b, c, args.steps, g, args.top_p, not args.no_precompile)
+                for g in (False, True)
+            ]
             # per request: its whole decoded sequence equal in both modes (random weights leave
             # near-ties that a padded batch's GEMMs may break the other way)
             seqs = [list(zip(*r["tokens"], strict=True)) for r in pair]
@@ -191,13 +211,14 @@ def main() -> int:
         with open(args.out, "a") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "decode_step", **r}) + "\n")
-    hdr = "mode   B    ctx     wall ms  gpu ms  wall/gpu  max/med  capture s  rows=eager"
+    hdr = "mode   B    ctx     wall ms  gpu ms  wall/gpu  max/med  capture s  rows=eager  jit"
     print(hdr)
     for r in rows:
         print(
             f"{r['mode']:6} {r['batch']:<4} {r['context']:<7} {r['step_ms_median']:7.2f} "
             f"{r['gpu_ms_per_step'] or 0:7.2f} {r['wall_over_gpu'] or 0:8.2f} "
-            f"{r['max_over_median']:8.2f} {r['capture_s']:9.2f}  {r['rows_equal_eager']:.2f}"
+            f"{r['max_over_median']:8.2f} {r['capture_s']:9.2f}  {r['rows_equal_eager']:10.2f}  "
+            f"{r['jit_compiles_in_steps']}"
         )
     return 0
 

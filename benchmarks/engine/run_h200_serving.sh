@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (~9 min on an H200): the GPU tests of the engine paths, the prefill/mixed step
-# benchmark, then `vllm serve` + `vllm bench serve` (2K in / 128 out) on the GLM-5.3-shaped slice
+# One device call (~10 min on an H200): the GPU tests of the engine paths, the decode step (eager
+# and graphs, compiles inside steps counted), the prefill/mixed step benchmark, then `vllm serve` + `vllm bench serve` (2K in / 128 out) on the GLM-5.3-shaped slice
 # in the configurations BENCHMARKS.md §11 compares. Needs `vllm` on PATH and the engine's
 # dependencies importable (on a machine without network: install cp312 wheels of msgspec, pyzmq,
 # fastapi, starlette, uvicorn, pydantic, pydantic-core, annotated-types, typing-inspection,
@@ -29,7 +29,7 @@ serve() {  # name checkpoint "serve args" "concurrencies"
     kill -0 $pid 2> /dev/null || break
     sleep 1
   done
-  grep -iE "graph|warm-up|KV cache|error" "$OUT/serve_$name.log" | tail -4
+  grep -iE "graph|warm-up|KV cache|context-dependent|error" "$OUT/serve_$name.log" | tail -5
   for c in $cs; do
     timeout 240 vllm bench serve --port $port --dataset-name random --random-input-len 2048 \
       --random-output-len 128 --num-prompts $(( c * 4 > 8 ? c * 4 : 8 )) --max-concurrency "$c" \
@@ -46,16 +46,20 @@ print(sys.argv[2], "C", sys.argv[3], {k: round(r[k], 2) if isinstance(r.get(k), 
 PY
   done
   kill $pid; wait $pid 2> /dev/null
-  summary+=("serve_$name $(( $(date +%s) - t0 ))s")
+  # compiles after start-up are stalls inside requests (CompileWatch logs each one)
+  summary+=("serve_$name $(( $(date +%s) - t0 ))s, compiles while serving: $(grep -c "while serving" "$OUT/serve_$name.log")")
 }
 python3 -c "
 from vllm.model_executor.tiny.checkpoint import write_slice_checkpoint as w
 w('/tmp/slice'); w('/tmp/slice_fp8', fp8=True); w('/tmp/slice_mtp', num_nextn_predict_layers=1)" || exit 1
 SPEC='{"method":"mtp","num_speculative_tokens":3,"synthetic_acceptance_length":2.99}'
-for step in ${STEPS:-gpu_tests prefill_step serving}; do
+for step in ${STEPS:-gpu_tests decode_step prefill_step serving}; do
   case $step in
     gpu_tests) TAILN=6 run gpu_tests 150 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
-      tests/attention/test_dense_attend.py tests/worker/test_cudagraph_gpu.py tests/entrypoints/test_engine_gpu.py ;;
+      tests/attention/test_dense_attend.py tests/worker/test_cudagraph_gpu.py tests/entrypoints/test_engine_gpu.py \
+      tests/kernels/test_precompile.py ;;
+    decode_step) TAILN=4 run decode_step 200 python3 benchmarks/engine/bench_decode_step.py \
+      --batch 64 --context 8192 --steps 32 --out "$OUT/results.jsonl" ;;
     prefill_step) TAILN=40 run prefill_step 150 python3 benchmarks/engine/bench_prefill_step.py \
       --len 2048 --decode 64 --reps 6 --top 8 --out "$OUT/results.jsonl"
       TAILN=3 run mixed_graph 60 python3 benchmarks/engine/bench_prefill_step.py --len 1984 \
