@@ -16,6 +16,10 @@ SUPPORTED_ARCHITECTURES = ("GlmMoeDsaForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa",)
 
 
+# config.json fields with one entry per layer (cut by --hf-overrides that shorten the model)
+PER_LAYER_KEYS = ("mlp_layer_types", "indexer_types", "index_topk_pattern")
+
+
 def indexer_types_from(num_layers: int, raw: dict) -> tuple[str, ...]:
     """Per-layer indexer mode: "full" runs the indexer, "shared" reuses the previous full layer's top-k.
 
@@ -200,12 +204,23 @@ class ModelArch:
         return arch
 
     @classmethod
-    def from_pretrained(cls, path: str) -> ModelArch:
+    def from_pretrained(cls, path: str, overrides: dict | None = None) -> ModelArch:
+        """The folder's config.json, with ``overrides`` (``--hf-overrides``) merged on top. When
+        they shorten ``num_hidden_layers``, per-layer lists (``mlp_layer_types``,
+        ``indexer_types``) are cut to the new depth."""
         cfg = os.path.join(path, "config.json")
         if not os.path.isfile(cfg):
             raise FileNotFoundError(f"no config.json in model folder {path!r}")
         with open(cfg) as f:
-            return cls.from_dict(json.load(f))
+            raw = json.load(f)
+        if overrides:
+            raw = {**raw, **overrides}
+            n = int(raw["num_hidden_layers"])
+            for key in PER_LAYER_KEYS:
+                v = raw.get(key)
+                if key not in overrides and isinstance(v, (list, str)) and len(v) > n:
+                    raw[key] = raw[key][:n]
+        return cls.from_dict(raw)
 
     def validate(self) -> None:
         if self.hidden_act != "silu":

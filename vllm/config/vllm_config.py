@@ -36,6 +36,7 @@ class ModelConfig:
     seed: int = 0
     max_logprobs: int = 20
     quantization: str | None = None  # --quantization: None (the checkpoint's format) or "fp8"
+    load_format: str = "auto"  # --load-format: "dummy" for random weights
 
     @property
     def vocab_size(self) -> int:

@@ -41,6 +41,8 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
+    load_format: str = "auto"
+    hf_overrides: str | dict | None = None
     seed: int = 0
     max_model_len: int | None = None
     max_logprobs: int = 20
@@ -120,7 +122,14 @@ class EngineArgs:
 
     def create_engine_config(self) -> VllmConfig:
         path = self.resolve_model_path()
-        arch = ModelArch.from_pretrained(path)
+        from vllm.model_executor.model_loader import LOAD_FORMATS
+
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"--load-format {self.load_format!r} is not supported: one of "
+                f"{', '.join(LOAD_FORMATS)}"
+            )
+        arch = ModelArch.from_pretrained(path, _json_dict(self.hf_overrides, "--hf-overrides"))
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,6 +152,7 @@ class EngineArgs:
             arch=arch,
             dtype=dtype,
             quantization=self.quantization,
+            load_format=self.load_format,
             max_model_len=max_len,
             skip_tokenizer_init=self.skip_tokenizer_init,
             seed=self.seed,
@@ -205,6 +215,21 @@ class EngineArgs:
         )
 
 
+def _json_dict(value: str | dict | None, flag: str) -> dict | None:
+    """A flag's JSON object (a dict from ``LLM(...)``), or a ValueError naming the flag."""
+    if value is None or isinstance(value, dict):
+        return value
+    import json
+
+    try:
+        out = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be a JSON object: {e}") from e
+    if not isinstance(out, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(out).__name__}")
+    return out
+
+
 def _bool_flag(p, name: str, default: bool, help: str) -> None:
     p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
 
@@ -235,6 +260,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="fp8: hold linears and routed experts as e4m3 with 128x128 block scales, "
         "quantising a bf16/fp32 checkpoint as it loads (FP8 checkpoints are detected from "
         "config.json's quantization_config)",
+    )
+    g.add_argument(
+        "--load-format",
+        default=d.load_format,
+        help="auto or safetensors: the checkpoint's weights; dummy: random weights of the "
+        "config's shapes, nothing read (for timing an architecture without its weights)",
+    )
+    g.add_argument(
+        "--hf-overrides",
+        default=None,
+        help="JSON merged over the model's config.json, e.g. '{\"num_hidden_layers\": 4}' "
+        "(per-layer lists are cut to a smaller depth)",
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument(

@@ -260,6 +260,9 @@ def load_model(
     return model
 
 
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
 def build_model(
     path: str,
     *,
@@ -270,12 +273,24 @@ def build_model(
     load_mtp: bool = True,
     progress: bool = False,
     quantization: str | None = None,
+    load_format: str = "auto",
+    arch=None,
 ):
     """The model of checkpoint folder ``path`` on ``device``: FP8 weights (an FP8 checkpoint, or
-    ``quantization="fp8"``) allocated e4m3 from the start, everything else in ``dtype``."""
+    ``quantization="fp8"``) allocated e4m3 from the start, everything else in ``dtype``.
+    ``arch``: the architecture if not ``path``'s config.json as is (``--hf-overrides``);
+    ``load_format="dummy"``: random weights, no checkpoint read (:mod:`dummy_weights`)."""
     from vllm.config.arch import ModelArch
 
-    arch = resolve_quantization(ModelArch.from_pretrained(path), quantization)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    arch = resolve_quantization(arch or ModelArch.from_pretrained(path), quantization)
     with torch.device(device):
         model = GlmMoeDsaForCausalLM(arch, pc, dtype, force_mqa=force_mqa, load_mtp=load_mtp)
+    if load_format == "dummy":
+        from vllm.model_executor.dummy_weights import init_dummy_weights
+
+        init_dummy_weights(model)
+        model.process_weights_after_loading()
+        return model
     return load_model(path, model, device, progress)

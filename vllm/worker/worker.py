@@ -144,6 +144,8 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
         load_mtp=config.speculative_config is not None,
         progress=rank_in_replica == 0 and os.environ.get("VLLM_NO_PROGRESS", "0") != "1",
         quantization=mc.quantization,
+        load_format=mc.load_format,
+        arch=mc.arch,
     )
     kv_ctx = KVConnectorContext.for_engine(config, rank_in_replica, dp_rank)
     connector = create_connector(kv_ctx, KVConnectorRole.WORKER)
