@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from vllm.config.arch import GLM_5_3  # noqa: E402
 from vllm.core.messages import (  # noqa: E402
     CachedRequestData,
     KVCachePlan,
@@ -45,6 +46,28 @@ def checkpoint(layers: int) -> str:
     d = tempfile.mkdtemp(prefix="glm-slice-")
     cfg = {**TINY_CONFIG, **GLM_SLICE, "vocab_size": 154880, "num_hidden_layers": layers}
     write_checkpoint(d, cfg, tiny_state_dict(cfg, seed=3), tokenizer=False)
+    return d
+
+
+# One GPU's share of GLM-5.3 at EP8 (DP8 attention): every real dimension, 32 of the 256 routed
+# experts, and top-8 routing among them, so that B requests put 8·B token-expert pairs on the
+# GPU's experts as 8 replicas of B requests do at EP8; every layer MoE (the three dense layers of
+# the real model are cheaper), the indexer full on one layer in four as in the real model's
+# steady pattern (full at 6, 10, ..., 74). FP8 weights, random (--load-format dummy).
+def real_dims_checkpoint(layers: int) -> str:
+    d = tempfile.mkdtemp(prefix="glm53-ep8-share-")
+    cfg = {
+        **GLM_5_3,
+        "num_hidden_layers": layers,
+        "first_k_dense_replace": 0,
+        "indexer_types": (["full", "shared", "shared", "shared"] * layers)[:layers],
+        "n_routed_experts": 32,
+        "num_experts_per_tok": 8,
+        "num_nextn_predict_layers": 0,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
     return d
 
 
@@ -69,7 +92,14 @@ def fill_cache(runner: ModelRunner, num_tokens: int) -> None:
 
 
 def decode_run(
-    path, batch, context, steps, graphs: bool, top_p: float, precompile: bool = True
+    path,
+    batch,
+    context,
+    steps,
+    graphs: bool,
+    top_p: float,
+    precompile: bool = True,
+    load_format: str = "auto",
 ) -> dict:
     per_req_blocks = -(-(context + steps + 8) // 64)
     blocks = batch * per_req_blocks + 1
@@ -86,7 +116,7 @@ def decode_run(
         compilation_config={"cudagraph_capture_sizes": [batch]} if graphs else None,
     ).create_engine_config()
     dev = torch.device("cuda")
-    model = build_model(path, dtype=cfg.model_config.dtype, device=dev)
+    model = build_model(path, dtype=cfg.model_config.dtype, device=dev, load_format=load_format)
     runner = ModelRunner(cfg, model, ParallelContext.single(), dev)
     t0 = time.perf_counter()
     runner.initialize_kv_cache(KVCachePlan(blocks))
@@ -172,6 +202,47 @@ def decode_run(
     }
 
 
+def project(args) -> int:
+    """Decode step of one GPU's share of GLM-5.3 (real dimensions, EP8's experts per GPU) at 4
+    and 8 layers, graphs: the difference is four layers (one full-indexer and three shared, the
+    real model's pattern); 78 layers = the 4-layer fixed part (embedding, lm_head, sampling)
+    + 19.5 such groups. Not included: EP's two all-to-alls per MoE layer over NVLink (no
+    multi-GPU machine to measure them) and MTP."""
+    rows = []
+    paths = {n: real_dims_checkpoint(n) for n in (4, 8)}
+    for b in map(int, args.batch.split(",")):
+        for c in map(int, args.context.split(",")):
+            t = {}
+            for n, path in paths.items():
+                r = decode_run(path, b, c, args.steps, True, args.top_p, True, "dummy")
+                r.pop("tokens")
+                t[n] = r
+                print("row:", json.dumps({"layers": n, **r}), flush=True)
+            group = t[8]["step_ms_median"] - t[4]["step_ms_median"]
+            fixed = t[4]["step_ms_median"] - group
+            full = fixed + 78 / 4 * group
+            gpu_group = (t[8]["gpu_ms_per_step"] or 0) - (t[4]["gpu_ms_per_step"] or 0)
+            rows.append(dict(batch=b, context=c, step4=t[4]["step_ms_median"],
+                             step8=t[8]["step_ms_median"], ms_per_layer=group / 4,
+                             gpu_ms_per_layer=gpu_group / 4, fixed_ms=fixed, step78=full,
+                             tok_s_user=1e3 / full, tok_s_gpu=b * 1e3 / full))  # fmt: skip
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": "glm53_projection", **r}) + "\n")
+    print(
+        "B    ctx     4L ms   8L ms  ms/layer (gpu)  fixed ms  78L step ms  tok/s/user  tok/s/GPU"
+    )
+    for r in rows:
+        print(
+            f"{r['batch']:<4} {r['context']:<7} {r['step4']:6.2f} {r['step8']:7.2f} "
+            f"{r['ms_per_layer']:6.3f} ({r['gpu_ms_per_layer']:.3f}) {r['fixed_ms']:8.2f} "
+            f"{r['step78']:11.1f} {r['tok_s_user']:11.1f} {r['tok_s_gpu']:10.0f}"
+        )
+    print("(no MTP, no EP all-to-all; the seed: 29.6 tok/s/user at c64 with MTP3 and HiSparse)")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="64,256")
@@ -185,8 +256,16 @@ def main() -> int:
         action="store_true",
         help="skip the start-up compile of the context-dependent kernels (ModelRunner.precompile)",
     )
+    ap.add_argument(
+        "--project",
+        action="store_true",
+        help="GLM-5.3 projection: one GPU's EP8 share at real dimensions (FP8, random weights), "
+        "4 and 8 layers with graphs, the per-layer slope scaled to 78 layers",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.project:
+        return project(args)
     path = checkpoint(args.layers)
     rows = []
     for b in map(int, args.batch.split(",")):

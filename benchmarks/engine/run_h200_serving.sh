@@ -8,6 +8,8 @@
 # checkout on PYTHONPATH, and make `vllm` run `python3 -m vllm.entrypoints.cli.main`).
 # Results -> $OUT (or ./out); a summary is printed last.
 #   CONFIGS="bf16 bf16_async bf16_8k fp8 nomtp mtp3" bash benchmarks/engine/run_h200_serving.sh
+#   STEPS=project: GLM-5.3 at real dimensions (one GPU's EP8 share, FP8, random weights) at 4
+#   and 8 layers, scaled to 78 (issue 34's full-model projection; ~2 min)
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_NO_PROGRESS=1
@@ -60,6 +62,8 @@ for step in ${STEPS:-gpu_tests decode_step prefill_step serving}; do
       tests/kernels/test_precompile.py ;;
     decode_step) TAILN=4 run decode_step 200 python3 benchmarks/engine/bench_decode_step.py \
       --batch 64 --context 8192 --steps 32 --out "$OUT/results.jsonl" ;;
+    project) TAILN=5 run project 300 python3 benchmarks/engine/bench_decode_step.py --project \
+      --batch 8,64 --context 8192 --steps 24 --out "$OUT/results.jsonl" ;;
     prefill_step) TAILN=40 run prefill_step 150 python3 benchmarks/engine/bench_prefill_step.py \
       --len 2048 --decode 64 --reps 6 --top 8 --out "$OUT/results.jsonl"
       TAILN=3 run mixed_graph 60 python3 benchmarks/engine/bench_prefill_step.py --len 1984 \
