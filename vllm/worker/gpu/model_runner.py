@@ -520,10 +520,12 @@ class ModelRunner:
         st, slots, h2d = self.states, inp.idx_np[rows], self.staging.to_device
         dslots = h2d(slots)
         banned_r, banned_t = st.logit_bias.bad_word_bans(slots)
-        for i, s in enumerate(slots):
-            if st.num_generated[s] < st.min_tokens[s] and st.stop_ids[s]:
-                banned_r += [i] * len(st.stop_ids[s])
-                banned_t += st.stop_ids[s]
+        # min_tokens: the stop tokens are banned until enough outputs exist (rows found by an
+        # array compare: a Python loop over every row cost ~0.1 ms a step at B = 256)
+        for i in np.nonzero(st.num_generated[slots] < st.min_tokens[slots])[0].tolist():
+            stop = st.stop_ids[slots[i]]
+            banned_r += [i] * len(stop)
+            banned_t += stop
         banned = None
         if banned_r:
             banned = (h2d(np.array(banned_r, dtype=np.int64)), h2d(np.array(banned_t, np.int64)))
