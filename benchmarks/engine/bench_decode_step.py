@@ -54,7 +54,8 @@ def checkpoint(layers: int) -> str:
 # GPU's experts as 8 replicas of B requests do at EP8; every layer MoE (the three dense layers of
 # the real model are cheaper), the indexer full on one layer in four as in the real model's
 # steady pattern (full at 6, 10, ..., 74). FP8 weights, random (--load-format dummy).
-def real_dims_checkpoint(layers: int) -> str:
+def real_dims_checkpoint(layers: int, mtp: int = 0) -> str:
+    """A config-only folder (load it with ``load_format="dummy"``); ``mtp`` MTP layers."""
     d = tempfile.mkdtemp(prefix="glm53-ep8-share-")
     cfg = {
         **GLM_5_3,
@@ -63,7 +64,7 @@ def real_dims_checkpoint(layers: int) -> str:
         "indexer_types": (["full", "shared", "shared", "shared"] * layers)[:layers],
         "n_routed_experts": 32,
         "num_experts_per_tok": 8,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": mtp,
         "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
     }
     with open(os.path.join(d, "config.json"), "w") as f:

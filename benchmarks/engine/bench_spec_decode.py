@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from benchmarks.engine.bench_decode_step import fill_cache  # noqa: E402
+from benchmarks.engine.bench_decode_step import fill_cache, real_dims_checkpoint  # noqa: E402
 from vllm.core.messages import (  # noqa: E402
     CachedRequestData,
     KVCachePlan,
@@ -86,7 +86,7 @@ class Timeline:
         return med(0, 1), med(1, 2), med(2, 3)
 
 
-def run(path, batch, context, steps, k, length, eager: bool) -> dict:
+def run(path, batch, context, steps, k, length, eager: bool, load_format: str = "auto") -> dict:
     per_req_blocks = -(-(context + steps * (k + 1) + 8) // 64)
     blocks = batch * per_req_blocks + 1
     spec = None
@@ -107,7 +107,9 @@ def run(path, batch, context, steps, k, length, eager: bool) -> dict:
         speculative_config=spec,
     ).create_engine_config()
     dev = torch.device("cuda")
-    model = build_model(path, dtype=cfg.model_config.dtype, device=dev, load_mtp=bool(k))
+    model = build_model(
+        path, dtype=cfg.model_config.dtype, device=dev, load_mtp=bool(k), load_format=load_format
+    )
     runner = ModelRunner(cfg, model, ParallelContext.single(), dev)
     runner.initialize_kv_cache(KVCachePlan(blocks))
     fill_cache(runner, blocks * 64)
@@ -177,17 +179,26 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--length", type=float, default=2.99, help="synthetic acceptance length")
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument(
+        "--real-dims",
+        action="store_true",
+        help="GLM-5.3's real dimensions, one GPU's EP8 share of the experts, FP8, random "
+        "weights (--load-format dummy): see bench_decode_step.real_dims_checkpoint",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    path = checkpoint(args.layers)
+    path = real_dims_checkpoint(args.layers, mtp=1) if args.real_dims else checkpoint(args.layers)
+    fmt = "dummy" if args.real_dims else "auto"
     rows = []
     for b in map(int, args.batch.split(",")):
         for c in map(int, args.context.split(",")):
-            base = run(path, b, c, args.steps, 0, None, args.eager)
-            spec = run(path, b, c, args.steps, args.k, args.length, args.eager)
+            base = run(path, b, c, args.steps, 0, None, args.eager, fmt)
+            spec = run(path, b, c, args.steps, args.k, args.length, args.eager, fmt)
             spec["speedup"] = spec["tok_s_per_request"] / base["tok_s_per_request"]
             for r in (base, spec):
                 rows.append(r)
+                r["real_dims"] = args.real_dims
+                r["layers"] = args.layers
                 print("row:", json.dumps(r), flush=True)
     if args.out:
         with open(args.out, "a") as f:
