@@ -204,13 +204,16 @@ def decode_run(
 
 
 def project(args) -> int:
-    """Decode step of one GPU's share of GLM-5.3 (real dimensions, EP8's experts per GPU) at 4
-    and 8 layers, graphs: the difference is four layers (one full-indexer and three shared, the
-    real model's pattern); 78 layers = the 4-layer fixed part (embedding, lm_head, sampling)
-    + 19.5 such groups. Not included: EP's two all-to-alls per MoE layer over NVLink (no
-    multi-GPU machine to measure them) and MTP."""
+    """Decode step of one GPU's share of GLM-5.3 (real dimensions, EP8's experts per GPU) at two
+    depths (``--project-layers``, default 4 and 8: multiples of four, the indexer's pattern of one
+    full layer in four), graphs: the slope is the time per layer, the intercept the fixed part
+    (embedding, lm_head, sampling), and 78 layers = intercept + 78 × slope (78 itself as the
+    larger depth measures the whole model's share on one GPU: ~105 GiB of FP8 weights). Not
+    included: EP's two all-to-alls per MoE layer over NVLink (no multi-GPU machine to measure
+    them) and MTP."""
     rows = []
-    paths = {n: real_dims_checkpoint(n) for n in (4, 8)}
+    lo, hi = (int(x) for x in args.project_layers.split(","))
+    paths = {n: real_dims_checkpoint(n) for n in (lo, hi)}
     for b in map(int, args.batch.split(",")):
         for c in map(int, args.context.split(",")):
             t = {}
@@ -219,24 +222,25 @@ def project(args) -> int:
                 r.pop("tokens")
                 t[n] = r
                 print("row:", json.dumps({"layers": n, **r}), flush=True)
-            group = t[8]["step_ms_median"] - t[4]["step_ms_median"]
-            fixed = t[4]["step_ms_median"] - group
-            full = fixed + 78 / 4 * group
-            gpu_group = (t[8]["gpu_ms_per_step"] or 0) - (t[4]["gpu_ms_per_step"] or 0)
-            rows.append(dict(batch=b, context=c, step4=t[4]["step_ms_median"],
-                             step8=t[8]["step_ms_median"], ms_per_layer=group / 4,
-                             gpu_ms_per_layer=gpu_group / 4, fixed_ms=fixed, step78=full,
+            per_layer = (t[hi]["step_ms_median"] - t[lo]["step_ms_median"]) / (hi - lo)
+            fixed = t[lo]["step_ms_median"] - lo * per_layer
+            full = fixed + 78 * per_layer
+            gpu = (t[hi]["gpu_ms_per_step"] or 0) - (t[lo]["gpu_ms_per_step"] or 0)
+            rows.append(dict(batch=b, context=c, layers=(lo, hi), step_lo=t[lo]["step_ms_median"],
+                             step_hi=t[hi]["step_ms_median"], ms_per_layer=per_layer,
+                             gpu_ms_per_layer=gpu / (hi - lo), fixed_ms=fixed, step78=full,
                              tok_s_user=1e3 / full, tok_s_gpu=b * 1e3 / full))  # fmt: skip
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "glm53_projection", **r}) + "\n")
     print(
-        "B    ctx     4L ms   8L ms  ms/layer (gpu)  fixed ms  78L step ms  tok/s/user  tok/s/GPU"
+        f"B    ctx    {lo:3d}L ms {hi:3d}L ms  ms/layer (gpu)  fixed ms  78L step ms  tok/s/user"
+        "  tok/s/GPU"
     )
     for r in rows:
         print(
-            f"{r['batch']:<4} {r['context']:<7} {r['step4']:6.2f} {r['step8']:7.2f} "
+            f"{r['batch']:<4} {r['context']:<7} {r['step_lo']:6.2f} {r['step_hi']:7.2f} "
             f"{r['ms_per_layer']:6.3f} ({r['gpu_ms_per_layer']:.3f}) {r['fixed_ms']:8.2f} "
             f"{r['step78']:11.1f} {r['tok_s_user']:11.1f} {r['tok_s_gpu']:10.0f}"
         )
@@ -263,6 +267,7 @@ def main() -> int:
         help="GLM-5.3 projection: one GPU's EP8 share at real dimensions (FP8, random weights), "
         "4 and 8 layers with graphs, the per-layer slope scaled to 78 layers",
     )
+    ap.add_argument("--project-layers", default="4,8", help="with --project: the two depths")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.project:
