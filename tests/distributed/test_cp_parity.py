@@ -32,6 +32,7 @@ def _run(ckpt, **kw):
         sp2 = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
         second = llm.generate([{"prompt_token_ids": p} for p in FOLLOWUPS], sp2)
         third = llm.generate([{"prompt_token_ids": p} for p in FOLLOWUPS], sp2)
+        graph_steps = sum(s.num_cudagraph_steps for s in llm.stats_history)
     finally:
         llm.shutdown()
     outs = first + second + third
@@ -48,6 +49,7 @@ def _run(ckpt, **kw):
             for o in first
         ],
         "cached": [o.num_cached_tokens for o in third],
+        "graph_steps": graph_steps,
     }
 
 
@@ -55,6 +57,8 @@ def _run(ckpt, **kw):
 def reference(tiny_ckpt):
     return _run(tiny_ckpt)
 
+
+GRAPHS = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
 
 CONFIGS = {
     "pcp2": dict(prefill_context_parallel_size=2),
@@ -83,6 +87,18 @@ CONFIGS = {
         cp_kv_cache_interleave_size=16,
     ),
     "tp2-dcp2": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
+    # decode steps through the graphs' static buffers (captured on CUDA): DCP's gathers, LSE
+    # merges and all-to-alls with the padded batch of the captured size
+    "tp2-dcp2-graphs": dict(
+        tensor_parallel_size=2, decode_context_parallel_size=2, compilation_config=GRAPHS
+    ),
+    "tp4-dcp4-a2a-i8-graphs": dict(
+        tensor_parallel_size=4,
+        decode_context_parallel_size=4,
+        dcp_comm_backend="a2a",
+        cp_kv_cache_interleave_size=8,
+        compilation_config=GRAPHS,
+    ),
     "tp2-ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
     "pcp2-tp2-dcp4-a2a": dict(
         prefill_context_parallel_size=2,
@@ -124,6 +140,7 @@ def test_matches_single_rank(tiny_ckpt, reference, name):
     dcp = CONFIGS[name].get("decode_context_parallel_size", 1)
     # the shared 300-token prefix hits whole virtual blocks of 64·DCP tokens
     assert got["cached"] == [(300 // (64 * dcp)) * 64 * dcp] * 2
+    assert (got["graph_steps"] > 0) == ("compilation_config" in CONFIGS[name])
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +154,12 @@ FP8_CONFIGS = {
     ),
     "tp2-dcp2-a2a": dict(
         tensor_parallel_size=2, decode_context_parallel_size=2, dcp_comm_backend="a2a"
+    ),
+    "tp2-dcp2-a2a-graphs": dict(
+        tensor_parallel_size=2,
+        decode_context_parallel_size=2,
+        dcp_comm_backend="a2a",
+        compilation_config=GRAPHS,
     ),
     "dp2-ep": dict(data_parallel_size=2, enable_expert_parallel=True),
 }

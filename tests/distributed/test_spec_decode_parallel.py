@@ -172,6 +172,10 @@ def mix_reference(aligned_ckpt):
         (dict(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_comm_backend="a2a"), 3),
         (DP_EP, 3),
         (dict(**DP_EP, compilation_config=GRAPHS), 3),
+        (
+            dict(tensor_parallel_size=2, decode_context_parallel_size=2, compilation_config=GRAPHS),
+            3,
+        ),
     ],
     ids=[
         "tp2-k3",
@@ -180,6 +184,7 @@ def mix_reference(aligned_ckpt):
         "dcp2-a2a-k3",
         "dp2-ep2-k3",
         "dp2-ep2-k3-graphs",
+        "tp2-dcp2-k3-graphs",
     ],
 )
 def test_parallel_drafts_with_prefix_hits_and_preemption(aligned_ckpt, mix_reference, layout, k):

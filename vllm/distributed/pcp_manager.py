@@ -150,7 +150,7 @@ class CPPlanner(SingleRankPlanner):
         self.dcp_size = par.decode_context_parallel_size
         self.interleave = par.cp_kv_cache_interleave_size
 
-    def _cp(self, pcp_pad: int, decode_pad: int) -> CPMetadata:
+    def cp_metadata(self, pcp_pad: int, decode_pad: int) -> CPMetadata:
         return CPMetadata(
             self.dcp_size, self.pc.dcp.rank_in_group, self.interleave, pcp_pad, decode_pad
         )
@@ -158,7 +158,7 @@ class CPPlanner(SingleRankPlanner):
     def shard(self, inp: StepInputs) -> RankStep:
         if self.n == 1:
             step = super().shard(inp)
-            step.cp = self._cp(1, max(1, int(inp.num_scheduled[~inp.is_prefill].sum())))
+            step.cp = self.cp_metadata(1, max(1, int(inp.num_scheduled[~inp.is_prefill].sum())))
             return step
         return self._shard(inp.query_start_loc, inp.is_prefill, inp, inp.positions_np)
 
@@ -166,7 +166,7 @@ class CPPlanner(SingleRankPlanner):
         b = input_ids.shape[0]
         if self.n == 1:
             step = super().shard_decode(input_ids, positions)
-            step.cp = self._cp(1, max(1, b))
+            step.cp = self.cp_metadata(1, max(1, b))
             return step
         rows = torch.arange(b, device=input_ids.device)
         tokens = _Tokens(input_ids, positions, rows)
@@ -189,7 +189,7 @@ class CPPlanner(SingleRankPlanner):
             positions_cpu=None if positions_np is None else positions_np[sh.per_rank[self.rank]],
             kv_token_req=inp.token_req[gv],
             kv_positions=torch.where(g >= 0, inp.positions[gv], -1),
-            cp=self._cp(sh.pad, max(1, int(decode_counts.max()))),
+            cp=self.cp_metadata(sh.pad, max(1, int(decode_counts.max()))),
             restore=torch.from_numpy(sh.restore).to(dev),
             pad=sh.pad,
             token_index=mine,
@@ -215,7 +215,7 @@ class CPPlanner(SingleRankPlanner):
             positions_cpu=np.zeros(1, dtype=np.int64),
             kv_token_req=torch.zeros(self.n, dtype=torch.int64, device=device),
             kv_positions=torch.full((self.n,), -1, dtype=torch.int64, device=device),
-            cp=self._cp(1, 1),
+            cp=self.cp_metadata(1, 1),
             restore=torch.zeros(1, dtype=torch.int64, device=device) if self.n > 1 else None,
             pad=1,
         )

@@ -23,6 +23,12 @@ tokens (inputs: the samples, copied in after the eager verification, and the tar
 states, an output of the first graph), then its k − 1 chained steps, writing the next drafts into
 ``next_tokens``. Padding rows write their drafts into a scratch row of it.
 
+Under DCP every rank of the group captures the same sizes and replays the same size each step
+(the batch is the same on every rank): the queries' all-gather, the per-shard attention, the
+LSE-corrected reduce-scatter or the all-to-all, and the indexer candidates' all-gather are inside
+the graph, with ``size·q`` rows per rank (padding rows hold position −1: no rank owns their KV,
+their LSE is −inf). PCP decode is not captured.
+
 Under DP + EP the graphs hold the MoE layers' collectives, so every EP rank runs the same ones:
 each step the ranks agree on one size (the runner's ``_graph_size``) and each replays the verify
 graph, then the drafting graph, at that size — a rank with fewer requests pads, an idle replica
@@ -39,7 +45,7 @@ import time
 import numpy as np
 import torch
 
-from vllm.attention.metadata import MLAMetadata
+from vllm.attention.metadata import CPMetadata, MLAMetadata
 from vllm.distributed.ep import ep_forward
 from vllm.utils import logger
 
@@ -112,9 +118,18 @@ class DecodeGraphs:
             positions_cpu=None,
             decode_tokens=self.arange[:t],
             max_decode_ctx=self.max_ctx,
+            cp=self._cp(t),
         )
         meta.slot_mapping = meta.slots_for(row, pos)
         return meta
+
+    def _cp(self, tokens: int) -> CPMetadata | None:
+        """DCP's part of the metadata (None without DCP): each rank computes every token of the
+        step, so the DCP gathers carry ``tokens`` rows per rank, padding included."""
+        planner = self.runner.planner
+        if self.runner.config.parallel_config.decode_context_parallel_size == 1:
+            return None
+        return planner.cp_metadata(1, tokens)
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs [:, :size] -> (logits [size·q, vocab] fp32, final hidden [size·q, hidden]):

@@ -157,8 +157,9 @@ class ModelRunner:
                 logger.info("CUDA graphs off: %s; every step%s runs eagerly", why_not, mtp)
                 return
             # the longest context a request can have here: the device pool, or HiSparse's host
-            # pool, which holds every page
+            # pool, which holds every page; under DCP each rank holds one token in N of it
             held = max(plan.num_blocks, plan.num_host_blocks) * self.layout.block_size
+            held *= self.config.parallel_config.decode_context_parallel_size
             max_ctx = min(self.config.model_config.max_model_len, held)
             sizes = self._capture_sizes(cc.cudagraph_capture_sizes)
             if not sizes:
@@ -281,14 +282,15 @@ class ModelRunner:
     def _graphs_unsupported(self) -> str | None:
         """Why this configuration's decode step cannot be captured (None: it can)."""
         par = self.config.parallel_config
-        if par.prefill_context_parallel_size > 1 or par.decode_context_parallel_size > 1:
-            return "PCP/DCP decode is not captured yet"
+        if par.prefill_context_parallel_size > 1:
+            return "PCP decode is not captured yet"
         return None
 
     def graph_pool_bytes(self) -> int:
         """Estimated device memory of the decode graphs' pool (kept out of the KV budget): a
         step's activations at the largest captured batch, its logits, and the indexer's
-        [batch, context] scores at the longest context."""
+        [batch, context] scores at the longest context; under DCP also the group's gathered
+        queries, partial outputs and LSEs (N ranks' rows of every head, fp32)."""
         cc = self.config.compilation_config
         if not cc.use_cudagraph or self._graphs_unsupported():
             return 0
@@ -299,7 +301,14 @@ class ModelRunner:
             n,
             tp_size=self.pc.tp.world_size,
         )
-        return acts + n * self.arch.vocab_size * 8 + n * self.config.model_config.max_model_len * 8
+        out = acts + n * self.arch.vocab_size * 8 + n * self.config.model_config.max_model_len * 8
+        dcp = self.config.parallel_config.decode_context_parallel_size
+        if dcp > 1:
+            a = self.arch
+            heads = a.num_attention_heads // self.pc.tp.world_size
+            row = heads * (2 * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank + 1) * 4
+            out += dcp * n * (1 + self.config.num_spec_tokens) * (row + 2 * a.index_topk * 8)
+        return out
 
     # ---- one step ------------------------------------------------------------------------------
     def update_states(self, so: SchedulerOutput) -> dict[str, int]:
