@@ -92,6 +92,22 @@ CONFIGS = {
     "tp2-dcp2-graphs": dict(
         tensor_parallel_size=2, decode_context_parallel_size=2, compilation_config=GRAPHS
     ),
+    # PCP decode: rows round-robin over the PCP ranks inside the graph, new KV rows and hidden
+    # states all-gathered, EP's fixed-capacity dispatch bounded by a rank's padded share
+    "pcp2-graphs": dict(prefill_context_parallel_size=2, compilation_config=GRAPHS),
+    "pcp2-dcp2-a2a-ep-graphs": dict(
+        prefill_context_parallel_size=2,
+        decode_context_parallel_size=2,
+        dcp_comm_backend="a2a",
+        enable_expert_parallel=True,
+        compilation_config=GRAPHS,
+    ),
+    "pcp4-dcp4-ag_rs-i8-graphs": dict(
+        prefill_context_parallel_size=4,
+        decode_context_parallel_size=4,
+        cp_kv_cache_interleave_size=8,
+        compilation_config=GRAPHS,
+    ),
     "tp4-dcp4-a2a-i8-graphs": dict(
         tensor_parallel_size=4,
         decode_context_parallel_size=4,

@@ -176,6 +176,14 @@ def mix_reference(aligned_ckpt):
             dict(tensor_parallel_size=2, decode_context_parallel_size=2, compilation_config=GRAPHS),
             3,
         ),
+        (
+            dict(
+                prefill_context_parallel_size=2,
+                decode_context_parallel_size=2,
+                compilation_config=GRAPHS,
+            ),
+            3,
+        ),
     ],
     ids=[
         "tp2-k3",
@@ -185,6 +193,7 @@ def mix_reference(aligned_ckpt):
         "dp2-ep2-k3",
         "dp2-ep2-k3-graphs",
         "tp2-dcp2-k3-graphs",
+        "pcp2xdcp2-k3-graphs",
     ],
 )
 def test_parallel_drafts_with_prefix_hits_and_preemption(aligned_ckpt, mix_reference, layout, k):

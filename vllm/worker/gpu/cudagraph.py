@@ -27,7 +27,11 @@ Under DCP every rank of the group captures the same sizes and replays the same s
 (the batch is the same on every rank): the queries' all-gather, the per-shard attention, the
 LSE-corrected reduce-scatter or the all-to-all, and the indexer candidates' all-gather are inside
 the graph, with ``size·q`` rows per rank (padding rows hold position −1: no rank owns their KV,
-their LSE is −inf). PCP decode is not captured.
+their LSE is −inf). Under PCP the rows go round-robin over the PCP ranks, as an eager decode
+step's do: each rank computes its share (index tensors made once per size before capture), the
+new KV rows are all-gathered inside each attention layer and the hidden states after the model,
+and the logits come from every token's (the drafting's passes likewise, with 1-token rows for
+the chained ones). Not captured: HiSparse under PCP.
 
 Under DP + EP the graphs hold the MoE layers' collectives, so every EP rank runs the same ones:
 each step the ranks agree on one size (the runner's ``_graph_size``) and each replays the verify
@@ -41,12 +45,14 @@ with that token count as its bound; ``ep_forward(..., graph=True)`` asserts it, 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vllm.attention.metadata import CPMetadata, MLAMetadata
 from vllm.distributed.ep import ep_forward
+from vllm.distributed.pcp_manager import shard_tokens
 from vllm.utils import logger
 
 
@@ -71,6 +77,7 @@ class DecodeGraphs:
         self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # uncaptured (CPU): the last step's
         self.pool = None
+        self._shards: dict[tuple[int, int], _Shard] = {}  # PCP: (size, q) -> this rank's share
 
     # ---- which steps replay ----------------------------------------------------------------
     def decode_batch(self, inp) -> int | None:
@@ -101,14 +108,25 @@ class DecodeGraphs:
         seq = torch.where(first >= 0, first + nd + 1, 0)
         return idx, row, j, pos, seq
 
-    def _metadata(self, size, idx, row, pos, seq) -> MLAMetadata:
+    def _metadata(self, size, idx, row, pos, seq, shard: _Shard | None = None) -> MLAMetadata:
+        """Metadata of the step's tokens ``row``/``pos`` [size·q] (global order); under PCP
+        (``shard``) of this rank's share of them, with every rank's new KV rows in gather
+        order."""
         r, t = self.runner, row.shape[0]
+        if shard is None:
+            qsl = [b * (t // size) for b in range(size + 1)]
+            tok_row, tok_pos, kv_row, kv_pos, cp = row, pos, row, pos, self._cp(t)
+        else:
+            qsl, mine = shard.qsl, shard.mine
+            tok_row, tok_pos = row[mine], pos[mine]
+            kv_row, kv_pos = row[shard.gv], torch.where(shard.g >= 0, pos[shard.gv], -1)
+            cp = r.planner.cp_metadata(shard.pad, shard.pad)
         meta = MLAMetadata(
             layout=r.layout,
             index_topk=r.arch.index_topk,
-            positions=pos,
-            token_req=row,
-            query_start_loc_cpu=[b * (t // size) for b in range(size + 1)],
+            positions=tok_pos,
+            token_req=tok_row,
+            query_start_loc_cpu=qsl,
             seq_lens=seq,
             seq_lens_cpu=[self.max_ctx] * size,  # bounds only: the kernels read `seq`
             block_table=r.states.block_table[idx],
@@ -116,12 +134,54 @@ class DecodeGraphs:
             use_dense_cpu=[False] * size,
             slot_mapping=torch.empty(0, dtype=torch.long, device=pos.device),
             positions_cpu=None,
-            decode_tokens=self.arange[:t],
+            decode_tokens=self.arange[: tok_row.shape[0]],
             max_decode_ctx=self.max_ctx,
-            cp=self._cp(t),
+            cp=cp,
         )
-        meta.slot_mapping = meta.slots_for(row, pos)
+        meta.slot_mapping = meta.slots_for(kv_row, kv_pos)
         return meta
+
+    def _shard(self, size: int, q: int) -> _Shard | None:
+        """Under PCP, this rank's share of a step of ``size`` rows of ``q`` tokens: rows go to
+        the ranks round-robin, as an eager decode step's do (:func:`shard_tokens`). Its index
+        tensors are made at the first call for the shape, the warm-up before capture."""
+        r = self.runner
+        if r.config.parallel_config.prefill_context_parallel_size == 1:
+            return None
+        key = (size, q)
+        if key not in self._shards:
+            planner, dev = r.planner, r.device
+            sh = shard_tokens(np.arange(size + 1) * q, np.zeros(size, dtype=bool), planner.n)
+            g = torch.from_numpy(sh.gathered).to(dev)
+            counts = sh.per_rank_counts[planner.rank]
+            self._shards[key] = _Shard(
+                mine=torch.from_numpy(sh.per_rank[planner.rank]).to(dev),
+                g=g,
+                gv=g.clamp_min(0),
+                restore=torch.from_numpy(sh.restore).to(dev),
+                pad=sh.pad,
+                qsl=[0] + np.cumsum(counts).tolist(),
+            )
+        return self._shards[key]
+
+    def _gather(self, hidden: torch.Tensor, shard: _Shard | None) -> torch.Tensor:
+        """This rank's hidden states -> every token's, in the step's order (PCP all-gather)."""
+        if shard is None:
+            return hidden
+        padded = hidden.new_zeros((shard.pad, hidden.shape[1]))
+        padded[: hidden.shape[0]] = hidden
+        return self.runner.pc.pcp.all_gather(padded)[shard.restore]
+
+    def _pass(self, shard: _Shard | None, bound: int, fn, *tensors):
+        """``fn`` over this rank's share of the [T] / [T, ...] ``tensors`` (all of them without
+        PCP), MoE dispatch bounded by ``bound`` tokens (the padded share under PCP), then every
+        token's output."""
+        if shard is not None:
+            tensors = tuple(x[shard.mine] for x in tensors)
+            bound = shard.pad
+        with ep_forward(bound, graph=True):
+            out = fn(*tensors)
+        return self._gather(out, shard)
 
     def _cp(self, tokens: int) -> CPMetadata | None:
         """DCP's part of the metadata (None without DCP): each rank computes every token of the
@@ -136,11 +196,12 @@ class DecodeGraphs:
         the whole decode step but sampling."""
         r = self.runner
         idx, row, j, pos, seq = self._tokens(size)
-        meta = self._metadata(size, idx, row, pos, seq)
+        shard = self._shard(size, self.q)
+        meta = self._metadata(size, idx, row, pos, seq, shard)
         r.hooks.graph_metadata(meta, idx, pos)
         # every EP rank replays the same size (agreed per step): the MoE dispatch shapes follow it
-        with ep_forward(size * self.q, graph=True):
-            hidden = r.model(r.states.next_tokens[idx[row], j], pos, meta)
+        ids = r.states.next_tokens[idx[row], j]
+        hidden = self._pass(shard, size * self.q, lambda i, p: r.model(i, p, meta), ids, pos)
         return r.model.compute_logits(hidden), hidden
 
     def _draft_forward(self, size: int, hidden: torch.Tensor) -> None:
@@ -148,24 +209,27 @@ class DecodeGraphs:
         counts: the next drafts into next_tokens[slot, 1:]."""
         r, q = self.runner, self.q
         idx, row, j, pos, seq = self._tokens(size)
-        meta = self._metadata(size, idx, row, pos, seq)
+        shard = self._shard(size, q)
+        meta = self._metadata(size, idx, row, pos, seq, shard)
         r.hooks.graph_metadata(meta, idx, pos)
         ids = self.sampled[: size * q]
         # the bounds are fixed by the agreed size, as the verify forward's: no host read
-        with ep_forward(size * q, graph=True):
-            h = r.model.mtp_forward(ids, hidden, pos, meta, 0)
+        mtp = r.model.mtp_forward
+        h = self._pass(shard, size * q, lambda i, hh, p: mtp(i, hh, p, meta, 0), ids, hidden, pos)
         sel = self.arange[:size] * q + self.accepted[:size]
         h, p0 = h[sel], pos[sel]
         draft = r.model.mtp_logits(h, 0).argmax(dim=-1)
         drafts = [draft]
         cap = self.inputs[3, :size]
         rows = self.arange[:size]
+        shard1 = self._shard(size, 1)
         for depth in range(1, self.k):
             p = torch.where((p0 >= 0) & (p0 + depth < cap), p0 + depth, -1)
-            dmeta = self._metadata(size, idx, rows, p, (p + 1).clamp_min(0))
+            dmeta = self._metadata(size, idx, rows, p, (p + 1).clamp_min(0), shard1)
             r.hooks.graph_metadata(dmeta, idx, p)
-            with ep_forward(size, graph=True):
-                h = r.model.mtp_forward(draft, h, p, dmeta, depth)
+            h = self._pass(
+                shard1, size, lambda i, hh, pp, m=dmeta, d=depth: mtp(i, hh, pp, m, d), draft, h, p
+            )
             draft = r.model.mtp_logits(h, depth).argmax(dim=-1)
             drafts.append(draft)
         r.states.draft_tokens[idx] = torch.stack(drafts, dim=1)
@@ -255,6 +319,18 @@ class DecodeGraphs:
         else:
             hidden = self.graphs[size][2] if size in self.graphs else self.hidden[size]
             self._draft_forward(size, hidden)
+
+
+@dataclass
+class _Shard:
+    """This PCP rank's share of a captured step's tokens (:meth:`DecodeGraphs._shard`)."""
+
+    mine: torch.Tensor  # this rank's tokens, indices into the step's
+    g: torch.Tensor  # [N·pad] step token of each gathered row, −1: padding
+    gv: torch.Tensor  # g clamped to 0 (a valid index)
+    restore: torch.Tensor  # [T] gathered row of each step token
+    pad: int  # tokens per rank after padding
+    qsl: list[int]  # this rank's tokens of each row, cumulated
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:

@@ -282,8 +282,8 @@ class ModelRunner:
     def _graphs_unsupported(self) -> str | None:
         """Why this configuration's decode step cannot be captured (None: it can)."""
         par = self.config.parallel_config
-        if par.prefill_context_parallel_size > 1:
-            return "PCP decode is not captured yet"
+        if par.prefill_context_parallel_size > 1 and self.config.attention_config.hisparse:
+            return "HiSparse decode under PCP is not captured yet"
         return None
 
     def graph_pool_bytes(self) -> int:
