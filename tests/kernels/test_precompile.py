@@ -229,3 +229,42 @@ def test_indexer_logits_one_variant_per_dtype(fp8):
     finally:
         watch.stop()
     assert watch.compiles == [], watch.compiles
+
+
+def test_compile_watch_records_and_chains():
+    """CompileWatch through Triton's hook points (called as Triton calls them): a compile after
+    start is recorded with its kernel and constexprs, a manual warm-up (precompile) is not, hooks
+    already installed still run, and stop restores them."""
+    from triton import knobs
+    from triton.runtime.jit import JitFunctionInfo
+
+    from vllm.kernels.triton.precompile import CompileWatch
+
+    topk = _topk_mod()
+    kernel = topk._collect_kernel
+    seen = []
+    rt = knobs.runtime
+    saved = (rt.jit_cache_hook, rt.jit_post_compile_hook)
+    rt.jit_cache_hook = lambda **kw: seen.append(("pre", kw["key"]))
+    rt.jit_post_compile_hook = lambda **kw: seen.append(("post", kw["key"]))
+    try:
+        watch = CompileWatch().start()
+        names = list(kernel.arg_names)
+        info = JitFunctionInfo(kernel.fn.__module__, kernel.fn.__name__, kernel)
+
+        def call(key, warmup):
+            kw = dict(key=key, repr="", fn=info, is_manual_warmup=warmup, already_compiled=False,
+                      compile={"constants": {(names.index("ROWS"),): 4}})  # fmt: skip
+            assert rt.jit_cache_hook(**kw) is None  # never skips the compile
+            rt.jit_post_compile_hook(**kw)
+
+        call("k1", warmup=True)
+        call("k2", warmup=False)
+        assert [c[0] for c in watch.compiles] == ["_collect_kernel{'ROWS': 4}"]
+        assert seen == [("pre", "k1"), ("post", "k1"), ("pre", "k2"), ("post", "k2")]
+        watch.stop()
+        assert rt.jit_cache_hook is not None and rt.jit_cache_hook.__name__ == "<lambda>"
+        call("k3", warmup=False)
+        assert len(watch.compiles) == 1
+    finally:
+        rt.jit_cache_hook, rt.jit_post_compile_hook = saved

@@ -143,7 +143,7 @@ class CompileWatch:
     def _record(self, fn, info, seconds: float) -> None:
         consts = {}
         try:
-            names = [p.name for p in fn.jit_function.params]
+            names = list(fn.jit_function.arg_names)
             consts = {names[k[0]]: v for k, v in (info.get("constants") or {}).items()}
         except Exception:  # noqa: BLE001 - the report is best effort; the count is what matters
             pass
