@@ -31,7 +31,7 @@ their LSE is −inf). Under PCP the rows go round-robin over the PCP ranks, as a
 step's do: each rank computes its share (index tensors made once per size before capture), the
 new KV rows are all-gathered inside each attention layer and the hidden states after the model,
 and the logits come from every token's (the drafting's passes likewise, with 1-token rows for
-the chained ones). Not captured: HiSparse under PCP.
+the chained ones).
 
 Under DP + EP the graphs hold the MoE layers' collectives, so every EP rank runs the same ones:
 each step the ranks agree on one size (the runner's ``_graph_size``) and each replays the verify

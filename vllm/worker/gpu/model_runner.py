@@ -151,11 +151,6 @@ class ModelRunner:
         self.kv_cache.allocate(plan, self.kv_access)
         cc = self.config.compilation_config
         if cc.use_cudagraph:
-            why_not = self._graphs_unsupported()
-            if why_not:
-                mtp = " (MTP drafting included)" if self.drafter.num_spec_tokens else ""
-                logger.info("CUDA graphs off: %s; every step%s runs eagerly", why_not, mtp)
-                return
             # the longest context a request can have here: the device pool, or HiSparse's host
             # pool, which holds every page; under DCP each rank holds one token in N of it
             held = max(plan.num_blocks, plan.num_host_blocks) * self.layout.block_size
@@ -279,20 +274,13 @@ class ModelRunner:
         eager, most = t.tolist()
         return None if eager or most == 0 else self.graphs.size_for(most)
 
-    def _graphs_unsupported(self) -> str | None:
-        """Why this configuration's decode step cannot be captured (None: it can)."""
-        par = self.config.parallel_config
-        if par.prefill_context_parallel_size > 1 and self.config.attention_config.hisparse:
-            return "HiSparse decode under PCP is not captured yet"
-        return None
-
     def graph_pool_bytes(self) -> int:
         """Estimated device memory of the decode graphs' pool (kept out of the KV budget): a
         step's activations at the largest captured batch, its logits, and the indexer's
         [batch, context] scores at the longest context; under DCP also the group's gathered
         queries, partial outputs and LSEs (N ranks' rows of every head, fp32)."""
         cc = self.config.compilation_config
-        if not cc.use_cudagraph or self._graphs_unsupported():
+        if not cc.use_cudagraph:
             return 0
         n = cc.max_capture_size
         acts = activation_bytes(
