@@ -135,6 +135,13 @@ CONFIGS = {
         decode_context_parallel_size=2,
         enable_expert_parallel=True,
     ),
+    "dp2-pcp2-dcp2-ep-graphs": dict(
+        data_parallel_size=2,
+        prefill_context_parallel_size=2,
+        decode_context_parallel_size=2,
+        enable_expert_parallel=True,
+        compilation_config=GRAPHS,
+    ),
     "8ranks-pcp8-dcp8-ep": dict(
         prefill_context_parallel_size=8, decode_context_parallel_size=8, enable_expert_parallel=True
     ),
