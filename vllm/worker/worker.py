@@ -168,7 +168,7 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
         t0 = time.perf_counter()
         lengths = runner.warm_up()
         if rank_in_replica == 0 and not lengths:
-            logger.info("warm-up skipped (HiSparse or no room): kernels compile at first use")
+            logger.info("warm-up skipped (no room in the KV cache): kernels compile at first use")
         if rank_in_replica == 0 and lengths:
             logger.info(
                 "warm-up: %d prefill steps (prompts of %d-%d tokens) and a mixed step in %.1f s",

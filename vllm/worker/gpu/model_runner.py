@@ -22,6 +22,7 @@ from vllm.config import VllmConfig
 from vllm.core.messages import (
     CachedRequestData,
     KVCachePlan,
+    KVPageUpdate,
     ModelRunnerOutput,
     NewRequestData,
     SamplingOptions,
@@ -148,6 +149,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, plan: KVCachePlan) -> None:
         self.num_blocks = plan.num_blocks
+        self.kv_plan = plan
         self.kv_cache.allocate(plan, self.kv_access)
         cc = self.config.compilation_config
         if cc.use_cudagraph:
@@ -173,16 +175,20 @@ class ModelRunner:
         short of each (Triton specialises integer arguments on divisibility by 16, so both
         kinds of token count compile), then a mixed step (a decode row beside a prefill chunk).
         The requests are the runner's own, on the first KV blocks, and are finished before it
-        returns: at start-up no block holds anything. Every rank runs the same steps (they are
-        collective where steps are). Not under HiSparse, whose requests' pages are placed by the
-        scheduler (its kernels compile at first use). Returns the prompt lengths run."""
-        if self.config.attention_config.hisparse is not None:
-            return []
+        returns: at start-up no block holds anything. Under HiSparse each page also gets the
+        host and indexer pages of the same number, all of it resident (what a short request
+        has; the miss path's kernels compile with the decode graphs' capture). Every rank runs
+        the same steps (they are collective where steps are). Returns the prompt lengths run."""
+        hs = self.config.attention_config.hisparse is not None
         sbs = self.scheduler_block_size
+        pages = self.num_blocks
+        if hs:
+            plan = self.kv_plan
+            pages = min(pages, plan.num_host_blocks, plan.num_idx_blocks)
         cap = min(
             self.config.scheduler_config.max_num_batched_tokens,
             self.config.model_config.max_model_len - 1,
-            self.num_blocks * sbs - 1,
+            pages * sbs - 1,
         )
         lengths = warm_up_lengths(cap)
         if not lengths:
@@ -193,7 +199,8 @@ class ModelRunner:
         def request(rid: str, n: int, first_block: int) -> NewRequestData:
             tokens = [(7919 * i + n) % vocab for i in range(n)]
             blocks = list(range(first_block, first_block + cdiv(n + 1, sbs)))
-            return NewRequestData(rid, tokens, n, blocks, 0, greedy)
+            upd = KVPageUpdate(host=blocks, idx=list(blocks)) if hs else None
+            return NewRequestData(rid, tokens, n, blocks, 0, greedy, upd)
 
         prev: list[str] = []
         for i, n in enumerate(lengths):
@@ -211,13 +218,14 @@ class ModelRunner:
         # the blocks after its own (when the cache holds both)
         n_last = lengths[-1]
         start = cdiv(n_last + 1, sbs)
-        n = min(cap - 1, self.num_blocks * sbs - start * sbs - 1)
+        n = min(cap - 1, pages * sbs - start * sbs - 1)
         if n > 0:
             r = request("__warmup_mixed", n, start)
+            upd = KVPageUpdate(host=[], idx=[]) if hs else None
             self.execute(
                 SchedulerOutput(
                     new_reqs=[r],
-                    cached_reqs=[CachedRequestData(prev[0], [], n_last)],
+                    cached_reqs=[CachedRequestData(prev[0], [], n_last, upd)],
                     num_scheduled_tokens={prev[0]: 1, r.req_id: n},
                     total_num_scheduled_tokens=n + 1,
                 )
