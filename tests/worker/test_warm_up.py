@@ -45,15 +45,18 @@ def _runner(path, blocks=40, budget=96):
     return runner
 
 
-def _generate(runner, prompts, steps=4):
-    """Greedy tokens of each prompt (prefilled together, then decoded together)."""
+def _generate(runner, prompts, steps=4, hisparse=False):
+    """Greedy tokens of each prompt (prefilled together, then decoded together). ``hisparse``:
+    each request's pages resident with host and indexer pages of the same numbers (what
+    HiSparse's manager gives a short request on a fresh engine)."""
     greedy = SamplingOptions(temperature=0.0, max_tokens=100)
     bs = runner.scheduler_block_size
     new, first = [], 0
     for i, p in enumerate(prompts):
-        nb = -(-(len(p) + steps + 1) // bs)
-        new.append(NewRequestData(f"r{i}", p, len(p), list(range(first, first + nb)), 0, greedy))
-        first += nb
+        blocks = list(range(first, first + -(-(len(p) + steps + 1) // bs)))
+        upd = KVPageUpdate(host=blocks, idx=list(blocks)) if hisparse else None
+        new.append(NewRequestData(f"r{i}", p, len(p), blocks, 0, greedy, upd))
+        first += len(blocks)
     ids = [r.req_id for r in new]
     out = runner.execute(
         SchedulerOutput(
@@ -68,7 +71,9 @@ def _generate(runner, prompts, steps=4):
             SchedulerOutput(
                 step=s,
                 cached_reqs=[
-                    CachedRequestData(r, [], len(p) + s - 1)
+                    CachedRequestData(
+                        r, [], len(p) + s - 1, KVPageUpdate(host=[], idx=[]) if hisparse else None
+                    )
                     for r, p in zip(ids, prompts, strict=True)
                 ],
                 num_scheduled_tokens={r: 1 for r in ids},
@@ -114,52 +119,15 @@ def _hisparse_runner(path, blocks=14):
     return runner
 
 
-def _generate_hisparse(runner, prompts, steps=4):
-    """As _generate, each request's pages resident with host and indexer pages of the same
-    numbers (what HiSparse's manager gives a short request on a fresh engine)."""
-    greedy = SamplingOptions(temperature=0.0, max_tokens=100)
-    bs = runner.scheduler_block_size
-    new, first = [], 0
-    for i, p in enumerate(prompts):
-        blocks = list(range(first, first + -(-(len(p) + steps + 1) // bs)))
-        upd = KVPageUpdate(host=blocks, idx=list(blocks))
-        new.append(NewRequestData(f"r{i}", p, len(p), blocks, 0, greedy, upd))
-        first += len(blocks)
-    ids = [r.req_id for r in new]
-    out = runner.execute(
-        SchedulerOutput(
-            new_reqs=new,
-            num_scheduled_tokens={r.req_id: len(r.token_ids) for r in new},
-            total_num_scheduled_tokens=sum(len(p) for p in prompts),
-        )
-    )
-    toks = {r: [t[0]] for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True)}
-    for s in range(1, steps):
-        out = runner.execute(
-            SchedulerOutput(
-                step=s,
-                cached_reqs=[
-                    CachedRequestData(r, [], len(p) + s - 1, KVPageUpdate(host=[], idx=[]))
-                    for r, p in zip(ids, prompts, strict=True)
-                ],
-                num_scheduled_tokens={r: 1 for r in ids},
-                total_num_scheduled_tokens=len(ids),
-            )
-        )
-        for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True):
-            toks[r].append(t[0])
-    return [toks[r] for r in ids]
-
-
 def test_warm_up_under_hisparse(tiny_ckpt):
     """HiSparse's runner warms up too (its pages resident, with host and indexer pages), within
     its smallest pool, leaves nothing behind, and answers as a cold one."""
     prompts = [[(13 * i + j) % 200 + 5 for i in range(n)] for j, n in enumerate((70, 9, 33))]
-    cold = _generate_hisparse(_hisparse_runner(tiny_ckpt), prompts)
+    cold = _generate(_hisparse_runner(tiny_ckpt), prompts, hisparse=True)
     warm = _hisparse_runner(tiny_ckpt)
     plan = warm.kv_plan
     lengths = warm.warm_up()
     pages = min(plan.num_blocks, plan.num_host_blocks, plan.num_idx_blocks)
     assert lengths == warm_up_lengths(min(96, pages * warm.scheduler_block_size - 1))
     assert warm.states.slot_of == {}
-    assert _generate_hisparse(warm, prompts) == cold
+    assert _generate(warm, prompts, hisparse=True) == cold

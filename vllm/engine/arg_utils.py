@@ -25,6 +25,7 @@ from vllm.config import (
 )
 from vllm.config.arch import ModelArch
 from vllm.config.compilation import CompilationConfig
+from vllm.config.flags import parse_json_flag
 from vllm.config.vllm_config import DeviceConfig, resolve_dtype
 
 DEFAULT_MODEL = "tiny-glm-5.3"
@@ -129,7 +130,7 @@ class EngineArgs:
                 f"--load-format {self.load_format!r} is not supported: one of "
                 f"{', '.join(LOAD_FORMATS)}"
             )
-        arch = ModelArch.from_pretrained(path, _json_dict(self.hf_overrides, "--hf-overrides"))
+        arch = ModelArch.from_pretrained(path, parse_json_flag(self.hf_overrides, "--hf-overrides"))
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -213,21 +214,6 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
             ),
         )
-
-
-def _json_dict(value: str | dict | None, flag: str) -> dict | None:
-    """A flag's JSON object (a dict from ``LLM(...)``), or a ValueError naming the flag."""
-    if value is None or isinstance(value, dict):
-        return value
-    import json
-
-    try:
-        out = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} must be a JSON object: {e}") from e
-    if not isinstance(out, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {type(out).__name__}")
-    return out
 
 
 def _bool_flag(p, name: str, default: bool, help: str) -> None:
