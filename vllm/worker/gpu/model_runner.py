@@ -250,6 +250,8 @@ class ModelRunner:
 
         sc = self.config.scheduler_config
         rows = max(sc.max_num_batched_tokens, sc.max_num_seqs * (1 + self.config.num_spec_tokens))
+        # DCP's decode top-k runs over the group's gathered queries
+        rows *= self.config.parallel_config.decode_context_parallel_size
         max_len = self.config.model_config.max_model_len
         return precompile(topk_compile_plan(rows, max_len, self.arch.index_topk))
 
