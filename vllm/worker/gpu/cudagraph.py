@@ -186,10 +186,9 @@ class DecodeGraphs:
     def _cp(self, tokens: int) -> CPMetadata | None:
         """DCP's part of the metadata (None without DCP): each rank computes every token of the
         step, so the DCP gathers carry ``tokens`` rows per rank, padding included."""
-        planner = self.runner.planner
         if self.runner.config.parallel_config.decode_context_parallel_size == 1:
             return None
-        return planner.cp_metadata(1, tokens)
+        return self.runner.planner.cp_metadata(1, tokens)
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs [:, :size] -> (logits [size·q, vocab] fp32, final hidden [size·q, hidden]):
