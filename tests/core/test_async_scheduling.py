@@ -147,10 +147,35 @@ def test_start_up_errors_name_the_flag(tiny_ckpt):
             async_scheduling=True,
             speculative_config={"method": "mtp", "num_speculative_tokens": 1},
         ).create_engine_config()
-    with pytest.raises(ValueError, match="--async-scheduling.*--data-parallel-size"):
+    with pytest.raises(ValueError, match="--async-scheduling.*--enable-expert-parallel"):
         EngineArgs(
-            model=tiny_ckpt, async_scheduling=True, data_parallel_size=2
+            model=tiny_ckpt,
+            async_scheduling=True,
+            data_parallel_size=2,
+            enable_expert_parallel=True,
         ).create_engine_config()
+
+
+@pytest.mark.distributed
+def test_llm_async_with_independent_dp_replicas(tiny_ckpt):
+    """DP replicas without EP run independently: each engine core schedules ahead on its own;
+    the outputs equal the synchronous run's."""
+    from vllm import LLM, SamplingParams
+
+    prompts = [list(range(11 + 5 * i, 11 + 5 * i + n)) for i, n in enumerate((6, 50, 90, 13))]
+    params = [
+        SamplingParams(temperature=0.7 if i % 2 else 0.0, seed=7 + i, max_tokens=n, ignore_eos=True)
+        for i, n in enumerate((12, 5, 20, 9))
+    ]
+    runs = []
+    for flag in (False, True):
+        m = LLM(tiny_ckpt, async_scheduling=flag, data_parallel_size=2, max_num_batched_tokens=64)
+        try:
+            outs = m.generate([{"prompt_token_ids": p} for p in prompts], params)
+            runs.append([list(o.outputs[0].token_ids) for o in outs])
+        finally:
+            m.shutdown()
+    assert runs[1] == runs[0] and [len(t) for t in runs[1]] == [12, 5, 20, 9]
 
 
 @pytest.mark.parametrize("graphs", [False, True])
