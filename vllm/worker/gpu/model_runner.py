@@ -288,7 +288,8 @@ class ModelRunner:
         """Estimated device memory of the decode graphs' pool (kept out of the KV budget): a
         step's activations at the largest captured batch, its logits, and the indexer's
         [batch, context] scores at the longest context; under DCP also the group's gathered
-        queries, partial outputs and LSEs (N ranks' rows of every head, fp32)."""
+        rows: queries, partial outputs and LSEs of every head (fp32), and the indexer's top-k
+        candidates (score and position)."""
         cc = self.config.compilation_config
         if not cc.use_cudagraph:
             return 0
