@@ -179,9 +179,13 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
             )
     watch = None
     if device.type == "cuda":
-        n, secs = runner.precompile()
-        if rank_in_replica == 0 and n:
-            logger.info("compiled %d context-dependent kernel variants in %.1f s", n, secs)
+        try:
+            n, secs = runner.precompile()
+            if rank_in_replica == 0 and n:
+                logger.info("compiled %d context-dependent kernel variants in %.1f s", n, secs)
+        except Exception:  # noqa: BLE001 - it touches no state: the kernels compile at first use
+            logger.warning("start-up kernel compile failed; kernels compile at first use:\n%s",
+                           traceback.format_exc())  # fmt: skip
         # from here every Triton compile is a stall inside a request: logged and counted
         watch = CompileWatch().start()
     # every attention layer's caches, MTP layers last (the order of model.attention_layers())
