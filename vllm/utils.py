@@ -8,7 +8,6 @@ import logging
 import mmap
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -35,12 +34,6 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ipc_dir() -> str:

@@ -73,5 +73,25 @@ def init_distributed(
     if world == 1:
         return ParallelContext.single()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, world_size=world, rank=global_rank)
+    store = join_store(init_method, world)
+    dist.init_process_group(backend, store=store, world_size=world, rank=global_rank)
     return build_groups(pc, global_rank, device)
+
+
+def host_store() -> tuple[dist.TCPStore, str]:
+    """A rendezvous store served by the calling process (the one that spawns the ranks).
+
+    The OS picks its port while binding it, so no other process can take the port between
+    choosing it and listening on it (a port probed free and handed to rank 0 could be, and was,
+    taken by another server starting meanwhile). Keep the store alive while the ranks run.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return store, f"tcp://127.0.0.1:{store.port}"
+
+
+def join_store(init_method: str, world: int) -> dist.TCPStore:
+    """Connect to the store `host_store` serves at `init_method` (every rank is a client)."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"rendezvous address must be tcp://HOST:PORT, got {init_method!r}")
+    return dist.TCPStore(host, int(port), world_size=world, is_master=False)

@@ -162,8 +162,11 @@ class DPWave:
         if self.active:
             import torch.distributed as dist
 
+            from vllm.distributed.groups import join_store
+
+            dp = pc.data_parallel_size
             dist.init_process_group(
-                "gloo", init_method=dp_init, world_size=pc.data_parallel_size, rank=dp_rank
+                "gloo", store=join_store(dp_init, dp), world_size=dp, rank=dp_rank
             )
 
     def sync(self, has_work: bool, stop: bool) -> tuple[bool, bool]:

@@ -25,13 +25,13 @@ import zmq
 
 from vllm.config import VllmConfig
 from vllm.core.messages import EngineCoreRequest, decoder, encoder
+from vllm.distributed.groups import host_store
 from vllm.engine.messages import EngineCoreOutputs
 from vllm.utils import (
     MAIN_GUARD_EXIT,
     MAIN_GUARD_MESSAGE,
     EngineDeadError,
     HeartbeatBoard,
-    free_port,
     ipc_addr,
     ipc_dir,
     kill_processes,
@@ -75,8 +75,10 @@ class EngineCoreClient:
         self.outputs.bind(self.out_addr)
         self.enc = encoder()
         self.dec = decoder(EngineCoreOutputs)
-        dist_init = f"tcp://127.0.0.1:{free_port()}"
-        dp_init = f"tcp://127.0.0.1:{free_port()}"
+        # the ranks' and the DP replicas' rendezvous stores live here, for the engine's lifetime
+        dist_store, dist_init = host_store()
+        dp_store, dp_init = host_store()
+        self._stores = (dist_store, dp_store)
         spawn = mp.get_context("spawn")
         self.procs, self.inputs = [], []
         dp = config.parallel_config.data_parallel_size
