@@ -189,6 +189,7 @@ def test_llm_async_equals_sync(tiny_ckpt, graphs):
     prompts = [list(range(7 + 3 * i, 7 + 3 * i + n)) for i, n in enumerate((5, 40, 70, 130, 9))]
     mc = EngineArgs(model=tiny_ckpt).create_engine_config().model_config
     per_block = 64 * kv_bytes_per_token(mc.arch, "auto", mc.dtype, num_mtp_layers=0)
+    stops = list(range(43, mc.arch.vocab_size))
     kw = dict(max_num_batched_tokens=64, max_num_seqs=8, kv_cache_memory_bytes=5 * per_block)
     if graphs:
         kw["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
@@ -212,12 +213,24 @@ def test_llm_async_equals_sync(tiny_ckpt, graphs):
             # stop at the 5th token of the greedy request 2 (a stop token id, as a user sets it)
             stop = SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=[toks[2][4]])
             stopped = m.generate([{"prompt_token_ids": prompts[2]}], stop)[0].outputs[0]
+            # min_tokens bans the stop tokens (here all but 40 ids) for 7 outputs, so the 8th
+            # output is a stop token; a count late by one step (the worker reads step N after
+            # launching N + 1) would ban them once more: 9 outputs
+            held = SamplingParams(
+                temperature=0.0, max_tokens=12, stop_token_ids=stops, min_tokens=7
+            )
+            late = m.generate([{"prompt_token_ids": prompts[2]}], held)[0].outputs[0]
             preempted = sum(st.num_preemptions for st in m.stats_history)
+            pipelined = sum(st.num_pipelined_steps for st in m.stats_history)
             runs.append((toks, lps, list(stopped.token_ids), stopped.finish_reason))
+            runs[-1] += (list(late.token_ids),)
         finally:
             m.shutdown()
         assert preempted > 0
-    (t0, l0, s0, r0), (t1, l1, s1, r1) = runs
+        # the worker launched steps before reading the previous one only with the flag
+        assert (pipelined > 0) == flag, pipelined
+    (t0, l0, s0, r0, h0), (t1, l1, s1, r1, h1) = runs
+    assert h1 == h0 and len(h0) == 8 and h0[-1] in stops and not set(h0[:7]) & set(stops)
     assert t1 == t0 and s1 == s0 == t0[2][:5] and r0 == r1 == "stop"
     assert [len(t) for t in t1] == [3, 30, 9, 17, 24]
     for a, b in zip(l1, l0, strict=True):

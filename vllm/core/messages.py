@@ -113,6 +113,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_cudagraph_steps: int = 0  # steps that replayed a decode CUDA graph (deltas)
     num_cudagraph_split_steps: int = 0  # of which mixed steps (prompt chunks run eagerly)
     num_jit_compiles: int = 0  # Triton compiles inside steps after start-up: stalls (deltas)
+    # --async-scheduling: steps a worker launched before reading the previous step's results
+    num_pipelined_steps: int = 0
     spec_decoding: SpecDecodingStats | None = None  # with --speculative-config
     kv_transfer: dict[str, float] = {}  # KV connector counters (deltas, summed over ranks)
     extra: dict = {}
@@ -167,6 +169,9 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []
     dummy: bool = False  # DP: run an empty step so EP collectives stay matched
+    # --async-scheduling: the engine core sends the next step or b"FLUSH" before it waits for
+    # this step's results, so a worker may launch that next step before reading this one
+    pipelined: bool = False
     # rows that sample under a grammar this step, and their allowed-token bitmasks
     # ([len, ceil(vocab / 32)] int32, C order; bit j of word w allows token 32·w + j)
     grammar_req_ids: list[str] = []

@@ -82,11 +82,14 @@ class EngineCore:
         sched, ahead = self.scheduler, None
         if sched.has_work() and (self._in_flight is None or sched.can_schedule_ahead()):
             ahead = sched.schedule()
+            ahead.pipelined = True  # this loop sends the next step or a flush before collecting
             self.executor.submit(ahead)
         if self._in_flight is None:
             self._in_flight = ahead
             return None
         so, self._in_flight = self._in_flight, ahead
+        if ahead is None:  # the workers hold step N's results until a step or a flush comes
+            self.executor.flush()
         ro = self.executor.collect()
         outs = sched.take_stuck() + sched.update_from_output(so, ro)
         return EngineCoreOutputs(engine_index=self.dp_rank, outputs=outs, stats=sched.stats())

@@ -155,6 +155,17 @@ class MultiprocExecutor:
             self.dead = str(e)
             raise
 
+    def flush(self) -> None:
+        """No step follows the ones submitted: the workers read the one they hold now."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        try:
+            for s in self.socks:
+                send_nonblocking(s, b"FLUSH", self._check_alive, timeout_s=float("inf"))
+        except EngineDeadError as e:
+            self.dead = str(e)
+            raise
+
     def collect(self) -> ModelRunnerOutput:
         """The results of the oldest step submitted and not yet collected."""
         if self.dead:

@@ -196,22 +196,45 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
     dec = decoder(SchedulerOutput)
     driver = rank_in_replica == 0
     prof = _StepProfiler(global_rank)
-    while True:
-        raw = inp.recv()
-        if raw == b"SHUTDOWN":
-            break
-        so = dec.decode(raw)
-        prof.before()
-        seen = len(watch.compiles) if watch is not None else 0
-        ro = runner.execute(so)
-        prof.after(so)
-        if watch is not None and len(watch.compiles) > seen:
-            ro.stats["jit_compiles"] = ro.stats.get("jit_compiles", 0) + len(watch.compiles) - seen
+    pending = None  # a launched step whose results are held (--async-scheduling)
+
+    def report(p) -> None:
+        ro = runner.finish(p)
+        prof.after(p.num_tokens)
+        if watch is not None and len(watch.compiles) > p.compiles:  # since its launch
+            ro.stats["jit_compiles"] = (
+                ro.stats.get("jit_compiles", 0) + len(watch.compiles) - p.compiles
+            )
         if driver:
             out.send(enc.encode(WorkerMessage(rank=global_rank, kind="output", output=ro)))
         elif kv_ctx is not None:  # the scheduler combines every rank's KV transfers
             kv = ModelRunnerOutput(step=ro.step, kv_connector_output=ro.kv_connector_output)
             out.send(enc.encode(WorkerMessage(rank=global_rank, kind="output", output=kv)))
+
+    while True:
+        raw = inp.recv()
+        if raw == b"SHUTDOWN":
+            break
+        if raw == b"FLUSH":  # nothing follows the held step: read it now
+            if pending is not None:
+                report(pending)
+                pending = None
+            continue
+        so = dec.decode(raw)
+        if pending is not None and not runner.can_pipeline(pending):
+            report(pending)
+            pending = None
+        prof.before()
+        seen = len(watch.compiles) if watch is not None else 0
+        launched = runner.launch(so)
+        launched.compiles = seen
+        if pending is not None:  # step N + 1 is queued behind step N: now read step N
+            launched.stats["pipelined_steps"] = 1
+            report(pending)
+        # the engine core sends the next step or FLUSH before it waits for this one's results
+        pending = launched if so.pipelined else None
+        if pending is None:
+            report(launched)
     connector.shutdown()
     pc.destroy()
 
@@ -243,15 +266,15 @@ class _StepProfiler:
             self.prof.__enter__()
         self.t0 = time.perf_counter()
 
-    def after(self, so) -> None:
-        if self.dir is None or so.total_num_scheduled_tokens == 0:
+    def after(self, num_tokens: int) -> None:
+        if self.dir is None or num_tokens == 0:
             return
         import time
 
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         if self.prof is not None:
-            self.walls.append((time.perf_counter() - self.t0, so.total_num_scheduled_tokens))
+            self.walls.append((time.perf_counter() - self.t0, num_tokens))
         self.n += 1
         if self.prof is not None and self.n > self.last:
             self.prof.__exit__(None, None, None)

@@ -11,7 +11,7 @@ KV connector, a no-op unless configured).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -324,8 +324,15 @@ class ModelRunner:
             self.hooks.update_request(self.states.slot_of[c.req_id], c)
         return start_of
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and read its results (:meth:`launch` then :meth:`finish`)."""
+        return self.finish(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> PendingStep:
+        """Queue the step's device work (inputs, forward, sampling, drafting, the copies of its
+        results to the host) without waiting for it. :meth:`finish` reads the results; until
+        then the host may build and launch the next step (see :meth:`can_pipeline`)."""
         start_of = self.update_states(so)
         self.connector.bind_connector_metadata(so.kv_connector_metadata)
         self.connector.start_load_kv(so)  # loads progress in steps that compute nothing too
@@ -334,7 +341,7 @@ class ModelRunner:
                 self._dummy_step()
             out = ModelRunnerOutput(step=so.step)
             out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
-            return out
+            return PendingStep(step=so.step, done=out)
         n_dec = self._decode_rows_first(so, start_of)
         inp = build_step_inputs(so, self.states, self.device, start_of, self.staging)
         self.hooks.before_forward(inp)
@@ -355,10 +362,36 @@ class ModelRunner:
             hidden = self.forward(*target)
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
-        out = self._sample(inp, plan, hidden, so.step, logits, target, size, split)
+        pending = self._sample(inp, plan, hidden, so.step, logits, target, size, split)
+        pending.finished_req_ids = so.finished_req_ids
+        pending.num_tokens = so.total_num_scheduled_tokens
         if split:
-            out.stats["cudagraph_split_steps"] = 1
-        out.kv_connector_output = step_output(self.connector, so.finished_req_ids)
+            pending.stats["cudagraph_split_steps"] = 1
+        return pending
+
+    def can_pipeline(self, pending: PendingStep) -> bool:
+        """Whether the next step may be launched before ``pending``'s results are read: the next
+        step's inputs must not need them on the host. Not with drafts to verify (the accepted
+        counts), bad words (their prefix match reads the sampled tokens), step hooks or a KV
+        connector (both keep host state per step)."""
+        return (
+            pending.done is None
+            and "accepted" not in pending.host
+            and not len(pending.bad_words)
+            and type(self.hooks) is StepHooks
+            and isinstance(self.connector, NoOpConnector)
+        )
+
+    def finish(self, pending: PendingStep) -> ModelRunnerOutput:
+        """Wait for a launched step and build its output (the step's one device→host sync)."""
+        if pending.done is not None:
+            return pending.done
+        if pending.event is not None:
+            pending.event.synchronize()
+        self.staging.synced(pending.arena)
+        out = self._build_output(pending)
+        out.stats.update(pending.stats)
+        out.kv_connector_output = step_output(self.connector, pending.finished_req_ids)
         return out
 
     # ---- mixed steps: the decode rows replay their graph, the prompt chunks run eagerly ------
@@ -598,7 +631,7 @@ class ModelRunner:
         target=None,
         replayed: int | None = None,
         split=None,
-    ) -> ModelRunnerOutput:
+    ) -> PendingStep:
         """Sample the rows that produce tokens, from ``hidden`` (every token's final hidden
         state) or, after a graph replay, from ``logits`` (one row per request). A row verifying
         d drafts samples its 1 + d positions and emits the accepted drafts and one more token;
@@ -654,12 +687,30 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.from_numpy(tok_rows).to(self.device)])
             res = prompt_logprobs(logits, torch.from_numpy(next_ids).to(self.device), n)
             host.update(plp_chosen=res[0], plp_rank=res[1], plp_ids=res[2], plp_vals=res[3])
-        h = to_host(host)  # the step's one device -> host sync
-        self.staging.synced()
-        out = self._build_output(inp, rows, first, h, plp_plan, step)
+        h, event = to_host_async(host)  # the step's one device -> host copy, read by finish()
+        arena = self.staging.step_done()
+        # per-slot bookkeeping now, while the slots are this step's: the next step's update may
+        # free a slot and give it to a new request before this step's results are read
+        slots = inp.idx_np[rows]
+        if "accepted" not in host and len(rows):  # one token per sampling row
+            st.num_generated[slots] += 1
+            st.num_sampled[slots] += 1
+        pending = PendingStep(
+            step=step,
+            req_ids=[inp.req_ids[b] for b in rows.tolist()],
+            req_ids_all=inp.req_ids,
+            slots=slots,
+            first=first,
+            host=h,
+            event=event,
+            arena=arena,
+            plp_plan=plp_plan,
+            bad_words=np.nonzero(st.logit_bias.bad_words_on[slots])[0],
+            logprobs=st.logprobs[slots].copy(),
+        )
         if hidden is None:
-            out.stats["cudagraph_steps"] = 1
-        return out
+            pending.stats["cudagraph_steps"] = 1
+        return pending
 
     def _prompt_logprob_plan(self, inp: StepInputs):
         """(batch row, hidden rows, next prompt ids, n) for requests wanting prompt logprobs."""
@@ -673,31 +724,28 @@ class ModelRunner:
             plan.append((b, rows, st.token_ids[s][lo + 1 : hi + 1], int(st.prompt_logprobs[s])))
         return plan
 
-    def _build_output(self, inp, rows, first, h, plp_plan, step) -> ModelRunnerOutput:
-        st = self.states
-        out = ModelRunnerOutput(step=step, stats=self.hooks.host_stats(h))
-        if len(rows):
+    def _build_output(self, p: PendingStep) -> ModelRunnerOutput:
+        st, h = self.states, p.host
+        out = ModelRunnerOutput(step=p.step, stats=self.hooks.host_stats(h))
+        if len(p.slots):
             # array ops over the rows; Python loops only over the rows that need one (B = 256
             # decode rows cost ~0.1 ms here instead of ~0.5 ms row by row)
             sampled = h["sampled"].tolist()
-            slots = inp.idx_np[rows]
-            out.req_ids = [inp.req_ids[b] for b in rows.tolist()]
-            if "accepted" in h:
+            out.req_ids = p.req_ids
+            if "accepted" in h:  # never pipelined (can_pipeline): the slots are still this step's
                 acc = h["accepted"].numpy().astype(np.int64)
-                lo_hi = list(zip(first.tolist(), (first + acc + 1).tolist(), strict=True))
+                lo_hi = list(zip(p.first.tolist(), (p.first + acc + 1).tolist(), strict=True))
                 out.sampled_token_ids = [sampled[lo:hi] for lo, hi in lo_hi]
-                n = acc + 1
-            else:  # one sample per row, rows in order
+                st.num_generated[p.slots] += acc + 1
+                st.num_sampled[p.slots] += acc + 1
+            else:  # one sample per row, rows in order (counted at launch)
                 out.sampled_token_ids = [[t] for t in sampled]
-                lo_hi = [(i, i + 1) for i in range(len(rows))]
-                n = 1
-            st.num_generated[slots] += n
-            st.num_sampled[slots] += n
-            for i in np.nonzero(st.logit_bias.bad_words_on[slots])[0].tolist():
+                lo_hi = [(i, i + 1) for i in range(len(p.slots))]
+            for i in p.bad_words.tolist():  # never pipelined either
                 for t in out.sampled_token_ids[i]:
-                    st.logit_bias.record(int(slots[i]), t)
-            for i in np.nonzero(st.logprobs[slots] >= 0)[0].tolist():
-                k, (lo, hi) = int(st.logprobs[slots[i]]), lo_hi[i]
+                    st.logit_bias.record(int(p.slots[i]), t)
+            for i in np.nonzero(p.logprobs >= 0)[0].tolist():
+                k, (lo, hi) = int(p.logprobs[i]), lo_hi[i]
                 out.logprobs[out.req_ids[i]] = [
                     TokenLogprobs(
                         sampled[j],
@@ -709,9 +757,9 @@ class ModelRunner:
                     for j in range(lo, hi)
                 ]
         off = 0
-        for b, r, nx, k in plp_plan:
+        for b, r, nx, k in p.plp_plan:
             m = len(r)
-            out.prompt_logprobs[inp.req_ids[b]] = [
+            out.prompt_logprobs[p.req_ids_all[b]] = [
                 TokenLogprobs(
                     int(nx[j]),
                     float(h["plp_chosen"][off + j]),
@@ -723,6 +771,29 @@ class ModelRunner:
             ]
             off += m
         return out
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its device work queued, its results not yet read (``finish``). What the
+    output needs from the step's slots is copied here at launch (the slots may be reused)."""
+
+    step: int
+    done: ModelRunnerOutput | None = None  # nothing to read (a step without tokens)
+    req_ids: list[str] = field(default_factory=list)  # the sampling rows' requests
+    req_ids_all: list[str] = field(default_factory=list)  # every batch row's request
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    first: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    host: dict[str, torch.Tensor] = field(default_factory=dict)  # valid once `event` is done
+    event: torch.cuda.Event | None = None
+    arena: int = 0  # the staging arena its inputs went through
+    plp_plan: list = field(default_factory=list)
+    bad_words: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    finished_req_ids: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    num_tokens: int = 0  # the step's scheduled tokens
+    compiles: int = 0  # the worker's count of Triton compiles when it launched the step
 
 
 @dataclass
@@ -757,16 +828,23 @@ def warm_up_lengths(cap: int) -> list[int]:
     return sorted(n for n in out if n >= 1)
 
 
-def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copy every tensor to the host with a single synchronisation."""
+def to_host_async(
+    tensors: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+    """Queue copies of every tensor into pinned host memory; the returned event completes when
+    they have landed (None: CPU tensors, copied now)."""
     if not tensors:
-        return {}
+        return {}, None
     first = next(iter(tensors.values()))
     if not first.is_cuda:
-        return {k: v.cpu() for k, v in tensors.items()}
-    out = {k: v.to("cpu", non_blocking=True) for k, v in tensors.items()}
-    torch.cuda.current_stream().synchronize()
-    return out
+        return {k: v.cpu() for k, v in tensors.items()}, None
+    out = {}
+    for k, v in tensors.items():
+        out[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        out[k].copy_(v, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return out, event
 
 
 def activation_bytes(

@@ -1,8 +1,13 @@
 """Host → device copies of per-step inputs without blocking the host.
 
 On CUDA a copy from pageable memory stalls the CPU until it is staged; copies from pinned memory
-with non_blocking=True do not. Each step's small input arrays go through one pinned arena that is
-recycled after the step's single device → host sync (by then every earlier copy has finished).
+with non_blocking=True do not. Each step's small input arrays go through a pinned arena that is
+recycled after that step's device → host sync (by then every copy it queued has finished).
+
+Two arenas take turns: with ``--async-scheduling`` the worker builds step N + 1's inputs while
+step N is still queued on the device (``ModelRunner.launch`` before ``finish``), so step N's arena
+must stay untouched until its sync, and step N + 1 writes the other one. A step never finds its
+arena still in use: step N + 2 is built after step N's sync.
 """
 
 from __future__ import annotations
@@ -15,25 +20,41 @@ class HostStaging:
     def __init__(self, device: torch.device, nbytes: int = 32 << 20):
         self.device = device
         self.cuda = device.type == "cuda"
-        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if self.cuda else None
-        self.off = 0
+        self.bufs = (
+            [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            if self.cuda
+            else []
+        )
+        self.cur, self.off = 0, 0
+        self.busy = [False, False]  # an arena whose step has not been synced
 
     def to_device(self, arr: np.ndarray) -> torch.Tensor:
         arr = np.ascontiguousarray(arr)
         if not self.cuda:
             return torch.from_numpy(arr)
-        n = arr.nbytes
-        if self.off + n > self.buf.numel():
+        buf, n = self.bufs[self.cur], arr.nbytes
+        if self.off + n > buf.numel():
             torch.cuda.current_stream(self.device).synchronize()  # arena full: rare, keeps it safe
             self.off = 0
-            if n > self.buf.numel():
+            if n > buf.numel():
                 return torch.from_numpy(arr).to(self.device)
-        chunk = self.buf[self.off : self.off + n]
+        chunk = buf[self.off : self.off + n]
         chunk.numpy()[:] = arr.view(np.uint8).reshape(-1)
         self.off += (n + 63) // 64 * 64
         host = chunk.view(torch.from_numpy(arr[:0]).dtype).view(arr.shape)
         return host.to(self.device, non_blocking=True)
 
-    def synced(self) -> None:
-        """The device has caught up with the host (after the step's sync): recycle the arena."""
-        self.off = 0
+    def step_done(self) -> int:
+        """The step's inputs are all queued: later copies go to the other arena. Returns this
+        step's arena, for :meth:`synced`."""
+        used = self.cur
+        self.busy[used] = True
+        self.cur, self.off = 1 - used, 0
+        if self.busy[self.cur]:  # two steps unsynced: never in the runner's order, kept safe
+            torch.cuda.current_stream(self.device).synchronize() if self.cuda else None
+            self.busy[self.cur] = False
+        return used
+
+    def synced(self, arena: int) -> None:
+        """The device has run the step that used ``arena`` (after its sync): recycle it."""
+        self.busy[arena] = False
