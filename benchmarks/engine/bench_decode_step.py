@@ -101,6 +101,7 @@ def decode_run(
     top_p: float,
     precompile: bool = True,
     load_format: str = "auto",
+    pipelined: bool = False,
 ) -> dict:
     per_req_blocks = -(-(context + steps + 8) // 64)
     blocks = batch * per_req_blocks + 1
@@ -149,6 +150,7 @@ def decode_run(
         total_num_scheduled_tokens=batch,
     )
     walls, tokens, prof_ms, prof, top_kernels = [], [], None, None, []
+    held, t_read = None, 0.0
     warm, window = 4, 8
     for s in range(steps + 1):
         if s > 0:
@@ -163,10 +165,22 @@ def decode_run(
 
             prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             prof.__enter__()
-        t0 = time.perf_counter()
-        ro = runner.execute(so)
-        walls.append(time.perf_counter() - t0)
-        tokens.append([t[0] for t in ro.sampled_token_ids])
+        if pipelined:  # as a worker under --async-scheduling: launch step s, then read s - 1
+            launched = runner.launch(so)
+            if held is not None:
+                ro = runner.finish(held)
+                now = time.perf_counter()
+                walls.append(now - t_read)  # one step's throughput interval
+                t_read = now
+                tokens.append([t[0] for t in ro.sampled_token_ids])
+            else:
+                t_read = time.perf_counter()
+            held = launched
+        else:
+            t0 = time.perf_counter()
+            ro = runner.execute(so)
+            walls.append(time.perf_counter() - t0)
+            tokens.append([t[0] for t in ro.sampled_token_ids])
         if s == warm + window - 1:
             prof.__exit__(None, None, None)
             ka = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -176,13 +190,17 @@ def decode_run(
                 (e.key[:60], round(e.self_device_time_total / 1e3 / window, 3), e.count // window)
                 for e in top
             ]
+    if held is not None:
+        ro = runner.finish(held)
+        walls.append(time.perf_counter() - t_read)
+        tokens.append([t[0] for t in ro.sampled_token_ids])
     watch.stop()
     steady = walls[warm + window :]
     med = statistics.median(steady)
     del runner, model
     torch.cuda.empty_cache()
     return {
-        "mode": "graph" if graphs else "eager",
+        "mode": ("pipe" if pipelined else "graph") if graphs else "eager",
         "batch": batch,
         "context": context,
         "top_p": top_p,
@@ -268,11 +286,20 @@ def main() -> int:
         "4 and 8 layers with graphs, the per-layer slope scaled to 78 layers",
     )
     ap.add_argument("--project-layers", default="4,8", help="with --project: the two depths")
+    ap.add_argument(
+        "--modes",
+        default="eager,graph,pipe",
+        help="eager; graph (CUDA graphs); pipe (graphs, step N + 1 launched before step N is "
+        "read, as the worker does under --async-scheduling: wall = interval between reads)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.project:
         return project(args)
     path = checkpoint(args.layers)
+    modes = args.modes.split(",")
+    if not set(modes) <= {"eager", "graph", "pipe"}:
+        ap.error(f"--modes: eager, graph, pipe; got {args.modes}")
     rows = []
     for b in map(int, args.batch.split(",")):
         for c in map(int, args.context.split(",")):
@@ -280,15 +307,26 @@ def main() -> int:
                 print(f"skip B={b} C={c}: {b * c} tokens > --max-tokens-in-cache", flush=True)
                 continue
             pair = [
-                decode_run(path, b, c, args.steps, g, args.top_p, not args.no_precompile)
-                for g in (False, True)
+                decode_run(
+                    path,
+                    b,
+                    c,
+                    args.steps,
+                    m != "eager",
+                    args.top_p,
+                    not args.no_precompile,
+                    pipelined=m == "pipe",
+                )
+                for m in modes
             ]
-            # per request: its whole decoded sequence equal in both modes (random weights leave
-            # near-ties that a padded batch's GEMMs may break the other way)
+            # per request: its whole decoded sequence equal to the first mode's (random weights
+            # leave near-ties that a padded batch's GEMMs may break the other way)
             seqs = [list(zip(*r["tokens"], strict=True)) for r in pair]
-            same = sum(a == b for a, b in zip(*seqs, strict=True)) / len(seqs[0])
+            for r, q in zip(pair, seqs, strict=True):
+                r["rows_equal_first"] = sum(a == b for a, b in zip(seqs[0], q, strict=True)) / len(
+                    q
+                )
             for r in pair:
-                r["rows_equal_eager"] = same
                 r.pop("tokens")
                 rows.append(r)
                 print("row:", json.dumps(r), flush=True)
@@ -296,13 +334,13 @@ def main() -> int:
         with open(args.out, "a") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "decode_step", **r}) + "\n")
-    hdr = "mode   B    ctx     wall ms  gpu ms  wall/gpu  max/med  capture s  rows=eager  jit"
+    hdr = "mode   B    ctx     wall ms  gpu ms  wall/gpu  max/med  capture s  rows=first  jit"
     print(hdr)
     for r in rows:
         print(
             f"{r['mode']:6} {r['batch']:<4} {r['context']:<7} {r['step_ms_median']:7.2f} "
             f"{r['gpu_ms_per_step'] or 0:7.2f} {r['wall_over_gpu'] or 0:8.2f} "
-            f"{r['max_over_median']:8.2f} {r['capture_s']:9.2f}  {r['rows_equal_eager']:10.2f}  "
+            f"{r['max_over_median']:8.2f} {r['capture_s']:9.2f}  {r['rows_equal_first']:10.2f}  "
             f"{r['jit_compiles_in_steps']}"
         )
     return 0
