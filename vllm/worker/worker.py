@@ -201,10 +201,8 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
     def report(p) -> None:
         ro = runner.finish(p)
         prof.after(p.num_tokens)
-        if watch is not None and len(watch.compiles) > p.compiles:  # since its launch
-            ro.stats["jit_compiles"] = (
-                ro.stats.get("jit_compiles", 0) + len(watch.compiles) - p.compiles
-            )
+        if p.compiles:
+            ro.stats["jit_compiles"] = ro.stats.get("jit_compiles", 0) + p.compiles
         if driver:
             out.send(enc.encode(WorkerMessage(rank=global_rank, kind="output", output=ro)))
         elif kv_ctx is not None:  # the scheduler combines every rank's KV transfers
@@ -226,8 +224,8 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
             pending = None
         prof.before()
         seen = len(watch.compiles) if watch is not None else 0
-        launched = runner.launch(so)
-        launched.compiles = seen
+        launched = runner.launch(so)  # kernels compile on the host, at their launch
+        launched.compiles = len(watch.compiles) - seen if watch is not None else 0
         if pending is not None:  # step N + 1 is queued behind step N: now read step N
             launched.stats["pipelined_steps"] = 1
             report(pending)

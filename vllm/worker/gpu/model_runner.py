@@ -793,7 +793,7 @@ class PendingStep:
     finished_req_ids: list[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
     num_tokens: int = 0  # the step's scheduled tokens
-    compiles: int = 0  # the worker's count of Triton compiles when it launched the step
+    compiles: int = 0  # Triton compiles while the step was launched (stalls; set by the worker)
 
 
 @dataclass
