@@ -145,23 +145,18 @@ class MultiprocExecutor:
 
     def submit(self, so: SchedulerOutput) -> None:
         """Send a step to the workers without waiting for its results (they answer in order)."""
-        if self.dead:
-            raise EngineDeadError(self.dead)
-        raw = self.enc.encode(so)
-        try:
-            for s in self.socks:
-                send_nonblocking(s, raw, self._check_alive, timeout_s=float("inf"))
-        except EngineDeadError as e:
-            self.dead = str(e)
-            raise
+        self._send(self.enc.encode(so))
 
     def flush(self) -> None:
         """No step follows the ones submitted: the workers read the one they hold now."""
+        self._send(b"FLUSH")
+
+    def _send(self, raw: bytes) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
         try:
             for s in self.socks:
-                send_nonblocking(s, b"FLUSH", self._check_alive, timeout_s=float("inf"))
+                send_nonblocking(s, raw, self._check_alive, timeout_s=float("inf"))
         except EngineDeadError as e:
             self.dead = str(e)
             raise
