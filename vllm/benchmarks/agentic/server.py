@@ -14,7 +14,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -89,10 +88,7 @@ def parse_serve_config(name: str, command: str, num_gpus: int | None = None) -> 
     return ServeConfig(name, tuple(args), num_gpus, model, getattr(ns, "tokenizer", None))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
 
 
 def http_get(url: str, timeout: float = 5.0) -> str:
@@ -110,8 +106,10 @@ class ServerProcess:
     def __init__(self, config: ServeConfig, log_path: str, extra_env: dict | None = None):
         self.config = config
         self.log_path = log_path
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # the server binds a port the OS picks (--port 0) and logs it: a port probed free here
+        # could be taken by another process before the server binds it
+        self.port = 0
+        self.url = ""
         args = list(config.args)
         if "--enable-prompt-tokens-details" not in args:
             args.append("--enable-prompt-tokens-details")  # per-request cached tokens
@@ -124,7 +122,7 @@ class ServerProcess:
             "--host",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            "0",
         ]
         self.env = dict(os.environ, VLLM_NO_PROGRESS="1", **(extra_env or {}))
         self.proc: subprocess.Popen | None = None
@@ -149,8 +147,10 @@ class ServerProcess:
                 raise ServerError(
                     f"server exited with code {rc} during startup: {self.log_tail(1)}"
                 )
+            if not self.port:
+                self._find_port()
             try:
-                if http_get(self.url + "/health", timeout=2.0) is not None:
+                if self.port and http_get(self.url + "/health", timeout=2.0) is not None:
                     return time.monotonic() - t0
             except (OSError, urllib.error.URLError):
                 pass
@@ -158,6 +158,17 @@ class ServerProcess:
                 self.stop()
                 raise ServerError(f"/health did not answer within {timeout:.0f} s")
             time.sleep(0.5)
+
+    def _find_port(self) -> None:
+        """The port from the server's "listening on" log line, once it is there."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                m = _LISTENING.search(f.read())
+        except OSError:
+            return
+        if m:
+            self.port = int(m.group(1))
+            self.url = f"http://127.0.0.1:{self.port}"
 
     def served_model(self) -> str:
         data = json.loads(http_get(self.url + "/v1/models"))
