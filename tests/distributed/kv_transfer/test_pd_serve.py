@@ -17,7 +17,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,9 +38,7 @@ EXTRA = {"ignore_eos": True}
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_port_range(1)
 
 
 def _free_port_range(n: int) -> int:
