@@ -147,19 +147,22 @@ def test_start_up_errors_name_the_flag(tiny_ckpt):
             async_scheduling=True,
             speculative_config={"method": "mtp", "num_speculative_tokens": 1},
         ).create_engine_config()
-    with pytest.raises(ValueError, match="--async-scheduling.*--enable-expert-parallel"):
+    with pytest.raises(ValueError, match="--async-scheduling.*--kv-transfer-config"):
         EngineArgs(
             model=tiny_ckpt,
             async_scheduling=True,
-            data_parallel_size=2,
-            enable_expert_parallel=True,
+            kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"},
         ).create_engine_config()
 
 
 @pytest.mark.distributed
-def test_llm_async_with_independent_dp_replicas(tiny_ckpt):
-    """DP replicas without EP run independently: each engine core schedules ahead on its own;
-    the outputs equal the synchronous run's."""
+@pytest.mark.parametrize("ep", [False, True])
+def test_llm_async_with_dp_replicas(tiny_ckpt, ep):
+    """DP replicas without EP run independently: each engine core schedules ahead on its own.
+    With EP they run in lockstep: a replica with nothing to schedule sends a dummy step ahead,
+    so every replica's workers run the same forwards (EP's all-to-alls stay matched) while the
+    others schedule ahead; an uneven load leaves one replica idle for most of the run. The
+    outputs equal the synchronous run's."""
     from vllm import LLM, SamplingParams
 
     prompts = [list(range(11 + 5 * i, 11 + 5 * i + n)) for i, n in enumerate((6, 50, 90, 13))]
@@ -169,12 +172,20 @@ def test_llm_async_with_independent_dp_replicas(tiny_ckpt):
     ]
     runs = []
     for flag in (False, True):
-        m = LLM(tiny_ckpt, async_scheduling=flag, data_parallel_size=2, max_num_batched_tokens=64)
+        m = LLM(
+            tiny_ckpt,
+            async_scheduling=flag,
+            data_parallel_size=2,
+            enable_expert_parallel=ep,
+            max_num_batched_tokens=64,
+        )
         try:
             outs = m.generate([{"prompt_token_ids": p} for p in prompts], params)
             runs.append([list(o.outputs[0].token_ids) for o in outs])
+            pipelined = sum(st.num_pipelined_steps for st in m.stats_history)
         finally:
             m.shutdown()
+        assert (pipelined > 0) == flag
     assert runs[1] == runs[0] and [len(t) for t in runs[1]] == [12, 5, 20, 9]
 
 

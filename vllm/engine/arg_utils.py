@@ -114,10 +114,6 @@ class EngineArgs:
             ("--speculative-config", self.speculative_config is not None),
             ("--kv-transfer-config", self.kv_transfer_config is not None),
             ("--kv-offloading-size", bool(self.kv_offloading_size)),
-            (
-                "--data-parallel-size > 1 with --enable-expert-parallel (replicas in lockstep)",
-                self.data_parallel_size > 1 and self.enable_expert_parallel,
-            ),
             ("HiSparse (--attention-config hisparse_config)", attn.hisparse is not None),
         ]
         for name, on in other:

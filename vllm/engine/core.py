@@ -60,8 +60,8 @@ class EngineCore:
         with nothing scheduled (a dummy step) so every replica's EP all-to-alls stay matched.
         With --async-scheduling the next step is scheduled and sent before the results of the
         one in flight are read (:meth:`_step_async`)."""
-        if self.scheduler.async_scheduling and not lockstep:
-            return self._step_async()
+        if self.scheduler.async_scheduling:
+            return self._step_async(lockstep)
         if not self.scheduler.has_work():
             if lockstep:
                 self.executor.execute(SchedulerOutput(dummy=True))
@@ -74,14 +74,20 @@ class EngineCore:
             engine_index=self.dp_rank, outputs=outs, stats=self.scheduler.stats()
         )
 
-    def _step_async(self) -> EngineCoreOutputs | None:
+    def _step_async(self, lockstep: bool = False) -> EngineCoreOutputs | None:
         """Schedule and send step N + 1, then read step N's results and apply them: the
         scheduler's work and the results' round trip overlap the workers' step. Step N + 1's
         decode rows take the tokens step N samples from the workers' device state. A request
-        that step N finishes is computed once more by step N + 1 and that output is dropped."""
+        that step N finishes is computed once more by step N + 1 and that output is dropped.
+        With ``lockstep`` (DP replicas sharing EP; called only while some replica has work to
+        schedule) a step is always sent, a dummy one when this replica has none to schedule."""
         sched, ahead = self.scheduler, None
         if sched.has_work() and (self._in_flight is None or sched.can_schedule_ahead()):
             ahead = sched.schedule()
+        elif lockstep:  # step -1: no scheduled step's number (its placeholders stay)
+            ahead = SchedulerOutput(step=-1)
+        if ahead is not None:
+            ahead.dummy = lockstep and ahead.total_num_scheduled_tokens == 0
             ahead.pipelined = True  # this loop sends the next step or a flush before collecting
             self.executor.submit(ahead)
         if self._in_flight is None:
@@ -221,13 +227,17 @@ def _loop(core: EngineCore, inp, out, enc, stop, wave: DPWave) -> None:
                 break
         if aborted and not core.has_work():  # no step will report the freed seats and blocks
             out.send(enc.encode(EngineCoreOutputs(engine_index=core.dp_rank, stats=sched.stats())))
-        any_work, any_stop = wave.sync(core.has_work(), shutdown or stop["flag"])
+        # with --async-scheduling, replicas in lockstep agree on work still to schedule; a
+        # step in flight (every replica has one when any does) is read without a new step
+        pending = wave.active and sched.async_scheduling
+        has_work = sched.has_work() if pending else core.has_work()
+        any_work, any_stop = wave.sync(has_work, shutdown or stop["flag"])
         if any_stop:
             return
-        if not any_work:
+        if not any_work and not (pending and core.in_flight):
             core.executor.check_alive()  # a worker that dies while idle fails no step
             continue
-        res = core.step(lockstep=wave.active)
+        res = core.step(lockstep=wave.active and any_work)
         if res is not None:
             out.send(enc.encode(res))
 
