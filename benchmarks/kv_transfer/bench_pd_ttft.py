@@ -44,6 +44,7 @@ import os
 import random
 import shlex
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -60,7 +61,6 @@ from vllm.benchmarks.agentic.server import (  # noqa: E402
     ServeConfig,
     ServerError,
     ServerProcess,
-    free_port,
 )
 
 RECV_BYTES = "vllm:kv_transfer_recv_bytes_total"
@@ -73,8 +73,26 @@ class BenchError(RuntimeError):
 
 
 # ---- engines ---------------------------------------------------------------------------------
+def side_channel_port() -> int:
+    """A free port for a NIXL side channel, below Linux's ephemeral range (32768-60999): there
+    the OS hands ports to outgoing connections, which could take it before the engine binds it."""
+    for _ in range(100):
+        port = random.randint(20000, 32767)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise BenchError("no free port in 20000-32767 for a NIXL side channel")
+
+
 def engine_args(args, model: str, role: str) -> list[str]:
-    kv = {"kv_connector": "NixlConnector", "kv_role": role, "side_channel_port": free_port()}
+    kv = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "side_channel_port": side_channel_port(),
+    }
     # cached_tokens in usage: the proof that no prefill hit a prefix cache
     out = [model, "--kv-transfer-config", json.dumps(kv), "--enable-prompt-tokens-details"]
     if not args.prefix_caching:
