@@ -51,10 +51,15 @@ def run(ckpt, args, hisparse: bool) -> dict:
         llm.generate(reqs, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         times = []
         for n in (2, args.tokens + 2):  # same prompts again: prefix hits, then decode
+            since = len(llm.stats_history)
             t0 = time.perf_counter()
             llm.generate(reqs, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             times.append(time.perf_counter() - t0)
         step_s = (times[1] - times[0]) / args.tokens
+        # the hot set's hit rate over the decode run's steps (per-step rates, engine's counters)
+        extra = [s.extra or {} for s in llm.stats_history[since:]]
+        rates = [e["hisparse_hot_hit_rate"] for e in extra if "hisparse_hot_hit_rate" in e]
+        h2d = [e.get("hisparse_h2d_bytes_per_step", 0) for e in extra if "hisparse_hot_hit_rate" in e]
         return {
             "hisparse": hisparse,
             "context": args.context,
@@ -65,6 +70,9 @@ def run(ckpt, args, hisparse: bool) -> dict:
             "rehit_2tok_s": times[0],
             "decode_step_ms": step_s * 1e3,
             "tok_s_per_request": 1 / step_s,
+            "hot_hit_rate_mean": sum(rates) / len(rates) if rates else None,
+            "hot_hit_rate_min": min(rates) if rates else None,
+            "h2d_mb_per_step": sum(h2d) / len(h2d) / 1e6 if h2d else None,
         }
     finally:
         llm.shutdown()
