@@ -93,7 +93,7 @@ def run_shape(path, args, mqa: bool, mixed: bool) -> dict:
         if args.device == "cuda":
             torch.cuda.synchronize()
 
-    walls, prof_ms, top, split = [], None, [], 0
+    walls, prof_ms, top, split, pieces = [], None, [], 0, 0
     total = args.warmup + args.reps
     prev: list[str] = []
     for s in range(total):
@@ -146,6 +146,7 @@ def run_shape(path, args, mqa: bool, mixed: bool) -> dict:
         ro = runner.execute(so)
         sync()
         split += int(ro.stats.get("cudagraph_split_steps", 0))
+        pieces += int(ro.stats.get("piecewise_steps", 0))
         if s >= args.warmup and not profiling:
             walls.append(time.perf_counter() - t0)
         if profiling:
@@ -173,6 +174,7 @@ def run_shape(path, args, mqa: bool, mixed: bool) -> dict:
         "wall_over_gpu": med * 1e3 / prof_ms if prof_ms else None,
         "prefill_tok_per_s": tokens / med,
         "split_steps": split,  # mixed steps whose decode rows replayed a graph
+        "piecewise_steps": pieces,  # steps whose prompt chunks replayed piecewise graphs
         "top_kernels_ms": top,
     }
 
@@ -187,7 +189,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--top", type=int, default=10, help="kernels listed per row")
-    ap.add_argument("--graphs", action="store_true", help="capture decode graphs (unused here)")
+    ap.add_argument("--graphs", action="store_true", help="same as --modes graphs")
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help="eager,graphs: graphs = decode graphs for the decode rows and piecewise graphs for "
+        "the prompt chunks (FULL_AND_PIECEWISE), in the same process (default: eager)",
+    )
     ap.add_argument("--forms", default="dense,mqa")
     ap.add_argument("--shapes", default="prefill,mixed")
     ap.add_argument("--device", default="cuda", help="cpu: a functional check at tiny sizes")
@@ -195,25 +203,32 @@ def main() -> int:
     args = ap.parse_args()
     path = checkpoint(args.layers)
     rows = []
-    for shape in args.shapes.split(","):
-        for form in args.forms.split(","):
-            r = run_shape(path, args, form == "mqa", shape == "mixed")
-            rows.append(r)
-            print("row:", json.dumps(r), flush=True)
+    modes = (args.modes or ("graphs" if args.graphs else "eager")).split(",")
+    for mode in modes:
+        args.graphs = mode == "graphs"
+        for shape in args.shapes.split(","):
+            for form in args.forms.split(","):
+                r = {"mode": mode, **run_shape(path, args, form == "mqa", shape == "mixed")}
+                rows.append(r)
+                print("row:", json.dumps(r), flush=True)
     if args.out:
         with open(args.out, "a") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "prefill_step", **r}) + "\n")
     for r in rows:
-        print(f"\n{r['shape']} {r['form']}: top kernels (ms, calls)")
+        print(f"\n{r['mode']} {r['shape']} {r['form']}: top kernels (ms, calls)")
         for k, ms, n in r["top_kernels_ms"]:
             print(f"  {ms:8.3f} {n:5d}  {k}")
-    print("\nshape   form   tokens  dec  wall ms  max ms  gpu ms  wall/gpu  prefill tok/s  split")
+    print(
+        "\nmode   shape   form   tokens  dec  wall ms  max ms  gpu ms  wall/gpu  prefill tok/s  "
+        "split  pieces"
+    )
     for r in rows:
         print(
-            f"{r['shape']:7} {r['form']:6} {r['prefill_tokens']:6} {r['decode_rows']:4} "
-            f"{r['step_ms_median']:8.2f} {r['step_ms_max']:7.2f} {r['gpu_ms'] or 0:7.2f} "
-            f"{r['wall_over_gpu'] or 0:8.2f} {r['prefill_tok_per_s']:13.0f}  {r['split_steps']}"
+            f"{r['mode']:6} {r['shape']:7} {r['form']:6} {r['prefill_tokens']:6} "
+            f"{r['decode_rows']:4} {r['step_ms_median']:8.2f} {r['step_ms_max']:7.2f} "
+            f"{r['gpu_ms'] or 0:7.2f} {r['wall_over_gpu'] or 0:8.2f} "
+            f"{r['prefill_tok_per_s']:13.0f}  {r['split_steps']:5}  {r['piecewise_steps']}"
         )
     return 0
 

@@ -59,7 +59,9 @@ def run(ckpt, args, hisparse: bool) -> dict:
         # the hot set's hit rate over the decode run's steps (per-step rates, engine's counters)
         extra = [s.extra or {} for s in llm.stats_history[since:]]
         rates = [e["hisparse_hot_hit_rate"] for e in extra if "hisparse_hot_hit_rate" in e]
-        h2d = [e.get("hisparse_h2d_bytes_per_step", 0) for e in extra if "hisparse_hot_hit_rate" in e]
+        h2d = [
+            e.get("hisparse_h2d_bytes_per_step", 0) for e in extra if "hisparse_hot_hit_rate" in e
+        ]
         return {
             "hisparse": hisparse,
             "context": args.context,

@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.config.compilation import CompilationConfig, default_capture_sizes
+from vllm.config.compilation import (
+    CompilationConfig,
+    default_capture_sizes,
+    default_piecewise_sizes,
+)
 from vllm.distributed.ep import ep_forward, ep_moe, max_tokens_across_ep
 from vllm.engine.arg_utils import EngineArgs
 from vllm.worker.gpu.model_runner import ModelRunner
@@ -38,10 +42,28 @@ def test_defaults_follow_upstream():
     assert [c.padded_size(n) for n in (1, 2, 3, 4, 6, 7)] == [1, 3, 3, 6, 6, None]
 
 
+def test_piecewise_sizes():
+    """Piecewise graphs count tokens: 16, 32, 64 then 2^k and 1.5·2^k up to the step budget
+    (by default at most 8,192), which is always one; the modes choose which kinds are on."""
+    assert default_piecewise_sizes(64) == [16, 32, 64]
+    assert default_piecewise_sizes(2048)[-6:] == [384, 512, 768, 1024, 1536, 2048]
+    assert default_piecewise_sizes(1000)[-3:] == [512, 768, 1000]
+    c = CompilationConfig.from_json(None, enforce_eager=False, max_num_seqs=8,
+                                    max_num_batched_tokens=2048)  # fmt: skip
+    assert c.use_cudagraph and c.use_piecewise and c.piecewise_capture_sizes[-1] == 2048
+    c = CompilationConfig.from_json(None, enforce_eager=False, max_num_seqs=8,
+                                    max_num_batched_tokens=1 << 20)  # fmt: skip
+    assert c.piecewise_capture_sizes[-1] == 8192
+    c = _cc('{"cudagraph_mode": "PIECEWISE", "piecewise_capture_sizes": [64, 8, 8]}')
+    assert not c.use_cudagraph and c.piecewise_capture_sizes == (8, 64)
+    c = _cc('{"cudagraph_mode": "FULL_DECODE_ONLY"}')
+    assert c.use_cudagraph and not c.use_piecewise
+    assert not _cc(None, eager=True).use_piecewise
+
+
 @pytest.mark.parametrize(
     "value, field",
     [
-        ('{"cudagraph_mode": "PIECEWISE"}', "cudagraph_mode"),
         ('{"cudagraph_mode": "FULL"}', "cudagraph_mode"),
         ('{"cudagraph_mode": "fast"}', "cudagraph_mode"),
         ('{"cudagraph_mode": 3}', "cudagraph_mode"),
@@ -51,6 +73,9 @@ def test_defaults_follow_upstream():
         ('{"cudagraph_capture_sizes": [512]}', "cudagraph_capture_sizes"),
         ('{"max_cudagraph_capture_size": 0}', "max_cudagraph_capture_size"),
         ('{"max_cudagraph_capture_size": "8"}', "max_cudagraph_capture_size"),
+        ('{"piecewise_capture_sizes": [0]}', "piecewise_capture_sizes"),
+        ('{"piecewise_capture_sizes": 512}', "piecewise_capture_sizes"),
+        ('{"piecewise_capture_sizes": [4096]}', "piecewise_capture_sizes"),  # over the budget
         ('{"level": 3}', "unknown keys"),
         ("[1, 2]", "JSON object"),
         ("{not json", "JSON object"),
@@ -75,8 +100,14 @@ def test_engine_args_wire_the_flag(tiny_ckpt):
     assert not cfg.compilation_config.use_cudagraph
     with pytest.raises(ValueError, match="cudagraph_mode"):
         EngineArgs(
-            model=tiny_ckpt, compilation_config='{"cudagraph_mode": "PIECEWISE"}'
+            model=tiny_ckpt, compilation_config='{"cudagraph_mode": "FULL"}'
         ).create_engine_config()
+    cfg = EngineArgs(
+        model=tiny_ckpt,
+        max_num_batched_tokens=256,
+        compilation_config={"cudagraph_mode": "PIECEWISE"},
+    ).create_engine_config()
+    assert cfg.compilation_config.piecewise_capture_sizes[-1] == 256
 
 
 def _sizes_kept(sizes, k=0, ep=1, tp=1):
@@ -164,6 +195,8 @@ def test_static_decode_equals_eager(pair):
     assert _graph_steps(graphs, since) >= 15
     split = sum(s.num_cudagraph_split_steps for s in graphs.stats_history[since:])
     assert split >= 3
+    # the prompt chunks, in mixed steps too, run piecewise (FULL_AND_PIECEWISE, the default)
+    assert sum(s.num_piecewise_steps for s in graphs.stats_history[since:]) >= split
     assert _graph_steps(eager, 0) == 0
     assert got[0] == ref[0]
     for g, r in zip(got[1], ref[1], strict=True):

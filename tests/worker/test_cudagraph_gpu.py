@@ -97,6 +97,8 @@ def test_graphs_equal_eager(slice_ckpt, cache_dtype):
     try:
         got = _run(graphs)
         assert _graph_steps(graphs) >= 10
+        # the prompt chunks replayed piecewise graphs (FULL_AND_PIECEWISE, the default)
+        assert sum(s.num_piecewise_steps for s in graphs.stats_history) >= 3
         got_again = _run(graphs)
     finally:
         graphs.shutdown()
@@ -154,6 +156,36 @@ def test_async_scheduling_pipelined_on_cuda(slice_ckpt):
         got_again = _run(m)  # prefix hits
         assert sum(s.num_pipelined_steps for s in m.stats_history) >= 10
         assert _graph_steps(m) > 0
+    finally:
+        m.shutdown()
+    assert assert_same_greedy(ref, got) >= sum(MAX_TOKENS) // 2
+    assert assert_same_greedy(ref, got_again) >= sum(MAX_TOKENS) // 2
+
+
+def test_piecewise_only_on_cuda(slice_ckpt):
+    """PIECEWISE: every forward, decode steps included, replays captured pieces (projections,
+    MoE, norms, TP reduces) around eager attention layers; chunks from 5 to 1,024 tokens pad to
+    other captured token counts every step."""
+    kw = dict(
+        device="cuda",
+        kv_cache_dtype="fp8_ds_mla",
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=1024,
+        max_num_seqs=8,
+        max_model_len=4096,
+        kv_cache_memory_bytes=2 << 30,
+    )
+    eager = LLM(slice_ckpt, enforce_eager=True, **kw)
+    try:
+        ref = _run(eager)
+    finally:
+        eager.shutdown()
+    m = LLM(slice_ckpt, compilation_config={"cudagraph_mode": "PIECEWISE"}, **kw)
+    try:
+        got = _run(m)
+        got_again = _run(m)  # prefix hits
+        assert _graph_steps(m) == 0
+        assert sum(s.num_piecewise_steps for s in m.stats_history) >= 20
     finally:
         m.shutdown()
     assert assert_same_greedy(ref, got) >= sum(MAX_TOKENS) // 2

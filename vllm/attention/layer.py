@@ -98,10 +98,12 @@ class SparseMLAAttention(nn.Module):
         idx: IndexerInputs | None,
         prev_topk: torch.Tensor | None,
         meta: MLAMetadata,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q_nope [T, H, nope], q_pe [T, H, rope] (roped), kv_c [T, R] (normed), k_pe [T, rope]
-        (roped). Returns attention output [T, H, v_dim] in q's dtype and the top-k positions
-        [T, index_topk] (−1 padded; rows of dense/short tokens are −1) for shared layers."""
+        (roped). Returns attention output [T, H, v_dim] in q's dtype (written into ``out`` when
+        given: a piecewise graph's static buffer) and the top-k positions [T, index_topk] (−1
+        padded; rows of dense/short tokens are −1) for shared layers."""
         self.kv_access.write(self, kv_c, k_pe, idx.k if idx is not None else None, meta)
         iq = None
         if idx is not None:
@@ -114,9 +116,13 @@ class SparseMLAAttention(nn.Module):
                 iq = IndexerQuery(idx.q.float(), ones, idx.w.float())
         # in q's dtype: each row is computed in fp32 and rounded once, as a whole-batch fp32 buffer
         # cast at the end would be, without holding T × H × 512 fp32 values
-        out = torch.zeros(
-            q_nope.shape[0], self.num_heads, self.v_dim, dtype=q_nope.dtype, device=q_nope.device
-        )
+        shape = (q_nope.shape[0], self.num_heads, self.v_dim)
+        if out is None:
+            out = torch.zeros(shape, dtype=q_nope.dtype, device=q_nope.device)
+        else:
+            if out.shape != shape or out.dtype != q_nope.dtype:
+                raise ValueError(f"out {tuple(out.shape)} {out.dtype}: {shape} {q_nope.dtype}")
+            out.zero_()
         topk = prev_topk
         if topk is None:
             topk = torch.full(

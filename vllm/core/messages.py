@@ -111,7 +111,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_cudagraph_steps: int = 0  # steps that replayed a decode CUDA graph (deltas)
-    num_cudagraph_split_steps: int = 0  # of which mixed steps (prompt chunks run eagerly)
+    num_cudagraph_split_steps: int = 0  # of which mixed steps (their prompt chunks apart)
+    num_piecewise_steps: int = 0  # steps with a forward through piecewise graphs (deltas)
     num_jit_compiles: int = 0  # Triton compiles inside steps after start-up: stalls (deltas)
     # --async-scheduling: steps a worker launched before reading the previous step's results
     num_pipelined_steps: int = 0

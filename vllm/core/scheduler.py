@@ -480,6 +480,7 @@ class Scheduler:
         s.extra = self.kv.extra_stats(self._worker_stats)
         s.num_cudagraph_steps = int(self._worker_stats.get("cudagraph_steps", 0))
         s.num_cudagraph_split_steps = int(self._worker_stats.get("cudagraph_split_steps", 0))
+        s.num_piecewise_steps = int(self._worker_stats.get("piecewise_steps", 0))
         s.num_jit_compiles = int(self._worker_stats.get("jit_compiles", 0))
         s.num_pipelined_steps = int(self._worker_stats.get("pipelined_steps", 0))
         s.kv_transfer = self.kv_connector.take_stats()

@@ -211,6 +211,7 @@ class EngineArgs:
                 enforce_eager=self.enforce_eager
                 or (device != "cuda" and self.compilation_config is None),
                 max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=mnbt,
             ),
         )
 
@@ -274,8 +275,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--compilation-config",
         "-cc",
         default=None,
-        help='CUDA graphs of decode steps, e.g. \'{"cudagraph_mode": "FULL_AND_PIECEWISE", '
-        '"cudagraph_capture_sizes": [1, 2, 4, 8]}\' (default on CUDA; CPU runs are eager)',
+        help="CUDA graphs: full graphs of decode steps and piecewise graphs of the other forwards, "
+        'e.g. \'{"cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8], '
+        '"piecewise_capture_sizes": [512, 1024, 2048]}\' (default on CUDA; CPU runs are eager)',
     )
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

@@ -12,6 +12,8 @@ MLP intermediates through the `tp` group; expert parallelism goes through `distr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -82,6 +84,17 @@ class Indexer(nn.Module):
         q = self.tp.all_gather(q, dim=1)
         w = self.tp.all_gather(w, dim=1)
         return IndexerInputs(q=q, w=w, k=hadamard_transform(k))
+
+
+@dataclass
+class AttentionInputs:
+    """An attention layer's inputs from :meth:`MLAAttention.project`."""
+
+    q_nope: torch.Tensor  # [T, H, nope]
+    q_pe: torch.Tensor  # [T, H, rope], roped
+    kv_c: torch.Tensor  # [T, kv_lora_rank], normed
+    k_pe: torch.Tensor  # [T, rope], roped
+    idx: IndexerInputs | None  # the indexer's q, weights and key (full indexer layers)
 
 
 class MLAAttention(nn.Module):
@@ -170,7 +183,9 @@ class MLAAttention(nn.Module):
         if fused is not None:
             self.fused_qkv_a = (*fused, self.q_a_proj.block)
 
-    def forward(self, x, positions, meta: MLAMetadata, prev_topk):
+    def project(self, x, positions) -> AttentionInputs:
+        """Everything before the attention kernels: the q/kv LoRA projections and norms, RoPE,
+        and the indexer's projections (no metadata, no KV cache: a piece of a piecewise graph)."""
         t = x.shape[0]
         cos, sin = rope_cos_sin(positions, self.rope, self.theta)
         if self.fused_qkv_a is not None:
@@ -187,8 +202,17 @@ class MLAAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, self.interleave)
         idx = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None
-        out, topk = self.attn(q_nope, q_pe, kv_c, k_pe, idx, prev_topk, meta)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v))), topk
+        return AttentionInputs(q_nope, q_pe, kv_c, k_pe, idx)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention output [T, H, v] -> o_proj, reduced over TP."""
+        t = out.shape[0]
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.v)))
+
+    def forward(self, x, positions, meta: MLAMetadata, prev_topk):
+        a = self.project(x, positions)
+        out, topk = self.attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, prev_topk, meta)
+        return self.output(out), topk
 
 
 class MLP(nn.Module):
@@ -362,11 +386,19 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
-    def forward(self, x, positions, meta, prev_topk):
-        h, topk = self.self_attn(self.input_layernorm(x), positions, meta, prev_topk)
-        x = x + h
+    def pre_attention(self, x, positions) -> AttentionInputs:
+        return self.self_attn.project(self.input_layernorm(x), positions)
+
+    def post_attention(self, x, attn_out: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its input ``x`` and the attention output [T, H, v]."""
+        x = x + self.self_attn.output(attn_out)
         h = self.mlp(self.post_attention_layernorm(x))
-        return x + (h if self.is_moe else self.tp.all_reduce(h)), topk
+        return x + (h if self.is_moe else self.tp.all_reduce(h))
+
+    def forward(self, x, positions, meta, prev_topk):
+        a = self.pre_attention(x, positions)
+        out, topk = self.self_attn.attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, prev_topk, meta)
+        return self.post_attention(x, out), topk
 
 
 class MTPLayer(nn.Module):
@@ -419,13 +451,46 @@ class GlmMoeDsaModel(nn.Module):
         )
 
     def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
+        x, a = self.piece(0, input_ids, positions)
         topk = None
-        for layer in self.layers:
-            x, topk = layer(
-                x, positions, meta, topk if not layer.self_attn.attn.has_indexer else None
-            )
-        return self.norm(x)
+        for i in range(len(self.layers)):
+            out, topk = self.attend(i, a, topk, meta)
+            x, a = self.piece(i + 1, x, positions, out)
+        return x
+
+    # The forward as pieces around the attention kernels (what piecewise CUDA graphs capture,
+    # `worker/gpu/piecewise.py`): piece 0 embeds the tokens and projects layer 0's attention
+    # inputs; piece i (0 < i < L) finishes layer i − 1 (o_proj, residual, MLP/MoE) and projects
+    # layer i's; piece L finishes the last layer and applies the final norm. Between pieces,
+    # :meth:`attend` runs layer i's attention (KV writes, indexer top-k, sparse or dense
+    # attention), the only part that reads the metadata and the KV cache.
+    def piece(
+        self, i: int, x: torch.Tensor, positions: torch.Tensor, attn_out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, AttentionInputs | None]:
+        """Piece ``i`` -> (hidden states, layer i's attention inputs; None after the last).
+        ``x``: the input ids for piece 0, else the previous piece's hidden states."""
+        if i == 0:
+            x = self.embed_tokens(x)
+        else:
+            x = self.layers[i - 1].post_attention(x, attn_out)
+        if i == len(self.layers):
+            return self.norm(x), None
+        return x, self.layers[i].pre_attention(x, positions)
+
+    def attend(
+        self,
+        i: int,
+        a: AttentionInputs,
+        prev_topk: torch.Tensor | None,
+        meta: MLAMetadata,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Layer i's attention -> (output [T, H, v], top-k for the next shared layer); a shared
+        layer reuses ``prev_topk``, a full indexer layer computes its own. ``out``: a buffer to
+        write the output into."""
+        attn = self.layers[i].self_attn.attn
+        topk = None if attn.has_indexer else prev_topk
+        return attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, topk, meta, out=out)
 
 
 class GlmMoeDsaForCausalLM(nn.Module):

@@ -38,6 +38,7 @@ from vllm.utils import logger
 from vllm.worker.gpu.cudagraph import DecodeGraphs
 from vllm.worker.gpu.input_batch import StepInputs, build_step_inputs
 from vllm.worker.gpu.kv_cache import WorkerKVCache
+from vllm.worker.gpu.piecewise import PiecewiseGraphs
 from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample
 from vllm.worker.gpu.spec_decode import DraftBatch, make_drafter
 from vllm.worker.gpu.staging import HostStaging
@@ -77,6 +78,8 @@ class ModelRunner:
         self.kv_cache, self.hooks, self.kv_access = self._kv_features()
         self.drafter = make_drafter(self)
         self.graphs: DecodeGraphs | None = None  # built once the KV cache exists
+        self.piecewise: PiecewiseGraphs | None = None  # likewise
+        self._piecewise_used = False  # this step ran a forward through them
 
     def _kv_features(self) -> tuple[WorkerKVCache, StepHooks, KVAccess]:
         """Where this rank's KV lives, chosen once: the device cache (rows reached locally, or
@@ -153,20 +156,31 @@ class ModelRunner:
         self.kv_cache.allocate(plan, self.kv_access)
         cc = self.config.compilation_config
         if cc.use_cudagraph:
-            # the longest context a request can have here: the device pool, or HiSparse's host
-            # pool, which holds every page; under DCP each rank holds one token in N of it
-            held = max(plan.num_blocks, plan.num_host_blocks) * self.layout.block_size
-            held *= self.config.parallel_config.decode_context_parallel_size
-            max_ctx = min(self.config.model_config.max_model_len, held)
-            sizes = self._capture_sizes(cc.cudagraph_capture_sizes)
-            if not sizes:
-                logger.info(
-                    "CUDA graphs off: no capture size fits EP's fixed capacity at %d tokens a row",
-                    1 + self.config.num_spec_tokens,
-                )
-                return
-            self.graphs = DecodeGraphs(self, sizes, max_ctx, self.config.num_spec_tokens)
-            self.graphs.capture_all()
+            self._capture_decode_graphs(plan)
+        if cc.use_piecewise:
+            if self.pc.ep is not None and self.pc.ep.world_size > 1:
+                # every EP rank would have to replay the same size each step (MoE dispatch)
+                logger.info("piecewise CUDA graphs off under expert parallelism")
+            else:
+                self.piecewise = PiecewiseGraphs(self, cc.piecewise_capture_sizes)
+                self.piecewise.capture_all()
+
+    def _capture_decode_graphs(self, plan: KVCachePlan) -> None:
+        cc = self.config.compilation_config
+        # the longest context a request can have here: the device pool, or HiSparse's host
+        # pool, which holds every page; under DCP each rank holds one token in N of it
+        held = max(plan.num_blocks, plan.num_host_blocks) * self.layout.block_size
+        held *= self.config.parallel_config.decode_context_parallel_size
+        max_ctx = min(self.config.model_config.max_model_len, held)
+        sizes = self._capture_sizes(cc.cudagraph_capture_sizes)
+        if not sizes:
+            logger.info(
+                "CUDA graphs off: no capture size fits EP's fixed capacity at %d tokens a row",
+                1 + self.config.num_spec_tokens,
+            )
+            return
+        self.graphs = DecodeGraphs(self, sizes, max_ctx, self.config.num_spec_tokens)
+        self.graphs.capture_all()
 
     def warm_up(self) -> list[int]:
         """Run the eager path once at start-up for each kind of step a server will see, so that
@@ -285,22 +299,22 @@ class ModelRunner:
         return None if eager or most == 0 else self.graphs.size_for(most)
 
     def graph_pool_bytes(self) -> int:
-        """Estimated device memory of the decode graphs' pool (kept out of the KV budget): a
-        step's activations at the largest captured batch, its logits, and the indexer's
+        """Estimated device memory of the CUDA graphs (kept out of the KV budget). Decode graphs'
+        pool: a step's activations at the largest captured batch, its logits, and the indexer's
         [batch, context] scores at the longest context; under DCP also the group's gathered
         rows: queries, partial outputs and LSEs of every head (fp32), and the indexer's top-k
-        candidates (score and position)."""
+        candidates (score and position). Piecewise graphs: their static buffers and pool, within
+        one step's activations at their largest token count."""
         cc = self.config.compilation_config
+        dtype, tp = self.config.model_config.dtype, self.pc.tp.world_size
+        out = 0
+        if cc.use_piecewise:
+            out += activation_bytes(self.arch, dtype, cc.piecewise_capture_sizes[-1], tp_size=tp)
         if not cc.use_cudagraph:
-            return 0
+            return out
         n = cc.max_capture_size
-        acts = activation_bytes(
-            self.arch,
-            self.config.model_config.dtype,
-            n,
-            tp_size=self.pc.tp.world_size,
-        )
-        out = acts + n * self.arch.vocab_size * 8 + n * self.config.model_config.max_model_len * 8
+        acts = activation_bytes(self.arch, dtype, n, tp_size=tp)
+        out += acts + n * self.arch.vocab_size * 8 + n * self.config.model_config.max_model_len * 8
         dcp = self.config.parallel_config.decode_context_parallel_size
         if dcp > 1:
             a = self.arch
@@ -334,6 +348,7 @@ class ModelRunner:
         results to the host) without waiting for it. :meth:`finish` reads the results; until
         then the host may build and launch the next step (see :meth:`can_pipeline`)."""
         start_of = self.update_states(so)
+        self._piecewise_used = False
         self.connector.bind_connector_metadata(so.kv_connector_metadata)
         self.connector.start_load_kv(so)  # loads progress in steps that compute nothing too
         if so.total_num_scheduled_tokens == 0:
@@ -367,6 +382,9 @@ class ModelRunner:
         pending.num_tokens = so.total_num_scheduled_tokens
         if split:
             pending.stats["cudagraph_split_steps"] = 1
+        if self._piecewise_used:
+            pending.stats["piecewise_steps"] = 1
+            self._piecewise_used = False
         return pending
 
     def can_pipeline(self, pending: PendingStep) -> bool:
@@ -485,7 +503,12 @@ class ModelRunner:
     def _run_model(self, step: RankStep, meta: MLAMetadata) -> torch.Tensor:
         """self.model over this rank's tokens, its MoE layers' EP dispatch shapes agreed with
         every EP rank first (`distributed/ep.py`: one host all-reduce; nothing without EP)."""
-        with ep_forward(max_tokens_across_ep(self.pc, step.input_ids.shape[0])):
+        t = step.input_ids.shape[0]
+        pw = self.piecewise
+        if pw is not None and t and pw.size_for(t) is not None:
+            self._piecewise_used = True
+            return pw.run(step.input_ids, step.positions, meta)
+        with ep_forward(max_tokens_across_ep(self.pc, t)):
             return self.model(step.input_ids, step.positions, meta)
 
     def metadata(self, inp: StepInputs, step: RankStep) -> MLAMetadata:
