@@ -451,19 +451,21 @@ class GlmMoeDsaModel(nn.Module):
         )
 
     def forward(self, input_ids, positions, meta):
-        x, a = self.piece(0, input_ids, positions)
+        x = self.embed_tokens(input_ids)
         topk = None
-        for i in range(len(self.layers)):
-            out, topk = self.attend(i, a, topk, meta)
-            x, a = self.piece(i + 1, x, positions, out)
-        return x
+        for layer in self.layers:
+            x, topk = layer(
+                x, positions, meta, topk if not layer.self_attn.attn.has_indexer else None
+            )
+        return self.norm(x)
 
     # The forward as pieces around the attention kernels (what piecewise CUDA graphs capture,
     # `worker/gpu/piecewise.py`): piece 0 embeds the tokens and projects layer 0's attention
     # inputs; piece i (0 < i < L) finishes layer i − 1 (o_proj, residual, MLP/MoE) and projects
     # layer i's; piece L finishes the last layer and applies the final norm. Between pieces,
     # :meth:`attend` runs layer i's attention (KV writes, indexer top-k, sparse or dense
-    # attention), the only part that reads the metadata and the KV cache.
+    # attention), the only part that reads the metadata and the KV cache. The same functions as
+    # :meth:`forward`'s layers (DecoderLayer.forward: pre_attention, attention, post_attention).
     def piece(
         self, i: int, x: torch.Tensor, positions: torch.Tensor, attn_out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, AttentionInputs | None]:
