@@ -108,7 +108,8 @@ def run(
             if dev.type == "cuda":
                 torch.cuda.set_sync_debug_mode("warn")
             with torch.inference_mode():
-                ro = runner._sample(inp, hidden, so.step)
+                plan = runner._sampling_plan(inp)
+                ro = runner.finish(runner._sample(inp, plan, hidden, so.step))
             if dev.type == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
             sample_syncs = len([x for x in w if "synchroniz" in str(x.message)])
