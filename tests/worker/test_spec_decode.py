@@ -280,7 +280,8 @@ def test_synthetic_mode_sets_the_accepted_length(aligned_ckpt):
 def test_static_buffer_path_with_drafts(aligned_ckpt, reference):
     """The CUDA-graph path (verify graph + drafting graph; uncaptured on CPU, same static
     buffers and padding): decode steps replay it, and in mixed steps the decode rows replay it
-    while the prompt chunks (and their drafting) run eagerly; outputs equal the reference."""
+    while the prompt chunks and their drafting pass take the piecewise graphs (the target's and
+    the MTP layer's); outputs equal the reference."""
     m = LLM(
         aligned_ckpt,
         speculative_config={"method": "mtp", "num_speculative_tokens": 3},
@@ -291,6 +292,26 @@ def test_static_buffer_path_with_drafts(aligned_ckpt, reference):
         _assert_same(_run(m), reference)
         assert sum(s.num_cudagraph_steps for s in m.stats_history) >= 5
         assert sum(s.num_cudagraph_split_steps for s in m.stats_history) >= 2
+        assert sum(s.num_piecewise_steps for s in m.stats_history) >= 2
+        assert _spec_totals(m)[2] > 0
+    finally:
+        m.shutdown()
+
+
+def test_piecewise_path_with_drafts(aligned_ckpt, reference):
+    """PIECEWISE with MTP3: every verify forward (1 + 3 tokens a row) replays the target's
+    pieces and every drafting pass (the first over all step tokens, the chained ones over one
+    token a row) the MTP layer's; outputs equal the reference."""
+    m = LLM(
+        aligned_ckpt,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+        compilation_config={"cudagraph_mode": "PIECEWISE"},
+        **KW,
+    )
+    try:
+        _assert_same(_run(m), reference)
+        assert sum(s.num_cudagraph_steps for s in m.stats_history) == 0
+        assert sum(s.num_piecewise_steps for s in m.stats_history) >= 10
         assert _spec_totals(m)[2] > 0
     finally:
         m.shutdown()

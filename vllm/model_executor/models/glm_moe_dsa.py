@@ -424,9 +424,14 @@ class MTPLayer(nn.Module):
     def forward(self, embeds, prev_hidden, positions, meta):
         """The block's output before the shared head's norm: what the next draft step takes as
         its previous hidden state (upstream's MTP proposers chain it the same way)."""
+        x, a = self.pre_attention(embeds, prev_hidden, positions)
+        out, _ = self.block.self_attn.attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, None, meta)
+        return self.block.post_attention(x, out)
+
+    def pre_attention(self, embeds, prev_hidden, positions) -> tuple[torch.Tensor, AttentionInputs]:
+        """The block's input and its attention inputs (a piece of a piecewise graph)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
-        x, _ = self.block(x, positions, meta, None)
-        return x
+        return x, self.block.pre_attention(x, positions)
 
 
 class GlmMoeDsaModel(nn.Module):

@@ -38,7 +38,7 @@ from vllm.utils import logger
 from vllm.worker.gpu.cudagraph import DecodeGraphs
 from vllm.worker.gpu.input_batch import StepInputs, build_step_inputs
 from vllm.worker.gpu.kv_cache import WorkerKVCache
-from vllm.worker.gpu.piecewise import PiecewiseGraphs
+from vllm.worker.gpu.piecewise import MTPStack, PiecewiseGraphs, TargetStack, static_bytes
 from vllm.worker.gpu.sampler import SamplingBatch, prompt_logprobs, sample
 from vllm.worker.gpu.spec_decode import DraftBatch, make_drafter
 from vllm.worker.gpu.staging import HostStaging
@@ -79,6 +79,7 @@ class ModelRunner:
         self.drafter = make_drafter(self)
         self.graphs: DecodeGraphs | None = None  # built once the KV cache exists
         self.piecewise: PiecewiseGraphs | None = None  # likewise
+        self.mtp_piecewise: list[PiecewiseGraphs] = []  # one per MTP layer, with the above
         self._piecewise_used = False  # this step ran a forward through them
 
     def _kv_features(self) -> tuple[WorkerKVCache, StepHooks, KVAccess]:
@@ -162,8 +163,22 @@ class ModelRunner:
                 # every EP rank would have to replay the same size each step (MoE dispatch)
                 logger.info("piecewise CUDA graphs off under expert parallelism")
             else:
-                self.piecewise = PiecewiseGraphs(self, cc.piecewise_capture_sizes)
+                sizes = cc.piecewise_capture_sizes
+                self.piecewise = PiecewiseGraphs(self, sizes, TargetStack(self.model))
                 self.piecewise.capture_all()
+                if self.config.num_spec_tokens:  # the drafter's passes, in the same pool
+                    self.mtp_piecewise = [
+                        PiecewiseGraphs(
+                            self,
+                            sizes,
+                            MTPStack(self.model, j),
+                            f"MTP layer {j}",
+                            self.piecewise.pool,
+                        )  # fmt: skip
+                        for j in range(self.model.num_mtp)
+                    ]
+                    for g in self.mtp_piecewise:
+                        g.capture_all()
 
     def _capture_decode_graphs(self, plan: KVCachePlan) -> None:
         cc = self.config.compilation_config
@@ -303,13 +318,17 @@ class ModelRunner:
         pool: a step's activations at the largest captured batch, its logits, and the indexer's
         [batch, context] scores at the longest context; under DCP also the group's gathered
         rows: queries, partial outputs and LSEs of every head (fp32), and the indexer's top-k
-        candidates (score and position). Piecewise graphs: their static buffers and pool, within
-        one step's activations at their largest token count."""
+        candidates (score and position). Piecewise graphs: their pool (one step's activations at
+        their largest token count) and each stack's static buffers (the target's, the MTP
+        layers')."""
         cc = self.config.compilation_config
         dtype, tp = self.config.model_config.dtype, self.pc.tp.world_size
         out = 0
         if cc.use_piecewise:
-            out += activation_bytes(self.arch, dtype, cc.piecewise_capture_sizes[-1], tp_size=tp)
+            n = cc.piecewise_capture_sizes[-1]
+            stacks = 1 + (self.model.num_mtp if self.config.num_spec_tokens else 0)
+            out += activation_bytes(self.arch, dtype, n, tp_size=tp)
+            out += stacks * static_bytes(self.arch, dtype, n, tp)
         if not cc.use_cudagraph:
             return out
         n = cc.max_capture_size
@@ -507,7 +526,7 @@ class ModelRunner:
         pw = self.piecewise
         if pw is not None and t and pw.size_for(t) is not None:
             self._piecewise_used = True
-            return pw.run(step.input_ids, step.positions, meta)
+            return pw.run({"ids": step.input_ids}, step.positions, meta)
         with ep_forward(max_tokens_across_ep(self.pc, t)):
             return self.model(step.input_ids, step.positions, meta)
 

@@ -21,6 +21,10 @@ stays in their rows (every op in a piece is row-wise: norms, linears, routing an
 never read. Under EP every rank would have to replay the same size (the MoE dispatch's shapes),
 which needs agreement per step: not done, so the runner turns these graphs off under EP.
 
+With MTP the drafter's passes (the MTP layer over the step's tokens, then one token a row per
+chained draft) take graphs of their own (:class:`MTPStack`: two pieces around the MTP block's
+attention), captured in the target's pool after it.
+
 On CPU (tests) the same pieces run uncaptured on the same buffers, so the copies, the padding and
 the eager attention between pieces are tested there too.
 """
@@ -39,38 +43,100 @@ _FIELDS = ("q_nope", "q_pe", "kv_c", "k_pe")
 _IDX_FIELDS = ("q", "w", "k")
 
 
+def static_bytes(arch, dtype: torch.dtype, n: int, tp_size: int = 1) -> int:
+    """Bytes of one stack's static buffers at ``n`` tokens: inputs and hidden states, one
+    layer's attention inputs (queries, latent, rope key, indexer query, weights and key) and its
+    output."""
+    a, el = arch, dtype.itemsize
+    heads = max(1, a.num_attention_heads // max(1, tp_size))
+    per_tok = (
+        2 * a.hidden_size * el
+        + 8 * 2
+        + heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * el
+        + (a.kv_lora_rank + a.qk_rope_head_dim) * el
+        + a.index_n_heads * (a.index_head_dim * el + 4)
+        + a.index_head_dim * el
+    )
+    return n * per_tok
+
+
+class TargetStack:
+    """The model's decoder layers (``GlmMoeDsaModel.piece`` / ``attend``); input: token ids."""
+
+    def __init__(self, model):
+        self.m = model.model
+        self.num_layers = len(self.m.layers)
+        self.layers = list(self.m.layers)
+
+    def input_buffers(self, n: int, device) -> dict[str, torch.Tensor]:
+        return {"ids": torch.zeros(n, dtype=torch.int64, device=device)}
+
+    def piece(self, i: int, inp: dict, x, positions, out):
+        return self.m.piece(i, inp["ids"] if i == 0 else x, positions, out if i else None)
+
+    def attend(self, i: int, a: AttentionInputs, topk, meta, out):
+        return self.m.attend(i, a, topk, meta, out=out)
+
+
+class MTPStack:
+    """One MTP layer as two pieces around its block's attention; inputs: the next tokens' ids
+    and the previous hidden states (``MTPLayer.pre_attention``, ``DecoderLayer.post_attention``)."""
+
+    def __init__(self, model, index: int):
+        self.embed = model.model.embed_tokens
+        self.mtp = model.model.mtp[index]
+        self.num_layers = 1
+        self.layers = [self.mtp.block]
+        self.hidden_size, self.dtype = model.arch.hidden_size, model.dtype
+
+    def input_buffers(self, n: int, device) -> dict[str, torch.Tensor]:
+        return {
+            "ids": torch.zeros(n, dtype=torch.int64, device=device),
+            "prev": torch.zeros(n, self.hidden_size, dtype=self.dtype, device=device),
+        }
+
+    def piece(self, i: int, inp: dict, x, positions, out):
+        if i == 0:
+            return self.mtp.pre_attention(self.embed(inp["ids"]), inp["prev"], positions)
+        return self.mtp.block.post_attention(x, out), None
+
+    def attend(self, i: int, a: AttentionInputs, topk, meta, out):
+        attn = self.mtp.block.self_attn.attn
+        return attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, None, meta, out=out)
+
+
 class PiecewiseGraphs:
-    def __init__(self, runner, sizes: tuple[int, ...]):
-        self.runner, self.model = runner, runner.model
+    def __init__(self, runner, sizes: tuple[int, ...], stack, name: str = "model", pool=None):
+        self.runner, self.stack, self.name = runner, stack, name
         self.sizes = tuple(sorted(sizes))
-        self.num_layers = len(self.model.model.layers)
+        self.num_layers = stack.num_layers
         n, dev = self.sizes[-1], runner.device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.inputs = stack.input_buffers(n, dev)
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.capture = dev.type == "cuda"
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.pool = None
+        self.pool = pool
         # static buffers: hidden states, one layer's attention inputs and its output
         self.hidden = self.out = None
         self.bufs: dict[str, torch.Tensor] = {}
         self._alloc(n)
 
     def _alloc(self, n: int) -> None:
-        """Buffers for n tokens, shaped as layer 0's piece outputs over two tokens (and, for the
-        indexer's, as the first full indexer layer's projections)."""
-        m = self.model.model
-        ids, pos = self.input_ids[:2], self.positions[:2]
+        """Buffers for n tokens, shaped as the first piece's outputs over two tokens (and, for
+        the indexer's, as the first full indexer layer's projections)."""
+        st = self.stack
+        pos = self.positions[:2]
         with torch.inference_mode():
-            x, a = m.piece(0, ids, pos)
+            x, a = st.piece(0, {k: v[:2] for k, v in self.inputs.items()}, None, pos, None)
             idx = next(
-                (layer.pre_attention(x, pos).idx for layer in m.layers if layer.self_attn.indexer),
+                (layer.pre_attention(x, pos).idx for layer in st.layers if layer.self_attn.indexer),
                 None,
             )
 
         def like(v: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tensor:
             return torch.zeros((n, *(shape or v.shape[1:])), dtype=v.dtype, device=v.device)
 
-        attn = m.layers[0].self_attn.attn
+        attn = st.layers[0].self_attn.attn
         self.hidden = like(x)
         self.out = like(a.q_nope, (attn.num_heads, attn.v_dim))
         for f in _FIELDS:
@@ -90,10 +156,11 @@ class PiecewiseGraphs:
     # ---- the pieces ----------------------------------------------------------------------------
     def _piece(self, i: int, size: int) -> None:
         """Piece ``i`` over the static buffers' first ``size`` rows (captured, or run on CPU)."""
-        pos = self.positions[:size]
-        x = self.input_ids[:size] if i == 0 else self.hidden[:size]
+        inp = {k: v[:size] for k, v in self.inputs.items()}
         with ep_forward(size, graph=True):
-            x, a = self.model.model.piece(i, x, pos, self.out[:size] if i else None)
+            x, a = self.stack.piece(
+                i, inp, self.hidden[:size], self.positions[:size], self.out[:size]
+            )
         self.hidden[:size].copy_(x)
         if a is None:
             return
@@ -103,11 +170,11 @@ class PiecewiseGraphs:
             for f in _IDX_FIELDS:
                 self.bufs["idx_" + f][:size].copy_(getattr(a.idx, f))
 
-    def _inputs(self, i: int, t: int) -> AttentionInputs:
+    def _attn_inputs(self, i: int, t: int) -> AttentionInputs:
         """Layer i's attention inputs for the step's ``t`` real tokens, from the buffers."""
         b = self.bufs
         idx = None
-        if self.model.model.layers[i].self_attn.indexer is not None:
+        if self.stack.layers[i].self_attn.indexer is not None:
             idx = IndexerInputs(q=b["idx_q"][:t], w=b["idx_w"][:t], k=b["idx_k"][:t])
         return AttentionInputs(*(b[f][:t] for f in _FIELDS), idx)
 
@@ -118,7 +185,8 @@ class PiecewiseGraphs:
             return
         t0 = time.perf_counter()
         free0 = torch.cuda.mem_get_info()[0]
-        self.pool = torch.cuda.graph_pool_handle()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             for i in range(self.num_layers + 1):  # warm-up: compiles the pieces' kernels
                 self._piece(i, size)
@@ -132,8 +200,9 @@ class PiecewiseGraphs:
             self.graphs[size] = graphs
         torch.cuda.synchronize()
         logger.info(
-            "captured piecewise CUDA graphs for %d token counts (%d..%d, %d pieces each) in "
-            "%.1f s, using %.2f GiB",
+            "captured piecewise CUDA graphs of the %s for %d token counts (%d..%d, %d pieces "
+            "each) in %.1f s, using %.2f GiB",
+            self.name,
             len(self.sizes),
             self.sizes[0],
             self.sizes[-1],
@@ -143,17 +212,19 @@ class PiecewiseGraphs:
         )
 
     # ---- one forward ---------------------------------------------------------------------------
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """The model over ``input_ids`` / ``positions`` [T] (T <= the largest size) with the
-        step's attention metadata -> final hidden states [T, hidden] (a view of a static buffer,
-        valid until the next forward)."""
-        t = input_ids.shape[0]
+    def run(self, inputs: dict[str, torch.Tensor], positions: torch.Tensor, meta) -> torch.Tensor:
+        """The stack over ``inputs`` (the stack's input buffers' names -> [T, ...]) at
+        ``positions`` [T] (T <= the largest size) with the step's attention metadata -> final
+        hidden states [T, hidden] (a view of a static buffer, valid until the next forward)."""
+        t = positions.shape[0]
         size = self.size_for(t)
         assert size is not None, f"{t} tokens: larger than every piecewise size"
-        self.input_ids[:t].copy_(input_ids)
+        for k, buf in self.inputs.items():
+            buf[:t].copy_(inputs[k])
+            if size > t:
+                buf[t:size].zero_()
         self.positions[:t].copy_(positions)
         if size > t:
-            self.input_ids[t:size].zero_()
             self.positions[t:size].zero_()
         graphs = self.graphs.get(size)
         topk = None
@@ -163,7 +234,5 @@ class PiecewiseGraphs:
             else:
                 self._piece(i, size)
             if i < self.num_layers:
-                _, topk = self.model.model.attend(
-                    i, self._inputs(i, t), topk, meta, out=self.out[:t]
-                )
+                _, topk = self.stack.attend(i, self._attn_inputs(i, t), topk, meta, self.out[:t])
         return self.hidden[:t]

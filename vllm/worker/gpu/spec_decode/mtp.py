@@ -130,10 +130,16 @@ class MTPDrafter(Drafter):
         return torch.where(code_d >= 0, code_d, batch.sampled[(-1 - code_d).clamp_min(0)])
 
     def _pass(self, ids, prev_hidden, step, meta, depth: int) -> torch.Tensor:
-        """The MTP layer over this rank's tokens (EP dispatch shapes agreed first, as the
-        target's)."""
+        """The MTP layer over this rank's tokens: through its piecewise graphs when a size holds
+        them, else eagerly (EP dispatch shapes agreed first, as the target's)."""
         r = self.r
-        with ep_forward(max_tokens_across_ep(r.pc, ids.shape[0])):
+        t = ids.shape[0]
+        if r.mtp_piecewise and t:
+            pw = r.mtp_piecewise[depth % len(r.mtp_piecewise)]  # mtp_forward's layer choice
+            if pw.size_for(t) is not None:
+                r._piecewise_used = True
+                return pw.run({"ids": ids, "prev": prev_hidden}, step.positions, meta)
+        with ep_forward(max_tokens_across_ep(r.pc, t)):
             return r.model.mtp_forward(ids, prev_hidden, step.positions, meta, depth)
 
     def _draft_step(self, ids, prev_hidden, positions, slots, bound: int, depth: int):
