@@ -12,10 +12,13 @@ import torch
 @functools.lru_cache(maxsize=8)
 def _hadamard_matrix(d: int, device_str: str) -> torch.Tensor:
     assert d > 0 and d & (d - 1) == 0, "Hadamard size must be a power of two"
-    h = torch.ones(1, 1, dtype=torch.float32)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h * d**-0.5).to(device_str)
+    # a normal tensor even when first built under inference mode: the cache outlives the call,
+    # and a later caller with autograd on could not use an inference tensor in its graph
+    with torch.inference_mode(False):
+        h = torch.ones(1, 1, dtype=torch.float32)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return (h * d**-0.5).to(device_str)
 
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
