@@ -163,22 +163,31 @@ class ModelRunner:
                 # every EP rank would have to replay the same size each step (MoE dispatch)
                 logger.info("piecewise CUDA graphs off under expert parallelism")
             else:
-                sizes = cc.piecewise_capture_sizes
-                self.piecewise = PiecewiseGraphs(self, sizes, TargetStack(self.model))
-                self.piecewise.capture_all()
-                if self.config.num_spec_tokens:  # the drafter's passes, in the same pool
-                    self.mtp_piecewise = [
-                        PiecewiseGraphs(
-                            self,
-                            sizes,
-                            MTPStack(self.model, j),
-                            f"MTP layer {j}",
-                            self.piecewise.pool,
-                        )  # fmt: skip
-                        for j in range(self.model.num_mtp)
-                    ]
-                    for g in self.mtp_piecewise:
-                        g.capture_all()
+                self._capture_piecewise(cc.piecewise_capture_sizes)
+
+    def _capture_piecewise(self, sizes: tuple[int, ...]) -> None:
+        """The target's piecewise graphs, then (with MTP) the drafter's, in the same pool. A
+        capture that fails (an operation a graph cannot hold) turns them off with the error in
+        the log: those forwards then run eagerly, as without the graphs (the eager and the
+        piecewise forward issue the same collectives, so ranks may differ in this)."""
+        try:
+            self.piecewise = PiecewiseGraphs(self, sizes, TargetStack(self.model))
+            self.piecewise.capture_all()
+            if self.config.num_spec_tokens:
+                pool = self.piecewise.pool
+                self.mtp_piecewise = [
+                    PiecewiseGraphs(self, sizes, MTPStack(self.model, j), f"MTP layer {j}", pool)
+                    for j in range(self.model.num_mtp)
+                ]
+                for g in self.mtp_piecewise:
+                    g.capture_all()
+        except RuntimeError as e:
+            if self.device.type != "cuda":
+                raise
+            logger.error("piecewise CUDA graphs off: their capture failed (%s)", e)
+            self.piecewise, self.mtp_piecewise = None, []
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def _capture_decode_graphs(self, plan: KVCachePlan) -> None:
         cc = self.config.compilation_config
