@@ -7,7 +7,8 @@ recycled after that step's device → host sync (by then every copy it queued ha
 Two arenas take turns: with ``--async-scheduling`` the worker builds step N + 1's inputs while
 step N is still queued on the device (``ModelRunner.launch`` before ``finish``), so step N's arena
 must stay untouched until its sync, and step N + 1 writes the other one. A step never finds its
-arena still in use: step N + 2 is built after step N's sync.
+arena still in use: step N + 2 is built after step N's sync (were it not, the first copy into a
+busy arena would wait for the device).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class HostStaging:
         arr = np.ascontiguousarray(arr)
         if not self.cuda:
             return torch.from_numpy(arr)
+        if self.busy[self.cur]:  # its step is not synced yet: never in the runner's order
+            torch.cuda.current_stream(self.device).synchronize()
+            self.busy[self.cur] = False
         buf, n = self.bufs[self.cur], arr.nbytes
         if self.off + n > buf.numel():
             torch.cuda.current_stream(self.device).synchronize()  # arena full: rare, keeps it safe
@@ -48,11 +52,10 @@ class HostStaging:
         """The step's inputs are all queued: later copies go to the other arena. Returns this
         step's arena, for :meth:`synced`."""
         used = self.cur
-        self.busy[used] = True
+        self.busy[used] = self.cuda
         self.cur, self.off = 1 - used, 0
-        if self.busy[self.cur]:  # two steps unsynced: never in the runner's order, kept safe
-            torch.cuda.current_stream(self.device).synchronize() if self.cuda else None
-            self.busy[self.cur] = False
+        # the other arena may still be busy here (step N + 1 is launched before step N is
+        # read); it is checked when the next step first writes to it, after step N's sync
         return used
 
     def synced(self, arena: int) -> None:
