@@ -78,7 +78,8 @@ def bench(t: int, e_loc: int, sweep: bool, experts) -> list[dict]:
     res = f"{resource_report('moe_fp8_gate_up')} | {resource_report('moe_fp8_down')}"
     note = f"bf16 {bf16_ms:.3f} ms; block_m {table['block_m']} w{table['num_warps']}; {res}"
     rows.append(row("moe_fp8_grouped", shape, ms, flops, nbytes, "fp8", bf16_ms, note))
-    same = lambda c: all(c.get(k) == table.get(k) for k in ("block_m", "num_warps", "block_n"))
+    keys = ("block_m", "num_warps", "num_stages", "block_n")
+    same = lambda c: all(c.get(k) == table.get(k) for k in keys)
     for cfg in SWEEP if sweep else []:
         if same(cfg):
             continue

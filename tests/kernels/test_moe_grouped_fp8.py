@@ -111,6 +111,7 @@ def test_ref_checks():
         (1, 4, 2, 0, 4, 16, ()),  # one token
         (40, 6, 3, 0, 6, 64, ()),  # counts not multiples of the block
         (40, 6, 3, 0, 6, 16, ()),  # 16-row tiles: several blocks per expert
+        (60, 3, 2, 0, 3, 128, ()),  # the prefill table's 128-row tile
         (23, 5, 1, 0, 5, 16, (2,)),  # k = 1; local expert 2 has no tokens
         (17, 4, 2, 4, 12, 16, (5,)),  # EP slice: offset 4, others' experts; an empty expert
     ],

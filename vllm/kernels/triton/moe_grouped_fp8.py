@@ -45,11 +45,13 @@ _UPCAST = interpreting()
 GROUP = 128  # the block of the scales, and the activation quantisation group
 
 # Row tile by batch size (fixed table, no autotuning); column tiles are one scale group (GEMM 1
-# must hold a whole group of the intermediate to quantise it). Untuned: swept on the H200 by
-# benchmarks/kernels/bench_fp8_moe.py --sweep.
+# must hold a whole group of the intermediate to quantise it). From
+# benchmarks/kernels/bench_fp8_moe.py --sweep (H100, 2026-12-05): the 16-row tile is the best of
+# ten at 64-256 decode tokens; at 8K tokens 128 rows, 8 warps, 4 stages beat the 64-row tile by
+# 1.10x (13.27 against 14.57 ms).
 TUNE = {
     "small": {"max_pairs_per_expert": 32, "block_m": 16, "num_warps": 4, "num_stages": 4},
-    "large": {"block_m": 64, "num_warps": 8, "num_stages": 3},
+    "large": {"block_m": 128, "num_warps": 8, "num_stages": 4},
 }
 
 
