@@ -357,10 +357,12 @@ class ModelRunner:
             self.states.remove(rid)
         start_of: dict[str, int] = {}
         for r in so.new_reqs:
-            slot = self.states.add(r, self.eos_ids)
+            slot = self.states.add(r, self.eos_ids, self.staging.to_device)
             start_of[r.req_id] = r.num_computed_tokens
             self.hooks.add_request(slot, r)
-        self.states.append_blocks([(c.req_id, c.new_block_ids) for c in so.cached_reqs])
+        self.states.append_blocks(
+            [(c.req_id, c.new_block_ids) for c in so.cached_reqs], self.staging.to_device
+        )
         for c in so.cached_reqs:
             start_of[c.req_id] = c.num_computed_tokens
             self.hooks.update_request(self.states.slot_of[c.req_id], c)

@@ -63,7 +63,12 @@ class RequestStates:
         self.penalties = PenaltiesState(n, vocab_size, device)
         self.logit_bias = LogitBiasState(n, device)
 
-    def add(self, r: NewRequestData, eos_ids: list[int]) -> int:
+    def _h2d(self, arr: np.ndarray, h2d) -> torch.Tensor:
+        """A host array on the device: through ``h2d`` (the runner's pinned staging, which
+        neither blocks nor synchronises) when given, else a plain copy (tests, tools)."""
+        return h2d(arr) if h2d is not None else torch.from_numpy(arr).to(self.device)
+
+    def add(self, r: NewRequestData, eos_ids: list[int], h2d=None) -> int:
         if not self.free_slots:
             raise RuntimeError("no free request slot (max_num_seqs exceeded)")
         if len(r.block_ids) > self.max_blocks:
@@ -91,7 +96,11 @@ class RequestStates:
         self.spec_ok[s] = sp.position_independent
         self.stop_ids[s] = ([] if sp.ignore_eos else list(eos_ids)) + list(sp.stop_token_ids)
         self.num_blocks[s] = len(r.block_ids)
-        self.block_table[s, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
+        # from the staging arena: a copy from pageable memory would synchronise the stream, and
+        # under --async-scheduling the previous step is still running there
+        self.block_table[s, : len(r.block_ids)] = self._h2d(
+            np.asarray(r.block_ids, dtype=np.int32), h2d
+        )
         self.temperature[s] = sp.temperature
         self.top_k[s], self.top_p[s], self.min_p[s], self.seeds[s] = (
             sp.top_k,
@@ -112,8 +121,9 @@ class RequestStates:
         self.logit_bias.remove(s)
         self.free_slots.append(s)
 
-    def append_blocks(self, updates: list[tuple[str, list[int]]]) -> None:
-        """One scatter for every request's new block ids."""
+    def append_blocks(self, updates: list[tuple[str, list[int]]], h2d=None) -> None:
+        """One scatter for every request's new block ids (indices through ``h2d``, as in
+        :meth:`add`)."""
         rows, cols, vals = [], [], []
         for rid, ids in updates:
             if not ids:
@@ -127,7 +137,8 @@ class RequestStates:
             vals += ids
             self.num_blocks[s] = start + len(ids)
         if rows:
-            idx = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
-            self.block_table.index_put_(
-                idx, torch.tensor(vals, dtype=torch.int32, device=self.device)
+            idx = (
+                self._h2d(np.asarray(rows, dtype=np.int64), h2d),
+                self._h2d(np.asarray(cols, dtype=np.int64), h2d),
             )
+            self.block_table.index_put_(idx, self._h2d(np.asarray(vals, dtype=np.int32), h2d))
