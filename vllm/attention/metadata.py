@@ -111,10 +111,11 @@ class MLAMetadata:
 
 
 def decode_token_rows(
-    query_start_loc: list[int], is_prefill: list[bool], device: torch.device
+    query_start_loc: list[int], is_prefill: list[bool], device: torch.device, h2d=None
 ) -> torch.Tensor | None:
     """[T_dec] this rank's token rows of the requests on the decode path (None: no decode), built
-    once per step on the host and copied to the device."""
+    once per step on the host and copied to the device (through ``h2d``, the runner's pinned
+    staging, when given: a plain copy from pageable memory synchronises the stream)."""
     rows = [
         np.arange(query_start_loc[r], query_start_loc[r + 1])
         for r in range(len(is_prefill))
@@ -122,4 +123,5 @@ def decode_token_rows(
     ]
     if not rows:
         return None
-    return torch.from_numpy(np.concatenate(rows)).to(device)
+    rows = np.concatenate(rows)
+    return h2d(rows) if h2d is not None else torch.from_numpy(rows).to(device)

@@ -124,7 +124,14 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         self.backup_event = None
         self.step = 0
         self.step_t = torch.zeros(1, dtype=torch.int64, device=device)  # the step, for graphs
+        # host -> device copies of per-step index arrays: the runner's pinned staging when set
+        # (a copy from pageable memory synchronises the stream mid-step)
+        self.h2d = None
         self.kv_access = HiSparseKVAccess(self)
+
+    def _dev(self, arr) -> torch.Tensor:
+        arr = np.ascontiguousarray(arr)
+        return self.h2d(arr) if self.h2d is not None else torch.from_numpy(arr).to(self.device)
 
     # ---- memory (WorkerKVCache) --------------------------------------------------------------------
     def mla_bytes_per_block(self) -> int:
@@ -195,20 +202,20 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         n0, new = int(self.num_pages[slot]), len(upd.host)
         if new:
             self.host_np[slot, n0 : n0 + new] = upd.host
-            self.host_table[slot, n0 : n0 + new] = torch.tensor(upd.host, dtype=torch.int64)
-            self.idx_table[slot, n0 : n0 + new] = torch.tensor(upd.idx, dtype=torch.int32)
+            self.host_table[slot, n0 : n0 + new] = self._dev(np.asarray(upd.host, dtype=np.int64))
+            self.idx_table[slot, n0 : n0 + new] = self._dev(np.asarray(upd.idx, dtype=np.int32))
             self.num_pages[slot] = n0 + new
         if upd.hot:
             bs = self.layout.block_size
-            rows = (torch.tensor(upd.hot).unsqueeze(1) * bs + torch.arange(bs)).flatten()
-            self.hot_slots[slot] = rows[: self.hot_rows].to(self.device)
+            rows = (np.asarray(upd.hot, dtype=np.int64)[:, None] * bs + np.arange(bs)).reshape(-1)
+            self.hot_slots[slot] = self._dev(rows[: self.hot_rows])
             self.hot_pos[:, slot] = -1
 
     def _restore(self, slot: int, pages: list[int]) -> None:
         """Host-only prefix pages (prefix-cache hits): bring their indexer keys back to the GPU."""
         if not pages:
             return
-        src = torch.tensor(self.host_np[slot, pages], device=self.device)
+        src = self._dev(self.host_np[slot, pages])
         dst = self.idx_table[slot, pages].long()
         for attn, h in zip(self.layers, self.host_idx_dev, strict=True):
             if h is not None:
@@ -219,7 +226,7 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         page of a prompt whose KV came from a prefill engine): copy their MLA rows there."""
         if not pages:
             return
-        src = torch.tensor(self.host_np[slot, pages], device=self.device)
+        src = self._dev(self.host_np[slot, pages])
         dst = self.block_table[slot, pages].long()
         for attn, h in zip(self.layers, self.host_mla_dev, strict=True):
             words(attn.kv_cache)[dst] = words(h)[src]
@@ -270,8 +277,8 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         rejected drafts excluded), the target's and the MTP layer's writes both queued."""
         committed = None
         if num_accepted is not None:
-            committed = torch.from_numpy(inp.seq_lens - inp.num_drafts).to(self.device)
-            rows = torch.from_numpy(inp.sample_rows).to(self.device)
+            committed = self._dev(inp.seq_lens - inp.num_drafts)
+            rows = self._dev(inp.sample_rows)
             committed.index_add_(0, rows, num_accepted.to(committed.dtype))
         self.backup(inp.idx_np, inp.start, inp.seq_lens, committed)
 
@@ -313,13 +320,13 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
                 rows.append(b)
         if not pages:
             return
-        s_t = torch.tensor(slots, device=self.device)
-        p_t = torch.tensor(pages, device=self.device)
+        s_t = self._dev(np.asarray(slots, dtype=np.int64))
+        p_t = self._dev(np.asarray(pages, dtype=np.int64))
         gpu = self.block_table[s_t, p_t].long()
         idx = self.idx_table[s_t, p_t].long()
-        host = torch.from_numpy(self.host_np[slots, pages]).to(self.device)
+        host = self._dev(self.host_np[slots, pages])
         if committed is not None:  # pages past the committed end go to the trash page
-            done = p_t < committed[torch.tensor(rows, device=self.device)] // bs
+            done = p_t < committed[self._dev(np.asarray(rows, dtype=np.int64))] // bs
             host = torch.where(done, host, self.trash_host_page)
         stream = self.copy_stream
         if stream is not None:

@@ -102,6 +102,7 @@ class ModelRunner:
                 self.device,
                 override,
             )
+            hs.h2d = self.staging.to_device
             if cfg.offload_config.enabled:
                 logger.info(
                     "HiSparse host pool %.2f GiB per rank: hisparse_config.host_pool_gib %.2f + "
@@ -563,7 +564,9 @@ class ModelRunner:
             use_dense_cpu=dense,
             slot_mapping=torch.empty(0, dtype=torch.long, device=self.device),
             positions_cpu=step.positions_cpu,
-            decode_tokens=decode_token_rows(step.query_start_loc_cpu, is_prefill, self.device),
+            decode_tokens=decode_token_rows(
+                step.query_start_loc_cpu, is_prefill, self.device, self.staging.to_device
+            ),
             cp=step.cp,
         )
         meta.slot_mapping = meta.slots_for(step.kv_token_req, step.kv_positions)

@@ -160,7 +160,9 @@ class MTPDrafter(Drafter):
             use_dense_cpu=[False] * b,
             slot_mapping=torch.empty(0, dtype=torch.long, device=positions.device),
             positions_cpu=None,
-            decode_tokens=decode_token_rows(step.query_start_loc_cpu, [False] * b, r.device),
+            decode_tokens=decode_token_rows(
+                step.query_start_loc_cpu, [False] * b, r.device, r.staging.to_device
+            ),
             max_decode_ctx=bound,
             cp=step.cp,
         )
