@@ -16,7 +16,7 @@ from vllm.core.messages import (
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.model_loader import build_model
-from vllm.worker.gpu.model_runner import ModelRunner, warm_up_lengths
+from vllm.worker.gpu.model_runner import ModelRunner, warm_up_chunks, warm_up_lengths
 
 
 def test_lengths_cover_every_integer_class():
@@ -28,6 +28,18 @@ def test_lengths_cover_every_integer_class():
     got = warm_up_lengths(100)
     assert got[-2:] == [99, 100] and 64 in got and 63 in got and 128 not in got
     assert warm_up_lengths(0) == [] and warm_up_lengths(1) == [1] and warm_up_lengths(2) == [1, 2]
+
+
+def test_chunks_reach_the_dense_tail_and_the_sparse_path():
+    """Half of index_topk, up to it, then past it, each within the step budget and the room."""
+    assert warm_up_chunks(2048, 2048, 2239) == [(0, 1024), (1024, 1024), (2048, 191)]
+    assert warm_up_chunks(8192, 2048, 1 << 20) == [(0, 1024), (1024, 1024), (2048, 8192)]
+    assert warm_up_chunks(96, 32, 511) == [(0, 16), (16, 16), (32, 96)]
+    # a small budget: the chunks advance by it and stop at the topk boundary first
+    assert warm_up_chunks(300, 2048, 4000) == [(0, 300), (300, 300), (600, 300)]
+    # a short model: no chunk past topk; too short for two chunks: one
+    assert warm_up_chunks(2048, 2048, 1500) == [(0, 1024), (1024, 476)]
+    assert warm_up_chunks(2048, 2048, 1) == [(0, 1)]
 
 
 def _runner(path, blocks=40, budget=96):
@@ -89,8 +101,20 @@ def test_warm_up_leaves_nothing_behind(tiny_ckpt):
     prompts = [[(11 * i + j) % 200 + 5 for i in range(n)] for j, n in enumerate((70, 9, 33))]
     cold = _generate(_runner(tiny_ckpt), prompts)
     warm = _runner(tiny_ckpt)
+    steps = []
+    execute = warm.execute
+    warm.execute = lambda so: steps.append(so) or execute(so)
     lengths = warm.warm_up()
     assert lengths == warm_up_lengths(96)
+    # the chunked prompt's later chunks run with their context in the cache, one past topk
+    chunked = [
+        (c.num_computed_tokens, so.num_scheduled_tokens[c.req_id])
+        for so in steps
+        for c in so.cached_reqs
+        if c.req_id == "__warmup_chunked"
+    ]
+    assert chunked == warm_up_chunks(96, warm.arch.index_topk, 511)[1:]
+    assert chunked[-1][0] + chunked[-1][1] > warm.arch.index_topk
     assert warm.states.slot_of == {}  # every warm-up request finished
     assert _generate(warm, prompts) == cold
 

@@ -171,7 +171,8 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
             logger.info("warm-up skipped (no room in the KV cache): kernels compile at first use")
         if rank_in_replica == 0 and lengths:
             logger.info(
-                "warm-up: %d prefill steps (prompts of %d-%d tokens) and a mixed step in %.1f s",
+                "warm-up: %d prefill steps (prompts of %d-%d tokens), a mixed step and a chunked "
+                "prompt in %.1f s",
                 len(lengths),
                 lengths[0],
                 lengths[-1],

@@ -212,7 +212,8 @@ class ModelRunner:
         its Triton kernels compile here and not inside a request (a first-use compile is a
         TTFT of seconds): prefills of every power of two up to the step budget and one token
         short of each (Triton specialises integer arguments on divisibility by 16, so both
-        kinds of token count compile), then a mixed step (a decode row beside a prefill chunk).
+        kinds of token count compile), then a mixed step (a decode row beside a prefill chunk),
+        then one prompt in chunks (:meth:`_warm_up_chunks`: chunks with context).
         The requests are the runner's own, on the first KV blocks, and are finished before it
         returns: at start-up no block holds anything. Under HiSparse each page also gets the
         host and indexer pages of the same number, all of it resident (what a short request
@@ -271,7 +272,31 @@ class ModelRunner:
             )
             prev.append(r.req_id)
         self.execute(SchedulerOutput(finished_req_ids=prev))
+        self._warm_up_chunks(cap, pages * sbs - 1, request, hs)
         return lengths
+
+    def _warm_up_chunks(self, cap: int, room: int, request, hs: bool) -> None:
+        """One prompt in chunks (:func:`warm_up_chunks`): each chunk after the first reads its
+        context from the cache and attends to it causally from the right (the dense path's
+        lower-right mask, a kernel and an import of its own), and, where the model's length
+        allows, a chunk past ``index_topk`` takes the indexer-scored sparse prefill."""
+        limit = min(self.config.model_config.max_model_len - 1, room)
+        chunks = warm_up_chunks(cap, self.arch.index_topk, limit)
+        if len(chunks) < 2:
+            return
+        total = sum(n for _, n in chunks)
+        r = request("__warmup_chunked", total, 0)
+        for i, (start, n) in enumerate(chunks):
+            upd = KVPageUpdate(host=[], idx=[]) if hs else None
+            self.execute(
+                SchedulerOutput(
+                    new_reqs=[r] if i == 0 else [],
+                    cached_reqs=[] if i == 0 else [CachedRequestData(r.req_id, [], start, upd)],
+                    num_scheduled_tokens={r.req_id: n},
+                    total_num_scheduled_tokens=n,
+                )
+            )
+        self.execute(SchedulerOutput(finished_req_ids=[r.req_id]))
 
     def precompile(self) -> tuple[int, float]:
         """Compile, without running them, the kernel variants that follow a request's context
@@ -882,6 +907,19 @@ def warm_up_lengths(cap: int) -> list[int]:
     if cap >= 1:
         out.update((cap, cap - 1))
     return sorted(n for n in out if n >= 1)
+
+
+def warm_up_chunks(cap: int, topk: int, limit: int) -> list[tuple[int, int]]:
+    """(start, tokens) of the warm-up's chunked prompt: half of ``index_topk``, then up to it
+    (a chunk with context on the dense path), then one past it (the sparse path), each at most
+    ``cap`` tokens and ending by ``limit``."""
+    out, pos = [], 0
+    for target in (max(1, topk // 2), topk, topk + cap):
+        end = min(target, limit, pos + cap)
+        if end > pos:
+            out.append((pos, end - pos))
+            pos = end
+    return out
 
 
 def to_host_async(
