@@ -48,17 +48,19 @@ class LogitBiasState:
         self.bad_words: list[list[list[int]]] = [[] for _ in range(n)]
         self.outputs: list[list[int]] = [[] for _ in range(n)]  # only slots with bad_words
 
-    def add(self, slot: int, sp: SamplingOptions, token_ids: np.ndarray, num_prompt: int) -> None:
-        def dev(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(self.device, non_blocking=True)
+    def add(
+        self, slot: int, sp: SamplingOptions, token_ids: np.ndarray, num_prompt: int, h2d=None
+    ) -> None:
+        """A request entered ``slot``. ``h2d``: the runner's pinned staging (a pageable copy
+        would wait for the stream)."""
 
-        self.allowed[slot] = (
-            dev(sp.allowed_token_ids, torch.int64) if sp.allowed_token_ids else None
-        )
+        def dev(x, dtype):
+            arr = np.asarray(x, dtype=dtype)
+            return h2d(arr) if h2d is not None else torch.from_numpy(arr).to(self.device)
+
+        self.allowed[slot] = dev(sp.allowed_token_ids, np.int64) if sp.allowed_token_ids else None
         b = sp.logit_bias
-        self.bias[slot] = (
-            (dev(list(b), torch.int64), dev(list(b.values()), torch.float32)) if b else None
-        )
+        self.bias[slot] = (dev(list(b), np.int64), dev(list(b.values()), np.float32)) if b else None
         self.bad_words[slot] = list(sp.bad_words_token_ids or [])
         self.outputs[slot] = token_ids[num_prompt:].tolist() if self.bad_words[slot] else []
         self.allowed_on[slot] = self.allowed[slot] is not None

@@ -54,8 +54,11 @@ class PenaltiesState:
         self.prompt_mask = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(n, vocab_size, dtype=torch.int32, device=device)
 
-    def add(self, slot: int, sp: SamplingOptions, token_ids: np.ndarray, num_prompt: int) -> None:
-        """A request entered ``slot`` knowing ``token_ids`` (the first ``num_prompt`` its prompt)."""
+    def add(
+        self, slot: int, sp: SamplingOptions, token_ids: np.ndarray, num_prompt: int, h2d=None
+    ) -> None:
+        """A request entered ``slot`` knowing ``token_ids`` (the first ``num_prompt`` its prompt).
+        ``h2d``: the runner's pinned staging (a pageable copy would wait for the stream)."""
         on = sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty
         # neutral values for a request without penalties: a batch that mixes both stays exact.
         # fill_ launches a kernel; `t[slot] = x` would copy x from the host and wait for it.
@@ -65,7 +68,7 @@ class PenaltiesState:
         self.on[slot] = bool(on)
         if not on:
             return
-        ids = torch.from_numpy(token_ids).to(self.device, non_blocking=True)
+        ids = h2d(token_ids) if h2d is not None else torch.from_numpy(token_ids).to(self.device)
         self.prompt_mask[slot].zero_()
         self.prompt_mask[slot].index_fill_(0, ids[:num_prompt], True)
         self.output_counts[slot].zero_()

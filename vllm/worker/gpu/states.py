@@ -101,15 +101,15 @@ class RequestStates:
         self.block_table[s, : len(r.block_ids)] = self._h2d(
             np.asarray(r.block_ids, dtype=np.int32), h2d
         )
-        self.temperature[s] = sp.temperature
-        self.top_k[s], self.top_p[s], self.min_p[s], self.seeds[s] = (
-            sp.top_k,
-            sp.top_p,
-            sp.min_p,
-            sp.seed,
-        )
-        self.penalties.add(s, sp, toks, r.num_prompt_tokens)
-        self.logit_bias.add(s, sp, toks, r.num_prompt_tokens)
+        # fill_ launches a kernel with the value as its argument; `t[s] = x` copies x from
+        # pageable host memory, which waits for the stream (the previous step, when pipelined)
+        self.temperature[s].fill_(sp.temperature)
+        self.top_k[s].fill_(sp.top_k)
+        self.top_p[s].fill_(sp.top_p)
+        self.min_p[s].fill_(sp.min_p)
+        self.seeds[s].fill_(sp.seed)
+        self.penalties.add(s, sp, toks, r.num_prompt_tokens, h2d)
+        self.logit_bias.add(s, sp, toks, r.num_prompt_tokens, h2d)
         return s
 
     def remove(self, req_id: str) -> None:
