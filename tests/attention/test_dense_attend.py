@@ -60,11 +60,12 @@ def test_fp32_queries_take_the_reference():
 @pytest.mark.parametrize("t,s", [(2048, 2048), (512, 2048), (300, 1000)])
 def test_sdpa_matches_reference_glm_dims_cuda(t, s):
     """GLM-5.3's head dims (qk 192 + 64, v 256): a chunk at the context's end takes the
-    flash-attention kernel (only it is allowed here: a fall-back would raise); a PCP rank's
-    two runs take the masked path."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    flash-attention kernel, never cuDNN's (which compiles a graph for every new length: a stall
+    inside a serving step); a PCP rank's two runs take the masked path."""
     attn, g = _layer(64, 192, 256, 512, 64, "cuda", seed=t + s)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _check(attn, g, t, s, list(range(s - t, s)), "cuda", True)
+    names = {e.name for e in prof.events()}
+    assert "aten::_scaled_dot_product_flash_attention" in names, sorted(names)
+    assert not any("cudnn" in n for n in names), sorted(names)
     _check(attn, g, 16, s, list(range(8)) + list(range(s - 8, s)), "cuda", False)

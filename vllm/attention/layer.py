@@ -21,12 +21,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vllm.attention.kv_access import IndexerQuery, KVAccess, LocalKVAccess
 from vllm.attention.metadata import MLAMetadata
 from vllm.kernels.indexer import indexer_logits, indexer_topk
 from vllm.kernels.kv_cache import quantize_indexer_fp8
 from vllm.kernels.sparse_mla import sparse_mla_prefill
+
+# the dense prefill's SDPA backends, in torch's order of preference (cuDNN's left out: see
+# SparseMLAAttention._dense_attend_sdpa)
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -265,15 +270,19 @@ class SparseMLAAttention(nn.Module):
         # math path, which materialises the scores)
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        if tail and t == s:  # the whole context: plain causal
-            o = sdpa(q, k, v, is_causal=True, scale=self.scale)
-        elif tail:  # query i at position S − T + i: causal, aligned to the last key
-            from torch.nn.attention.bias import causal_lower_right
+        # not cuDNN's: it builds and compiles (NVRTC) a graph for every new (T, S), and a
+        # server's chunks come in every length: tens of ms inside each step, half of a C = 64
+        # run's worker time on an H100. Flash attention takes any length as it is.
+        with sdpa_kernel(_SDPA_BACKENDS):
+            if tail and t == s:  # the whole context: plain causal
+                o = sdpa(q, k, v, is_causal=True, scale=self.scale)
+            elif tail:  # query i at position S − T + i: causal, aligned to the last key
+                from torch.nn.attention.bias import causal_lower_right
 
-            o = sdpa(q, k, v, causal_lower_right(t, s), scale=self.scale)
-        else:
-            mask = torch.arange(s, device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
-            o = sdpa(q, k, v, mask, scale=self.scale)
+                o = sdpa(q, k, v, causal_lower_right(t, s), scale=self.scale)
+            else:
+                mask = torch.arange(s, device=pos.device).unsqueeze(0) <= pos.unsqueeze(1)
+                o = sdpa(q, k, v, mask, scale=self.scale)
         return o[0].transpose(0, 1)  # [T, H, v]
 
     def _dense_attend_fp32(self, q_nope, q_pe, rows, pos):
