@@ -32,6 +32,10 @@ def run(ckpt, args, hisparse: bool) -> dict:
         kw["attention_config"] = {"hisparse_config": {"host_pool_gib": args.host_pool_gib}}
     if args.dp > 1:
         kw.update(data_parallel_size=args.dp, enable_expert_parallel=True)
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
+    if args.compilation_config:
+        kw["compilation_config"] = json.loads(args.compilation_config)
     t0 = time.perf_counter()
     llm = LLM(
         ckpt,
@@ -91,6 +95,8 @@ def main() -> int:
     ap.add_argument("--modes", default="off,on")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--compilation-config", default=None, help="JSON, as vllm serve's")
     args = ap.parse_args()
     ckpt = tempfile.mkdtemp(prefix="glm-slice-")
     cfg = {**TINY_CONFIG, **GLM_SLICE}

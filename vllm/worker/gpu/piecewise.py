@@ -153,6 +153,20 @@ class PiecewiseGraphs:
                 return s
         return None
 
+    def covers(self, num_tokens: int, meta) -> bool:
+        """Whether a forward of ``num_tokens`` tokens with this attention metadata runs through
+        the pieces: a captured size holds it and no prompt chunk in it takes the sparse prefill
+        (context past ``index_topk``). Those steps run eagerly: on an H100, 64K-token prompts in
+        8,192-token chunks through the pieces hit a device-side out-of-bounds index inside the
+        chunk's attention, every run, and never eagerly, with CUDA_LAUNCH_BLOCKING=1, or with the
+        device synchronised around each piece (a race not yet found). Such chunks are long and
+        attention-bound, so the pieces would save little of their host time."""
+        if self.size_for(num_tokens) is None:
+            return False
+        return not any(
+            p and not d for p, d in zip(meta.is_prefill_cpu, meta.use_dense_cpu, strict=True)
+        )
+
     # ---- the pieces ----------------------------------------------------------------------------
     def _piece(self, i: int, size: int) -> None:
         """Piece ``i`` over the static buffers' first ``size`` rows (captured, or run on CPU)."""
