@@ -7,7 +7,7 @@
 # opentelemetry-api and importlib-metadata with --no-deps --target, put that folder and the
 # checkout on PYTHONPATH, and make `vllm` run `python3 -m vllm.entrypoints.cli.main`).
 # Results -> $OUT (or ./out); a summary is printed last.
-#   CONFIGS="bf16 bf16_async bf16_8k fp8 nomtp mtp3" bash benchmarks/engine/run_h200_serving.sh
+#   CONFIGS="bf16 bf16_async bf16_2k fp8 nomtp mtp3" bash benchmarks/engine/run_h200_serving.sh
 #   STEPS=project: GLM-5.3 at real dimensions (one GPU's EP8 share, FP8, random weights) at 4
 #   and 8 layers, scaled to 78 (issue 34's full-model projection; ~2 min); STEPS=spec_real: MTP3
 #   against none at real dimensions, 20 layers (issue 36's speed floors; ~4 min)
@@ -72,12 +72,12 @@ for step in ${STEPS:-gpu_tests decode_step prefill_step serving}; do
       TAILN=3 run mixed_graph 60 python3 benchmarks/engine/bench_prefill_step.py --len 1984 \
       --decode 64 --reps 6 --graphs --shapes mixed --forms dense --out "$OUT/results.jsonl" ;;
     serving)
-      for cfg in ${CONFIGS:-bf16 bf16_async bf16_8k fp8 nomtp mtp3}; do
+      for cfg in ${CONFIGS:-bf16 bf16_async bf16_2k fp8 nomtp mtp3}; do
         case $cfg in
           bf16) serve bf16 /tmp/slice "" "1 64" ;;
           bf16_eager) serve bf16_eager /tmp/slice "--enforce-eager" "1 64" ;;
           bf16_async) serve bf16_async /tmp/slice "--async-scheduling" "1 64" ;;
-          bf16_8k) serve bf16_8k /tmp/slice "--max-num-batched-tokens 8192 --async-scheduling" "64" ;;
+          bf16_2k) serve bf16_2k /tmp/slice "--max-num-batched-tokens 2048 --async-scheduling" "64" ;;
           fp8) serve fp8 /tmp/slice_fp8 "" "1 16" ;;
           nomtp) serve nomtp /tmp/slice_mtp "" "1 16" ;;
           mtp3) serve mtp3 /tmp/slice_mtp "--speculative-config $SPEC" "1 16" ;;

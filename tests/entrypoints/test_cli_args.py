@@ -128,6 +128,23 @@ def test_cpu_default_max_model_len(tiny_ckpt):
     assert cfg.create_engine_config().model_config.max_model_len == 100000
 
 
+def test_default_step_budget(tiny_ckpt):
+    """Upstream's: 2048 tokens per step on CPU and small GPUs, 8192 on GPUs of >= 70 GiB; the
+    flag wins; without chunked prefill a step holds a whole prompt."""
+    cfg = _parse([tiny_ckpt, "--device", "cpu"]).create_engine_config()
+    assert cfg.scheduler_config.max_num_batched_tokens == 2048
+    cfg = _parse([tiny_ckpt, "--device", "cpu", "--max-num-batched-tokens", "300"])
+    assert cfg.create_engine_config().scheduler_config.max_num_batched_tokens == 300
+    cfg = _parse(
+        [tiny_ckpt, "--device", "cpu", "--max-model-len", "4000", "--no-enable-chunked-prefill"]
+    )
+    assert cfg.create_engine_config().scheduler_config.max_num_batched_tokens == 4000
+    if torch.cuda.is_available():
+        big = torch.cuda.get_device_properties(0).total_memory >= 70 * 2**30
+        cfg = _parse([tiny_ckpt, "--device", "cuda"]).create_engine_config()
+        assert cfg.scheduler_config.max_num_batched_tokens == (8192 if big else 2048)
+
+
 def test_unknown_model_folder(tmp_path):
     with pytest.raises(ValueError, match="no such folder"):
         _parse([str(tmp_path / "missing")]).create_engine_config()

@@ -195,8 +195,10 @@ def test_static_decode_equals_eager(pair):
     assert _graph_steps(graphs, since) >= 15
     split = sum(s.num_cudagraph_split_steps for s in graphs.stats_history[since:])
     assert split >= 3
-    # the prompt chunks, in mixed steps too, run piecewise (FULL_AND_PIECEWISE, the default)
-    assert sum(s.num_piecewise_steps for s in graphs.stats_history[since:]) >= split
+    # the split steps' prompt chunks here have more context than index_topk (32): they take
+    # the sparse prefill, whose steps run eagerly, not through the pieces (test_piecewise.py
+    # runs the dense chunks through them)
+    assert sum(s.num_piecewise_steps for s in graphs.stats_history[since:]) == 0
     assert _graph_steps(eager, 0) == 0
     assert got[0] == ref[0]
     for g, r in zip(got[1], ref[1], strict=True):

@@ -56,18 +56,28 @@ def eager(tiny_ckpt):
     m.shutdown()
 
 
+# index_topk past every context here: each chunk takes the dense prefill, which the pieces run
+# (a chunk past index_topk makes its step eager: test_sparse_prefill_steps_run_eagerly)
+DENSE = dict(KW, hf_overrides={"index_topk": 256})
+
+
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
-def test_piecewise_equals_eager(tiny_ckpt, eager, mode):
+def test_piecewise_equals_eager(tiny_ckpt, mode):
     """Prompt chunks of 1–64 tokens (padding changes every step), mixed steps, greedy and seeded
     sampled rows, logprobs and prompt logprobs (every position's hidden state), then the same
     prompts again with their blocks cached. PIECEWISE alone also runs every decode step through
     the pieces; FULL_AND_PIECEWISE replays full graphs for decode steps and the pieces for the
     prompt chunks (mixed steps split into both: tests/worker/test_cudagraph.py, whose graph
     engine takes the pieces too)."""
-    cc = {"cudagraph_mode": mode, "cudagraph_capture_sizes": [1, 2, 4, 8]}
-    m = LLM(tiny_ckpt, compilation_config=cc, **KW)
+    eager = LLM(tiny_ckpt, **DENSE)
     try:
         ref = _run(eager)
+        assert _steps(eager, "num_piecewise_steps") == 0
+    finally:
+        eager.shutdown()
+    cc = {"cudagraph_mode": mode, "cudagraph_capture_sizes": [1, 2, 4, 8]}
+    m = LLM(tiny_ckpt, compilation_config=cc, **DENSE)
+    try:
         _same(_run(m), ref)
         pw, full = _steps(m, "num_piecewise_steps"), _steps(m, "num_cudagraph_steps")
         steps = len(m.stats_history)
@@ -78,7 +88,25 @@ def test_piecewise_equals_eager(tiny_ckpt, eager, mode):
         since = len(m.stats_history)
         _same(_run(m), ref)  # prefix hits: chunks start past cached blocks
         assert _steps(m, "num_piecewise_steps", since) > 0
-        assert _steps(eager, "num_piecewise_steps") == 0
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_sparse_prefill_steps_run_eagerly(tiny_ckpt, eager, mode):
+    """index_topk 32: most chunks here have more context, take the sparse prefill, and their
+    steps (the chunk half of a split mixed step) run the eager forward; decode steps still take
+    the pieces (PIECEWISE) or full graphs. Same results as eager."""
+    cc = {"cudagraph_mode": mode, "cudagraph_capture_sizes": [1, 2, 4, 8]}
+    m = LLM(tiny_ckpt, compilation_config=cc, **KW)
+    try:
+        _same(_run(m), _run(eager))
+        pw, full = _steps(m, "num_piecewise_steps"), _steps(m, "num_cudagraph_steps")
+        steps = len(m.stats_history)
+        if mode == "PIECEWISE":  # every step with a prompt chunk here has a sparse one
+            assert full == 0 and 0 < pw < steps - 2
+        else:
+            assert full >= 10 and pw == 0
     finally:
         m.shutdown()
 
@@ -152,6 +180,8 @@ def test_hisparse_with_pieces(tiny_ckpt):
             m.shutdown()
 
     ref, none = run()
-    got, pw = run(compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+    # PIECEWISE: the decode steps (sparse, through the hot set) take the pieces too; the prompt
+    # chunks past index_topk run eagerly
+    got, pw = run(compilation_config={"cudagraph_mode": "PIECEWISE"})
     assert none == 0 and pw > 0
     assert got == ref
