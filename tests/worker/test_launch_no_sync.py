@@ -94,3 +94,60 @@ def test_launch_never_synchronises(tiny_ckpt, device):
     runner.finish(pending)
     assert len(blocks["a"]) == 2  # "a" crossed into a second block while decoding
     assert runner.graphs is not None and runner.piecewise is not None
+
+
+def _chunked_tokens(runner, lag: bool) -> list[int]:
+    """One 200-token prompt in chunks of at most 64 (three steps that sample nothing, then one
+    that samples), then 3 greedy decode steps; the sampled tokens. ``lag``: a long sleep kernel
+    first, so the host runs every chunk's launch while the device is still behind."""
+    bs = runner.scheduler_block_size
+    greedy = SamplingOptions(temperature=0.0, max_tokens=10**6)
+    toks = [(11 * i + 5) % 500 + 3 for i in range(200)]
+    blocks = list(range(-(-204 // bs)))
+    out, done = [], 0
+    if lag:
+        torch.cuda._sleep(1 << 30)  # ~0.5 s of device time
+    for step in range(7):
+        if done == 0:
+            n, new, cached = 64, [NewRequestData("r", toks, 200, blocks, 0, greedy)], []
+        else:
+            n = min(64, 200 - done) if done < 200 else 1
+            new, cached = [], [CachedRequestData("r", [], done)]
+        so = SchedulerOutput(
+            step=step,
+            new_reqs=new,
+            cached_reqs=cached,
+            num_scheduled_tokens={"r": n},
+            total_num_scheduled_tokens=n,
+        )
+        res = runner.execute(so)
+        out += [t[0] for t in res.sampled_token_ids]
+        done += n
+    runner.execute(SchedulerOutput(step=7, finished_req_ids=["r"]))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_steps_without_results_keep_their_inputs(tiny_ckpt):
+    """A prompt chunk that samples nothing has no results to read, so its finish does not wait:
+    its staging arena must stay untouched until the device has run it, or the chunk after next
+    overwrites the inputs it has not copied yet (with the device lagging, as behind long
+    attention). Same tokens with the device lagging as with it idle."""
+    dev = torch.device("cuda")
+    cfg = EngineArgs(
+        model=tiny_ckpt,
+        device="cuda",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        kv_cache_memory_bytes=1 << 30,
+        enforce_eager=True,
+    ).create_engine_config()
+    model = build_model(tiny_ckpt, dtype=cfg.model_config.dtype, device=dev)
+    runner = ModelRunner(cfg, model, ParallelContext.single(), dev)
+    runner.initialize_kv_cache(KVCachePlan(64))
+    runner.warm_up()
+    want = _chunked_tokens(runner, lag=False)
+    assert len(want) == 4  # the last chunk's token, then 3 decoded
+    for _ in range(3):
+        assert _chunked_tokens(runner, lag=True) == want

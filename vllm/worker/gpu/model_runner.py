@@ -462,7 +462,9 @@ class ModelRunner:
             return pending.done
         if pending.event is not None:
             pending.event.synchronize()
-        self.staging.synced(pending.arena)
+            self.staging.synced(pending.arena)
+        # else: no results to wait for (CPU, or a step that samples nothing); its arena stays
+        # busy until the event its launch recorded is done (HostStaging.to_device waits on it)
         out = self._build_output(pending)
         out.stats.update(pending.stats)
         out.kv_connector_output = step_output(self.connector, pending.finished_req_ids)

@@ -157,10 +157,12 @@ class PiecewiseGraphs:
         """Whether a forward of ``num_tokens`` tokens with this attention metadata runs through
         the pieces: a captured size holds it and no prompt chunk in it takes the sparse prefill
         (context past ``index_topk``). Those steps run eagerly: on an H100, 64K-token prompts in
-        8,192-token chunks through the pieces hit a device-side out-of-bounds index inside the
-        chunk's attention, every run, and never eagerly, with CUDA_LAUNCH_BLOCKING=1, or with the
-        device synchronised around each piece (a race not yet found). Such chunks are long and
-        attention-bound, so the pieces would save little of their host time."""
+        8,192-token chunks through the pieces hit a device-side out-of-bounds index (never
+        eagerly, with CUDA_LAUNCH_BLOCKING=1, or synchronised around each piece). The likely
+        cause, a chunk that samples nothing recycling its staging arena before the device ran
+        it (the pieces let the host get far enough ahead), is fixed in ``HostStaging``; this
+        stays until a GPU run confirms it. Such chunks are long and attention-bound: the pieces
+        would save little of their host time."""
         if self.size_for(num_tokens) is None:
             return False
         return not any(

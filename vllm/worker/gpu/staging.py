@@ -6,9 +6,12 @@ recycled after that step's device → host sync (by then every copy it queued ha
 
 Two arenas take turns: with ``--async-scheduling`` the worker builds step N + 1's inputs while
 step N is still queued on the device (``ModelRunner.launch`` before ``finish``), so step N's arena
-must stay untouched until its sync, and step N + 1 writes the other one. A step never finds its
-arena still in use: step N + 2 is built after step N's sync (were it not, the first copy into a
-busy arena would wait for the device).
+must stay untouched until the device has run it, and step N + 1 writes the other one. Each step's
+end records an event; the first write into an arena whose step has not been seen done waits for
+that event. A step with host results is seen done at its read (``synced``), before step N + 2 is
+built; a step without any (a prompt chunk that samples nothing) has no read, so its arena is
+recycled through the event only: recycling it at its ``finish`` let step N + 2 overwrite the
+inputs of a step still queued (garbage block tables in 64K-token prefills on an H100).
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ class HostStaging:
             else []
         )
         self.cur, self.off = 0, 0
-        self.busy = [False, False]  # an arena whose step has not been synced
+        self.busy = [False, False]  # an arena whose step has not been seen done
+        self.events: list[torch.cuda.Event | None] = [None, None]  # recorded at each step's end
 
     def to_device(self, arr: np.ndarray) -> torch.Tensor:
         arr = np.ascontiguousarray(arr)
         if not self.cuda:
             return torch.from_numpy(arr)
-        if self.busy[self.cur]:  # its step is not synced yet: never in the runner's order
-            torch.cuda.current_stream(self.device).synchronize()
+        if self.busy[self.cur]:  # its step was not read (it had no results): wait for it
+            self.events[self.cur].synchronize()
             self.busy[self.cur] = False
         buf, n = self.bufs[self.cur], arr.nbytes
         if self.off + n > buf.numel():
@@ -53,11 +57,15 @@ class HostStaging:
         step's arena, for :meth:`synced`."""
         used = self.cur
         self.busy[used] = self.cuda
+        if self.cuda:
+            self.events[used] = torch.cuda.Event()
+            self.events[used].record(torch.cuda.current_stream(self.device))
         self.cur, self.off = 1 - used, 0
         # the other arena may still be busy here (step N + 1 is launched before step N is
         # read); it is checked when the next step first writes to it, after step N's sync
         return used
 
     def synced(self, arena: int) -> None:
-        """The device has run the step that used ``arena`` (after its sync): recycle it."""
+        """The device has run the step that used ``arena`` (its results were read after an event
+        recorded behind all of its work): recycle it. Never for a step that was not waited for."""
         self.busy[arena] = False
