@@ -33,8 +33,14 @@ def test_lengths_cover_every_integer_class():
 def test_chunks_reach_the_dense_tail_and_the_sparse_path():
     """Half of index_topk, up to it, then past it, each within the step budget and the room."""
     assert warm_up_chunks(2048, 2048, 2239) == [(0, 1024), (1024, 1024), (2048, 191)]
-    assert warm_up_chunks(8192, 2048, 1 << 20) == [(0, 1024), (1024, 1024), (2048, 8192)]
-    assert warm_up_chunks(96, 32, 511) == [(0, 16), (16, 16), (32, 96)]
+    # then one token past index_topk (split-K merges), where the model's length leaves room
+    assert warm_up_chunks(8192, 2048, 1 << 20) == [
+        (0, 1024),
+        (1024, 1024),
+        (2048, 8192),
+        (10240, 1),
+    ]
+    assert warm_up_chunks(96, 32, 511) == [(0, 16), (16, 16), (32, 96), (128, 1)]
     # a small budget: the chunks advance by it and stop at the topk boundary first
     assert warm_up_chunks(300, 2048, 4000) == [(0, 300), (300, 300), (600, 300)]
     # a short model: no chunk past topk; too short for two chunks: one

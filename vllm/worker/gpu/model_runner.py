@@ -236,11 +236,13 @@ class ModelRunner:
         greedy = SamplingOptions(temperature=0.0, max_tokens=2)
         vocab = self.config.model_config.vocab_size
 
-        def request(rid: str, n: int, first_block: int) -> NewRequestData:
+        sampled = SamplingOptions(temperature=1.0, max_tokens=2, seed=0)
+
+        def request(rid: str, n: int, first_block: int, sp=greedy) -> NewRequestData:
             tokens = [(7919 * i + n) % vocab for i in range(n)]
             blocks = list(range(first_block, first_block + cdiv(n + 1, sbs)))
             upd = KVPageUpdate(host=blocks, idx=list(blocks)) if hs else None
-            return NewRequestData(rid, tokens, n, blocks, 0, greedy, upd)
+            return NewRequestData(rid, tokens, n, blocks, 0, sp, upd)
 
         prev: list[str] = []
         for i, n in enumerate(lengths):
@@ -260,7 +262,9 @@ class ModelRunner:
         start = cdiv(n_last + 1, sbs)
         n = min(cap - 1, pages * sbs - start * sbs - 1)
         if n > 0:
-            r = request("__warmup_mixed", n, start)
+            # sampled, not greedy: the Gumbel-max kernel compiles here, not in the first
+            # request with a temperature
+            r = request("__warmup_mixed", n, start, sampled)
             upd = KVPageUpdate(host=[], idx=[]) if hs else None
             self.execute(
                 SchedulerOutput(
@@ -914,13 +918,16 @@ def warm_up_lengths(cap: int) -> list[int]:
 def warm_up_chunks(cap: int, topk: int, limit: int) -> list[tuple[int, int]]:
     """(start, tokens) of the warm-up's chunked prompt: half of ``index_topk``, then up to it
     (a chunk with context on the dense path), then one past it (the sparse path), each at most
-    ``cap`` tokens and ending by ``limit``."""
+    ``cap`` tokens and ending by ``limit``; then, past ``index_topk``, a one-token chunk (its
+    attention splits the top-k and merges the partials, a kernel of its own)."""
     out, pos = [], 0
     for target in (max(1, topk // 2), topk, topk + cap):
         end = min(target, limit, pos + cap)
         if end > pos:
             out.append((pos, end - pos))
             pos = end
+    if pos > topk and pos < limit:  # one token past it (a prefix hit's last token): split-K merges
+        out.append((pos, 1))
     return out
 
 
