@@ -15,7 +15,9 @@ from vllm import LLM, SamplingParams
 # chunks of every length from 1 to the 64-token budget: padded to 16, 32 or 64 tokens
 PROMPTS = [list(range(7 + 3 * i, 7 + 3 * i + n)) for i, n in enumerate((5, 40, 70, 130, 33, 9, 1))]
 MAX_TOKENS = [3, 30, 9, 17, 24, 5, 12]
-KW = dict(max_num_batched_tokens=64, max_num_seqs=8)
+# on CPU on every machine: exact equality needs the same arithmetic as the eager forward (on
+# CUDA a padded GEMM rounds otherwise: tests/worker/test_cudagraph_gpu.py, up to near-ties)
+KW = dict(max_num_batched_tokens=64, max_num_seqs=8, device="cpu")
 
 
 def _run(m: LLM):
@@ -51,13 +53,13 @@ def _same(got, ref):
 
 @pytest.fixture(scope="module")
 def eager(tiny_ckpt):
-    m = LLM(tiny_ckpt, **KW)
+    m = LLM(tiny_ckpt, enforce_eager=True, **KW)  # graphs are the default on CUDA
     yield m
     m.shutdown()
 
 
-# index_topk past every context here: each chunk takes the dense prefill, which the pieces run
-# (a chunk past index_topk makes its step eager: test_sparse_prefill_steps_run_eagerly)
+# index_topk past every context here: each chunk takes the dense prefill (sparse ones:
+# test_sparse_prefill_through_the_pieces)
 DENSE = dict(KW, hf_overrides={"index_topk": 256})
 
 
@@ -69,7 +71,7 @@ def test_piecewise_equals_eager(tiny_ckpt, mode):
     the pieces; FULL_AND_PIECEWISE replays full graphs for decode steps and the pieces for the
     prompt chunks (mixed steps split into both: tests/worker/test_cudagraph.py, whose graph
     engine takes the pieces too)."""
-    eager = LLM(tiny_ckpt, **DENSE)
+    eager = LLM(tiny_ckpt, enforce_eager=True, **DENSE)
     try:
         ref = _run(eager)
         assert _steps(eager, "num_piecewise_steps") == 0
@@ -93,20 +95,21 @@ def test_piecewise_equals_eager(tiny_ckpt, mode):
 
 
 @pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
-def test_sparse_prefill_steps_run_eagerly(tiny_ckpt, eager, mode):
-    """index_topk 32: most chunks here have more context, take the sparse prefill, and their
-    steps (the chunk half of a split mixed step) run the eager forward; decode steps still take
-    the pieces (PIECEWISE) or full graphs. Same results as eager."""
+def test_sparse_prefill_through_the_pieces(tiny_ckpt, eager, mode):
+    """index_topk 32: most chunks here have more context and take the sparse prefill (its
+    attention eager between the pieces, split-K partials and merges included); same results as
+    eager, every step through the pieces (PIECEWISE) or the prompt chunks through them and
+    decode steps through full graphs."""
     cc = {"cudagraph_mode": mode, "cudagraph_capture_sizes": [1, 2, 4, 8]}
     m = LLM(tiny_ckpt, compilation_config=cc, **KW)
     try:
         _same(_run(m), _run(eager))
         pw, full = _steps(m, "num_piecewise_steps"), _steps(m, "num_cudagraph_steps")
         steps = len(m.stats_history)
-        if mode == "PIECEWISE":  # every step with a prompt chunk here has a sparse one
-            assert full == 0 and 0 < pw < steps - 2
+        if mode == "PIECEWISE":
+            assert full == 0 and pw >= steps - 2  # the stats of the last steps' flush
         else:
-            assert full >= 10 and pw == 0
+            assert full >= 10 and pw >= 5
     finally:
         m.shutdown()
 
@@ -147,7 +150,7 @@ def test_piecewise_under_preemption(tiny_ckpt, eager):
 def test_fp8_weights_and_cache(tiny_ckpt_fp8):
     """FP8 linears and experts inside the pieces, the FP8 cache written by the eager attention."""
     kw = dict(KW, kv_cache_dtype="fp8_ds_mla")
-    ref = LLM(tiny_ckpt_fp8, **kw)
+    ref = LLM(tiny_ckpt_fp8, enforce_eager=True, **kw)
     try:
         want = _run(ref)[0]
     finally:
@@ -179,9 +182,8 @@ def test_hisparse_with_pieces(tiny_ckpt):
         finally:
             m.shutdown()
 
-    ref, none = run()
-    # PIECEWISE: the decode steps (sparse, through the hot set) take the pieces too; the prompt
-    # chunks past index_topk run eagerly
+    ref, none = run(enforce_eager=True)
+    # PIECEWISE: the decode steps (sparse, through the hot set) take the pieces too
     got, pw = run(compilation_config={"cudagraph_mode": "PIECEWISE"})
     assert none == 0 and pw > 0
     assert got == ref

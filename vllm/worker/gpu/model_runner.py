@@ -567,7 +567,7 @@ class ModelRunner:
         every EP rank first (`distributed/ep.py`: one host all-reduce; nothing without EP)."""
         t = step.input_ids.shape[0]
         pw = self.piecewise
-        if pw is not None and t and pw.covers(t, meta):
+        if pw is not None and t and pw.covers(t):
             self._piecewise_used = True
             return pw.run({"ids": step.input_ids}, step.positions, meta)
         with ep_forward(max_tokens_across_ep(self.pc, t)):

@@ -153,21 +153,12 @@ class PiecewiseGraphs:
                 return s
         return None
 
-    def covers(self, num_tokens: int, meta) -> bool:
-        """Whether a forward of ``num_tokens`` tokens with this attention metadata runs through
-        the pieces: a captured size holds it and no prompt chunk in it takes the sparse prefill
-        (context past ``index_topk``). Those steps run eagerly: on an H100, 64K-token prompts in
-        8,192-token chunks through the pieces hit a device-side out-of-bounds index (never
-        eagerly, with CUDA_LAUNCH_BLOCKING=1, or synchronised around each piece). The likely
-        cause, a chunk that samples nothing recycling its staging arena before the device ran
-        it (the pieces let the host get far enough ahead), is fixed in ``HostStaging``; this
-        stays until a GPU run confirms it. Such chunks are long and attention-bound: the pieces
-        would save little of their host time."""
-        if self.size_for(num_tokens) is None:
-            return False
-        return not any(
-            p and not d for p, d in zip(meta.is_prefill_cpu, meta.use_dense_cpu, strict=True)
-        )
+    def covers(self, num_tokens: int) -> bool:
+        """Whether a forward of ``num_tokens`` tokens runs through the pieces: a captured size
+        holds it. Prompt chunks of every kind do, sparse-prefill ones (context past
+        ``index_topk``) included: their attention runs eagerly between the pieces like any
+        other."""
+        return self.size_for(num_tokens) is not None
 
     # ---- the pieces ----------------------------------------------------------------------------
     def _piece(self, i: int, size: int) -> None:

@@ -136,7 +136,7 @@ class MTPDrafter(Drafter):
         t = ids.shape[0]
         if r.mtp_piecewise and t:
             pw = r.mtp_piecewise[depth % len(r.mtp_piecewise)]  # mtp_forward's layer choice
-            if pw.covers(t, meta):
+            if pw.covers(t):
                 r._piecewise_used = True
                 return pw.run({"ids": ids, "prev": prev_hidden}, step.positions, meta)
         with ep_forward(max_tokens_across_ep(r.pc, t)):
