@@ -7,6 +7,7 @@ front end.
 from __future__ import annotations
 
 import itertools
+import time
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.core_client import EngineCoreClient
@@ -32,6 +33,8 @@ class LLM:
         self.outputs = OutputProcessor()
         self._ids = itertools.count()
         self.stats_history: list = []  # SchedulerStats of every step (engine-side counters)
+        # when each of those steps' outputs arrived here (time.perf_counter): step intervals
+        self.stats_times: list[float] = []
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -88,6 +91,7 @@ class LLM:
                 continue
             if batch.stats is not None:
                 self.stats_history.append(batch.stats)
+                self.stats_times.append(time.perf_counter())
             for out in batch.outputs:
                 st = states.get(out.request_id)
                 if st is None or st.finished:

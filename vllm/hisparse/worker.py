@@ -11,6 +11,7 @@ position each row holds) and `hot_lru` (last step it was used).
 from __future__ import annotations
 
 import contextlib
+import time
 
 import numpy as np
 import torch
@@ -29,6 +30,7 @@ from vllm.kernels.hisparse_resolve import hisparse_resolve
 from vllm.kernels.kv_cache import read_indexer_cache, read_mla_cache
 from vllm.kernels.sparse_mla import sparse_mla_decode
 from vllm.kv_cache_interface import KVCacheLayout
+from vllm.utils import logger
 from vllm.worker.gpu.kv_cache import WorkerKVCache
 from vllm.worker.gpu.step_hooks import StepHooks
 
@@ -161,6 +163,7 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         through ``self.kv_access`` whatever ``kv_access`` the runner offers (HiSparse runs on
         one rank per replica: TP/DP/EP need nothing more)."""
         pin = self.device.type == "cuda"
+        t0 = time.perf_counter()
         n_gpu, n_host, n_idx = plan.num_blocks, plan.num_host_blocks + 1, plan.num_idx_blocks
         self.trash_slot = n_gpu * self.layout.block_size
         self.trash_host_page = n_host - 1
@@ -177,6 +180,16 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
                 hi = torch.zeros(shape, dtype=self.layout.storage_dtype, pin_memory=pin)
             self.host_idx.append(hi)
             self.host_idx_dev.append(device_view(hi, self.device) if hi is not None else None)
+        host = sum(
+            t.numel() * t.element_size() for t in self.host_mla + self.host_idx if t is not None
+        )
+        logger.info(
+            "HiSparse host pool: %.2f GiB%s (%d pages) in %.1f s",
+            host / 2**30,
+            " pinned" if pin else "",
+            n_host,
+            time.perf_counter() - t0,
+        )
 
     def transfer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The host pool (pinned): KV received from a prefill engine lands there, by host page."""

@@ -242,8 +242,15 @@ class DecodeGraphs:
         free0 = torch.cuda.mem_get_info()[0]
         self.pool = torch.cuda.graph_pool_handle()
         for i, size in enumerate(reversed(self.sizes)):
+            t1 = time.perf_counter()
             self._forward(size)  # warm-up: compiles kernels, initialises cuBLAS for the shapes
             torch.cuda.synchronize()
+            if i == 0:
+                logger.info(
+                    "decode graphs: first warm-up step (batch %d) in %.1f s",
+                    size,
+                    time.perf_counter() - t1,
+                )
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
                 logits, hidden = self._forward(size)
