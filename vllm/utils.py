@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import mmap
 import os
@@ -25,6 +26,24 @@ def init_logging(level: str | None = None) -> None:
         )
         logging.getLogger("vllm").addHandler(h)
     logging.getLogger("vllm").setLevel(lvl)
+
+
+def freeze_gc_heap(what: str) -> None:
+    """After start-up: collect once, then move every surviving object to the collector's
+    permanent generation. A full collection walks every tracked object; with torch, Triton and
+    the model loaded that is ~300,000 objects, 0.1 s on 2 cores, a pause inside whatever step it
+    falls in (the slowest serving steps were such pauses). Start-up objects live until the
+    process ends, so they need no collecting; everything allocated later is collected as before
+    (frozen objects are still freed by reference counting when dropped)."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    logger.debug(
+        "%s: froze %d start-up objects out of the GC's scans (%.0f ms)",
+        what,
+        gc.get_freeze_count(),
+        (time.perf_counter() - t0) * 1e3,
+    )
 
 
 def die_with_parent() -> None:

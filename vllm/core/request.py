@@ -30,7 +30,9 @@ class Request:
 
     def __init__(self, req: EngineCoreRequest):
         self.request_id = req.request_id
-        self.prompt_token_ids: list[int] = list(req.prompt_token_ids)
+        # a tuple of ints: the collector untracks it at its first pass, so full collections
+        # never walk it again (64 prompts of 64K tokens as lists: 35 ms a full collection)
+        self.prompt_token_ids: tuple[int, ...] = tuple(req.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling = req.sampling
         self.eos_token_ids = set(req.eos_token_ids)
@@ -60,17 +62,17 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return [*self.prompt_token_ids, *self.output_token_ids]
 
     def token_slice(self, a: int, b: int) -> list[int]:
         """all_token_ids[a:b] without building the whole list (a block's tokens, every 64 steps
         of a long request)."""
         n = len(self.prompt_token_ids)
         if b <= n:
-            return self.prompt_token_ids[a:b]
+            return list(self.prompt_token_ids[a:b])
         if a >= n:
             return self.output_token_ids[a - n : b - n]
-        return self.prompt_token_ids[a:] + self.output_token_ids[: b - n]
+        return [*self.prompt_token_ids[a:], *self.output_token_ids[: b - n]]
 
     @property
     def is_finished(self) -> bool:

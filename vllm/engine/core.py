@@ -22,7 +22,7 @@ from vllm.config import VllmConfig
 from vllm.core.messages import EngineCoreRequest, SchedulerOutput, encoder
 from vllm.core.scheduler import Scheduler
 from vllm.engine.messages import EngineCoreOutputs
-from vllm.utils import HeartbeatBoard, die_with_parent, init_logging, logger
+from vllm.utils import HeartbeatBoard, die_with_parent, freeze_gc_heap, init_logging, logger
 
 IDLE_POLL_MS = 100
 # with only KV transfers in flight (loads to poll, leases to release): step this often
@@ -140,6 +140,7 @@ def engine_core_main(
     try:
         core = EngineCore(config, dp_rank, dist_init, heartbeats)
         wave = DPWave(config, dp_rank, dp_init)
+        freeze_gc_heap(f"engine core {dp_rank}")
         out.send(enc.encode(EngineCoreOutputs(engine_index=dp_rank, ready=core.info())))
         _loop(core, inp, out, enc, stop, wave)
     except Exception as e:

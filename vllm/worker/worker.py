@@ -23,7 +23,7 @@ from vllm.core.messages import (
     encoder,
 )
 from vllm.kernels.triton.precompile import CompileWatch
-from vllm.utils import HeartbeatBoard, die_with_parent, init_logging, logger
+from vllm.utils import HeartbeatBoard, die_with_parent, freeze_gc_heap, init_logging, logger
 
 ACTIVATION_RESERVE_GIB = float(os.environ.get("VLLM_CUDA_ACTIVATION_RESERVE_GIB", "4"))
 
@@ -193,6 +193,7 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
     connector.register_kv_caches(runner.kv_cache.transfer_caches())
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
+    freeze_gc_heap(f"worker {global_rank}")
     out.send(enc.encode(WorkerMessage(rank=global_rank, kind="ready", kv_plan=plan)))
     dec = decoder(SchedulerOutput)
     driver = rank_in_replica == 0

@@ -36,7 +36,7 @@ from vllm.entrypoints.openai.chat_utils import ChatParsers, add_chat_parser_args
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from vllm.entrypoints.openai.serving import OpenAIServing, new_request_id
 from vllm.metrics import Metrics
-from vllm.utils import EngineDeadError, init_logging, logger
+from vllm.utils import EngineDeadError, freeze_gc_heap, init_logging, logger
 
 
 class ServerState:
@@ -175,6 +175,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app):
+        freeze_gc_heap("API server")  # the engine is up: what exists now lives to the end
         yield
         if state.engine is not None:
             state.engine.shutdown()
