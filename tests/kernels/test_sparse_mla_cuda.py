@@ -28,7 +28,7 @@ import torch
 
 from vllm import _custom_ops as ops
 from vllm.kernels import sparse_mla_cuda
-from vllm.kernels.kv_cache import read_mla_cache, write_mla_cache_ref
+from vllm.kernels.kv_cache import read_mla_cache_ref, write_mla_cache_ref
 from vllm.kernels.sparse_mla import sparse_mla_attend_ref, sparse_mla_ref
 from vllm.kernels.sparse_mla_cuda import sparse_mla_fp8_cuda
 from vllm.kv_cache_interface import KVCacheLayout
@@ -256,7 +256,7 @@ def test_cuda_decode_gpu_fp8_dequant_exact():
     narrow = narrow.view_as(cache)
     for c in (cache, narrow):
         o32, _ = _decode(q, c, slots, 0.04, torch.float32)
-        truth = read_mla_cache(c, slots[:, 17], layout)[:, None, :512].expand(n, 64, 512)
+        truth = read_mla_cache_ref(c, slots[:, 17], layout)[:, None, :512].expand(n, 64, 512)
         err = (o32 - truth).abs()
         exact = o32 == truth.to(torch.bfloat16).float()
         if c is narrow:
@@ -268,7 +268,7 @@ def test_cuda_decode_gpu_fp8_dequant_exact():
     # must do at least as well as bf16 operands (what the Triton and Gluon kernels use) would.
     _, lse = _decode(q, cache, slots, 0.04)
     _, ref_l = sparse_mla_ref(q.float(), cache, slots, layout, 0.04)
-    k = read_mla_cache(cache, slots[:, 17], layout)  # [n, 576] fp32
+    k = read_mla_cache_ref(cache, slots[:, 17], layout)  # [n, 576] fp32
     bf16_l = 0.04 * torch.einsum("nhd,nd->nh", q.float(), k.to(torch.bfloat16).float())
     err, bf16_err = (lse - ref_l).abs(), (bf16_l - ref_l).abs()
     assert err.max().item() <= bf16_err.max().item() and err.mean() <= bf16_err.mean()
@@ -302,7 +302,7 @@ def test_cuda_decode_gpu_magnitudes(q_scale):
     fin = ref_l.isfinite()
     assert torch.equal(fin, lse.isfinite())
     # lse here is ~40 (wide tile scales): bound its error by what bf16 operands would give
-    kv = read_mla_cache(cache, slots, layout).to(torch.bfloat16).float()
+    kv = read_mla_cache_ref(cache, slots, layout).to(torch.bfloat16).float()
     _, bf16_l = sparse_mla_attend_ref(q.float(), kv, slots >= 0, scale, 512)
     bound = max(2e-2, (bf16_l[fin] - ref_l[fin]).abs().max().item())
     assert (lse[fin] - ref_l[fin]).abs().max().item() <= bound

@@ -2,10 +2,11 @@
 
 ``write_mla_cache`` / ``write_indexer_cache`` quantise new rows and scatter them by slot mapping:
 the Triton kernels (``vllm/kernels/triton/kv_write.py``) on CUDA, byte-exact with
-``write_mla_cache_ref`` / ``write_indexer_cache_ref``, which run elsewhere. The reads
-(``read_mla_cache``, ``read_indexer_cache``) gather and dequantise rows by slot in torch: the
-prefill paths use them to build a request's temporary full context. Slot −1 means "no row":
-writes skip it, reads return zeros.
+``write_mla_cache_ref`` / ``write_indexer_cache_ref``, which run elsewhere. The reads gather and
+dequantise rows by slot (the prefill paths build a request's temporary full context with them):
+``read_mla_cache`` in one Triton kernel on CUDA (``vllm/kernels/triton/kv_read.py``, exact with
+``read_mla_cache_ref``), ``read_indexer_cache`` in torch. Slot −1 means "no row": writes skip it,
+reads return zeros.
 """
 
 from __future__ import annotations
@@ -133,10 +134,23 @@ def write_mla_cache_ref(
 def read_mla_cache(
     cache: torch.Tensor, slots: torch.Tensor, layout: KVCacheLayout, out_dtype=torch.float32
 ) -> torch.Tensor:
-    """Gather and dequantise latent rows by global slot: slots [...] -> [..., kv_lora_rank + rope].
+    """Gather and dequantise latent rows by global slot: slots [...] -> [..., kv_lora_rank + rope]
+    of ``out_dtype``. Rows for slot −1 are zeros. One Triton kernel on CUDA
+    (``vllm/kernels/triton/kv_read.py``), the reference elsewhere."""
+    fast = kernel_module(
+        "triton.kv_read",
+        cache,
+        cache.is_contiguous() and (is_pow2(layout.kv_lora_rank) or not layout.is_fp8),
+    )
+    if fast is not None:
+        return fast.read_mla_cache(cache, slots, layout, out_dtype)
+    return read_mla_cache_ref(cache, slots, layout, out_dtype)
 
-    Rows for slot −1 are zeros.
-    """
+
+def read_mla_cache_ref(
+    cache: torch.Tensor, slots: torch.Tensor, layout: KVCacheLayout, out_dtype=torch.float32
+) -> torch.Tensor:
+    """:func:`read_mla_cache` in plain torch (the spec)."""
     flat = cache.view(-1, cache.shape[-1])
     valid = slots >= 0
     rows = flat[slots.clamp_min(0).long()]  # [..., row]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.kernels import is_pow2, kernel_module, use_kernels
-from vllm.kernels.kv_cache import read_mla_cache
+from vllm.kernels.kv_cache import read_mla_cache_ref
 from vllm.kv_cache_interface import KVCacheLayout
 from vllm.utils import logger
 
@@ -239,7 +239,7 @@ def sparse_mla_ref(
     lse = q.new_full((t, h), float("-inf"), dtype=torch.float32)
     for s in range(0, t, _CHUNK):
         idx = indices[s : s + _CHUNK]
-        kv = read_mla_cache(cache, idx, layout)
+        kv = read_mla_cache_ref(cache, idx, layout)  # the reference reads in plain torch
         o, lse_c = sparse_mla_attend_ref(
             q[s : s + _CHUNK], kv, idx >= 0, sm_scale, layout.kv_lora_rank
         )
