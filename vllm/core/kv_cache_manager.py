@@ -161,6 +161,10 @@ class DeviceKVCacheManager(KVCacheManager):
         """Blocks for `num_new_tokens` more tokens (after the computed prefix). Returns the newly
         allocated block ids, or None (nothing changed) if the pool is short."""
         blocks = self.req_blocks.get(req.request_id)
+        if blocks is not None and not computed:  # a running request: most steps need no block
+            need = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
+            if need <= 0:
+                return []
         computed = computed or []
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
         need = cdiv(total, self.block_size) - len(blocks or ()) - len(computed)
@@ -177,10 +181,12 @@ class DeviceKVCacheManager(KVCacheManager):
 
     def cache_full_blocks(self, req: Request, num_computed: int) -> None:
         """Publish the request's blocks that are now completely computed."""
+        start = self.published.get(req.request_id, 0)
+        if num_computed // self.block_size <= start:  # no block completed since (most steps)
+            return
         if not self.pool.enable_caching or not req.use_prefix_cache:
             return
         n = min(num_computed, req.num_tokens) // self.block_size
-        start = self.published.get(req.request_id, 0)
         if n <= start:
             return
         blocks = self.req_blocks.get(req.request_id, [])

@@ -33,6 +33,8 @@ from vllm.core.messages import (
 )
 from vllm.core.request import Request, RequestStatus
 
+_FINISHED = RequestStatus.FINISHED_STOPPED  # statuses from here on are final
+
 
 def make_kv_manager(config: VllmConfig, plan: KVCachePlan) -> KVCacheManager:
     """The KV manager of this engine, chosen once from the configuration."""
@@ -147,16 +149,17 @@ class Scheduler:
                 return 0  # its last token is in flight: nothing to compute
             return r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
 
-        order = [r for r in self.running if remaining(r) <= 1]
-        order += [r for r in self.running if remaining(r) > 1]
+        # what each request has left: nothing another request's scheduling changes
+        lefts = [(r, remaining(r)) for r in self.running]
+        order = [x for x in lefts if x[1] <= 1]
+        order += [x for x in lefts if x[1] > 1]
         fair = self.chunked_prefill
         reserve = self._newcomer_reserve() if fair else 0
-        for req in order:
+        for req, left in order:
             if budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
                 continue
-            left = remaining(req)
             assert left > 0 or self.async_scheduling, f"{req.request_id} has nothing to compute"
             if left <= 0:
                 continue
@@ -386,9 +389,10 @@ class Scheduler:
             if req is not None:
                 req.num_output_placeholders -= 1
         spec, self._spec = self._spec, {}
+        max_len = self.max_request_tokens
         for rid in so.num_scheduled_tokens:
             req = self.requests.get(rid)
-            if req is None or req.is_finished:
+            if req is None or req.status >= _FINISHED:
                 continue
             toks = sampled.get(rid, [])
             if rid in spec and req.status == RequestStatus.RUNNING:
@@ -413,7 +417,7 @@ class Scheduler:
                     break
                 req.output_token_ids.append(t)
                 new_ids.append(t)
-                if self._check_stop(req, t):
+                if self._check_stop(req, t, max_len):
                     break
                 if self._grammar is not None and self._grammar.terminated(rid):
                     self._finish(req, RequestStatus.FINISHED_STOPPED)  # nothing may follow
@@ -438,7 +442,8 @@ class Scheduler:
             )
         return self.kv_connector.attach_params(outputs)
 
-    def _check_stop(self, req: Request, token: int) -> bool:
+    def _check_stop(self, req: Request, token: int, max_len: int | None = None) -> bool:
+        """Whether ``token`` (just appended) ends ``req``; ``max_len``: max_request_tokens."""
         s = req.sampling
         n_out = len(req.output_token_ids)
         if n_out >= s.min_tokens:
@@ -449,9 +454,9 @@ class Scheduler:
                 req.stop_reason = token
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
                 return True
-        if (
-            req.max_tokens is not None and n_out >= req.max_tokens
-        ) or req.num_tokens >= self.max_request_tokens:
+        if (req.max_tokens is not None and n_out >= req.max_tokens) or req.num_tokens >= (
+            self.max_request_tokens if max_len is None else max_len
+        ):
             self._finish(req, RequestStatus.FINISHED_LENGTH)
             return True
         return False
