@@ -34,7 +34,9 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    # a list from LLM.generate (upstream's type); inside the server the prompt's tuple, not copied
+    # for each streamed delta
+    prompt_token_ids: list[int] | tuple[int, ...]
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool

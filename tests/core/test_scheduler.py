@@ -312,3 +312,19 @@ def test_long_prompts_stay_out_of_full_collections():
     assert req.token_slice(4992, 5002) == list(range(5002, 5010)) + [7, 8]
     assert req.token_slice(64, 128) == list(range(74, 138))
     assert req.token_slice(5000, 5002) == [7, 8]
+
+
+def test_front_end_prompts_stay_out_of_full_collections(config):
+    """The API server keeps each request's prompt for its lifetime (RequestState) too: the input
+    processor hands it over as a tuple, untracked after a young collection; LLM.generate still
+    returns upstream's list (tests/entrypoints/test_llm.py)."""
+    import gc
+
+    from vllm.engine.input_processor import InputProcessor
+
+    ip = InputProcessor(config, None, 4096)
+    for prompt in ({"prompt_token_ids": list(range(3, 1000))}, list(range(3, 1000))):
+        p = ip.tokenize(prompt)
+        gc.collect(0)
+        assert p.prompt_token_ids == tuple(range(3, 1000))
+        assert not gc.is_tracked(p.prompt_token_ids)

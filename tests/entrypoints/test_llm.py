@@ -31,6 +31,7 @@ def test_generate_text_and_ids(llm):
     assert out.prompt == "Hello there" and out.prompt_token_ids == llm.get_tokenizer().encode(
         "Hello there"
     )
+    assert isinstance(out.prompt_token_ids, list)  # upstream's type (a tuple inside the engine)
     c = out.outputs[0]
     assert len(c.token_ids) == 8 and c.text == llm.get_tokenizer().decode(c.token_ids)
 

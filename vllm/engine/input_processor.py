@@ -16,7 +16,9 @@ from vllm.tokenizer import Tokenizer
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
-    prompt_token_ids: list[int]
+    # a tuple of ints: untracked by the garbage collector after its first young pass, so full
+    # collections (frequent once the start-up heap is frozen) never walk a long prompt's tokens
+    prompt_token_ids: tuple[int, ...]
 
 
 class InputProcessor:
@@ -34,7 +36,7 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return self.check_ids(
-                    ProcessedPrompt(prompt.get("prompt"), list(prompt["prompt_token_ids"]))
+                    ProcessedPrompt(prompt.get("prompt"), tuple(prompt["prompt_token_ids"]))
                 )
             prompt = prompt.get("prompt")
         if isinstance(prompt, str):
@@ -42,11 +44,11 @@ class InputProcessor:
                 raise ValueError(
                     "text prompts need a tokenizer; this server runs with --skip-tokenizer-init"
                 )
-            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
+            return ProcessedPrompt(prompt, tuple(self.tokenizer.encode(prompt)))
         if isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            return self.check_ids(ProcessedPrompt(None, list(prompt)))
+            return self.check_ids(ProcessedPrompt(None, tuple(prompt)))
         raise ValueError(
             "prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}"
         )

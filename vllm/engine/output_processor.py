@@ -19,7 +19,7 @@ from vllm.tokenizer import IncrementalDetokenizer, Tokenizer
 class RequestState:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # see ProcessedPrompt
     params: SamplingParams
     tokenizer: Tokenizer | None
     index: int = 0  # child index for n > 1

@@ -74,6 +74,7 @@ class LLM:
             outs = [self.outputs._make_output(st) for st in sts]
             first = outs[0]
             first.request_id = rid
+            first.prompt_token_ids = list(first.prompt_token_ids)  # upstream's type
             first.outputs = [o.outputs[0] for o in outs]
             results.append(first)
         return results
