@@ -86,8 +86,10 @@ class Timeline:
         return med(0, 1), med(1, 2), med(2, 3)
 
 
-def run(path, batch, context, steps, k, length, eager: bool, load_format: str = "auto") -> dict:
-    per_req_blocks = -(-(context + steps * (k + 1) + 8) // 64)
+def run(
+    path, batch, context, steps, k, length, eager: bool, load_format: str = "auto", profile=0
+) -> dict:
+    per_req_blocks = -(-(context + (steps + profile) * (k + 1) + 8) // 64)
     blocks = batch * per_req_blocks + 1
     spec = None
     if k:
@@ -131,7 +133,14 @@ def run(path, batch, context, steps, k, length, eager: bool, load_format: str = 
     drafts = 0  # the first step has none yet (as after a prefill)
     walls, emitted = [], []
     warm = 4
-    for s in range(steps + 1):
+    prof, kernels = None, {}
+    for s in range(steps + 1 + profile):  # the profiled steps are not timed
+        if profile and s == warm:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            prof = torch_profile(activities=[ProfilerActivity.CUDA])
+            prof.__enter__()
         n = {r: 1 + drafts for r in ids}
         if s == 0:
             so = SchedulerOutput(step=0, new_reqs=new, num_scheduled_tokens=n)
@@ -139,7 +148,7 @@ def run(path, batch, context, steps, k, length, eager: bool, load_format: str = 
             cached = [CachedRequestData(r, [], computed[r]) for r in ids]
             so = SchedulerOutput(step=s, cached_reqs=cached, num_scheduled_tokens=n)
         so.total_num_scheduled_tokens = sum(n.values())
-        if s == warm and timeline is not None:
+        if s == warm + profile and timeline is not None:
             since = len(timeline.rows)
         t0 = time.perf_counter()
         ro = runner.execute(so)
@@ -149,9 +158,13 @@ def run(path, batch, context, steps, k, length, eager: bool, load_format: str = 
             computed[r] += len(got[r])
         emitted.append(statistics.mean(len(got[r]) for r in ids))
         drafts = k
-    steady = walls[warm:]
+        if prof is not None and s == warm + profile - 1:
+            prof.__exit__(None, None, None)
+            kernels = kernel_ms(prof, profile)
+            prof = None
+    steady = walls[warm + profile :]
     step_ms = statistics.median(steady) * 1e3
-    per_step = statistics.mean(emitted[warm:])
+    per_step = statistics.mean(emitted[warm + profile :])
     split = timeline.split_ms(since) if timeline is not None else (None, None, None)
     del runner, model
     torch.cuda.empty_cache()
@@ -167,7 +180,30 @@ def run(path, batch, context, steps, k, length, eager: bool, load_format: str = 
         "target_ms": split[0],
         "sample_verify_ms": split[1],
         "draft_ms": split[2],
+        "kernels_ms": kernels,
     }
+
+
+def kernel_ms(prof, steps: int) -> dict[str, float]:
+    """Device time per step of each kernel (by name, cut to 70 characters) in a profiled window."""
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+            name = e.key[:70]
+            out[name] = out.get(name, 0.0) + e.self_device_time_total / 1e3 / steps
+    return out
+
+
+def print_kernels(base: dict, spec: dict, top: int = 14) -> None:
+    """The kernels that take the most device time per step, without MTP and with it."""
+    a, b = base["kernels_ms"], spec["kernels_ms"]
+    names = sorted(set(a) | set(b), key=lambda n: -max(a.get(n, 0.0), b.get(n, 0.0)))
+    print(
+        f"B = {base['batch']}, ctx {base['context']}: device ms per step, no MTP / MTP{spec['k']}"
+    )
+    print(f"  total {sum(a.values()):8.3f} {sum(b.values()):8.3f}")
+    for n in names[:top]:
+        print(f"  {a.get(n, 0.0):8.3f} {b.get(n, 0.0):8.3f}  {n}")
 
 
 def main() -> int:
@@ -185,6 +221,13 @@ def main() -> int:
         help="GLM-5.3's real dimensions, one GPU's EP8 share of the experts, FP8, random "
         "weights (--load-format dummy): see bench_decode_step.real_dims_checkpoint",
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="profile STEPS steady steps of each run: device time per step by kernel",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     path = real_dims_checkpoint(args.layers, mtp=1) if args.real_dims else checkpoint(args.layers)
@@ -192,8 +235,10 @@ def main() -> int:
     rows = []
     for b in map(int, args.batch.split(",")):
         for c in map(int, args.context.split(",")):
-            base = run(path, b, c, args.steps, 0, None, args.eager, fmt)
-            spec = run(path, b, c, args.steps, args.k, args.length, args.eager, fmt)
+            base = run(path, b, c, args.steps, 0, None, args.eager, fmt, args.profile)
+            spec = run(path, b, c, args.steps, args.k, args.length, args.eager, fmt, args.profile)
+            if args.profile:
+                print_kernels(base, spec)
             spec["speedup"] = spec["tok_s_per_request"] / base["tok_s_per_request"]
             for r in (base, spec):
                 rows.append(r)
