@@ -139,7 +139,10 @@ def run(
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
 
-            prof = torch_profile(activities=[ProfilerActivity.CUDA])
+            on_gpu = torch.cuda.is_available()
+            prof = torch_profile(
+                activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]
+            )
             prof.__enter__()
         n = {r: 1 + drafts for r in ids}
         if s == 0:
@@ -185,12 +188,14 @@ def run(
 
 
 def kernel_ms(prof, steps: int) -> dict[str, float]:
-    """Device time per step of each kernel (by name, cut to 70 characters) in a profiled window."""
+    """Device time per step of each kernel (by name, cut to 70 characters) in a profiled window
+    (without CUDA: each op's own CPU time)."""
     out: dict[str, float] = {}
+    gpu = torch.cuda.is_available()
     for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
-            name = e.key[:70]
-            out[name] = out.get(name, 0.0) + e.self_device_time_total / 1e3 / steps
+        us = e.self_device_time_total if gpu else e.self_cpu_time_total
+        if us > 0 and (not gpu or e.device_type == torch.autograd.DeviceType.CUDA):
+            out[e.key[:70]] = out.get(e.key[:70], 0.0) + us / 1e3 / steps
     return out
 
 
@@ -204,6 +209,56 @@ def print_kernels(base: dict, spec: dict, top: int = 14) -> None:
     print(f"  total {sum(a.values()):8.3f} {sum(b.values()):8.3f}")
     for n in names[:top]:
         print(f"  {a.get(n, 0.0):8.3f} {b.get(n, 0.0):8.3f}  {n}")
+
+
+def project(args) -> int:
+    """MTP3 against none at GLM-5.3's depth on one GPU's EP8 share: both runs at two depths
+    (real dimensions, random FP8 weights), each step time fitted as fixed + layers × per-layer and
+    evaluated at 78 (the drafting's one MTP layer, the lm_head and sampling are in the fixed part).
+    Not included, as in bench_decode_step --project: EP's all-to-alls over NVLink."""
+    lo, hi = (int(x) for x in args.project.split(","))
+    paths = {n: real_dims_checkpoint(n, mtp=1) for n in (lo, hi)}
+    out = []
+    for b in map(int, args.batch.split(",")):
+        for c in map(int, args.context.split(",")):
+            t = {}
+            for n, path in paths.items():
+                for k in (0, args.k):
+                    r = run(path, b, c, args.steps, k, args.length, False, "dummy")
+                    r.pop("kernels_ms")
+                    t[n, k] = r
+                    print("row:", json.dumps({"layers": n, **r}), flush=True)
+
+            def at78(k: int, key: str = "step_ms", t=t) -> float | None:
+                if t[lo, k][key] is None:  # eager runs (no graph timeline)
+                    return None
+                slope = (t[hi, k][key] - t[lo, k][key]) / (hi - lo)
+                return t[lo, k][key] + (78 - lo) * slope
+
+            none78, mtp78 = at78(0), at78(args.k)
+            per_step = statistics.mean(t[n, args.k]["tokens_per_step"] for n in (lo, hi))
+            row = dict(
+                batch=b, context=c, layers=(lo, hi), k=args.k, synthetic_length=args.length,
+                step78_none=none78, step78_mtp=mtp78, target78=at78(args.k, "target_ms"),
+                draft_ms=t[hi, args.k]["draft_ms"],
+                tok_s_req_none=1e3 / none78, tok_s_req_mtp=per_step * 1e3 / mtp78,
+            )  # fmt: skip
+            row["speedup"] = row["tok_s_req_mtp"] / row["tok_s_req_none"]
+            out.append(row)
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in out:
+                f.write(json.dumps({"bench": "spec_decode_projection", **r}) + "\n")
+    print(f"GLM-5.3 at 78 layers from {lo} and {hi} (one GPU's EP8 share; SYNTHETIC acceptance)")
+    print("B    ctx    none ms  MTP ms   target   draft  tok/s/req none -> MTP  speedup")
+    f = lambda x: f"{x:7.2f}" if x is not None else "      -"  # noqa: E731
+    for r in out:
+        print(
+            f"{r['batch']:<4} {r['context']:<6} {r['step78_none']:7.2f} {r['step78_mtp']:7.2f} "
+            f"{f(r['target78'])} {f(r['draft_ms'])} {r['tok_s_req_none']:9.1f} -> "
+            f"{r['tok_s_req_mtp']:6.1f} {r['speedup']:8.2f}"
+        )
+    return 0
 
 
 def main() -> int:
@@ -228,8 +283,17 @@ def main() -> int:
         metavar="STEPS",
         help="profile STEPS steady steps of each run: device time per step by kernel",
     )
+    ap.add_argument(
+        "--project",
+        default=None,
+        metavar="LO,HI",
+        help="GLM-5.3 projection: --real-dims at two depths (e.g. 4,12), each step's time "
+        "fitted as fixed + layers x per-layer, scaled to 78 layers, with MTP and without",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.project:
+        return project(args)
     path = real_dims_checkpoint(args.layers, mtp=1) if args.real_dims else checkpoint(args.layers)
     fmt = "dummy" if args.real_dims else "auto"
     rows = []

@@ -10,7 +10,8 @@
 #   CONFIGS="bf16 bf16_async bf16_2k fp8 nomtp mtp3" bash benchmarks/engine/run_h200_serving.sh
 #   STEPS=project: GLM-5.3 at real dimensions (one GPU's EP8 share, FP8, random weights) at 4
 #   and 8 layers, scaled to 78 (issue 34's full-model projection; ~2 min); STEPS=spec_real: MTP3
-#   against none at real dimensions, 20 layers (issue 36's speed floors; ~4 min)
+#   against none at real dimensions, 20 layers (issue 36's speed floors; ~4 min); STEPS=spec_project:
+#   the same at 4 and 12 layers, scaled to 78 (~6 min)
 set -u
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 VLLM_NO_PROGRESS=1
@@ -65,6 +66,8 @@ for step in ${STEPS:-gpu_tests decode_step prefill_step serving}; do
       --batch 64 --context 8192 --steps 32 --out "$OUT/results.jsonl" ;;
     spec_real) TAILN=9 run spec_real 400 python3 benchmarks/engine/bench_spec_decode.py --real-dims \
       --layers 20 --batch 1,16,64 --context 8192 --steps 24 --out "$OUT/results.jsonl" ;;
+    spec_project) TAILN=6 run spec_project 500 python3 benchmarks/engine/bench_spec_decode.py \
+      --project 4,12 --batch 1,64 --context 8192 --steps 24 --out "$OUT/results.jsonl" ;;
     project) TAILN=5 run project 300 python3 benchmarks/engine/bench_decode_step.py --project \
       --batch 8,64 --context 8192 --steps 24 --out "$OUT/results.jsonl" ;;
     prefill_step) TAILN=40 run prefill_step 150 python3 benchmarks/engine/bench_prefill_step.py \
