@@ -38,6 +38,8 @@ def run(ckpt, args, hisparse: bool) -> dict:
         kw["enforce_eager"] = True
     if args.compilation_config:
         kw["compilation_config"] = json.loads(args.compilation_config)
+    if args.async_scheduling:
+        kw["async_scheduling"] = True
     t0 = time.perf_counter()
     llm = LLM(
         ckpt,
@@ -79,6 +81,7 @@ def run(ckpt, args, hisparse: bool) -> dict:
         return {
             "hisparse": hisparse,
             "stable_selection": args.stable_selection,
+            "async_scheduling": args.async_scheduling,
             "context": args.context,
             "requests": args.requests,
             "dp": args.dp,
@@ -112,6 +115,12 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="both modes with --async-scheduling (step N + 1 scheduled and launched before step "
+        "N is read)",
+    )
     ap.add_argument(
         "--stable-selection",
         action="store_true",

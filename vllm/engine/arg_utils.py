@@ -109,12 +109,10 @@ class EngineArgs:
 
     def _check_async_scheduling(self) -> None:
         """--async-scheduling with what it does not support yet: a start-up error naming both."""
-        attn = AttentionConfig.from_json(self.attention_config)
         other = [
             ("--speculative-config", self.speculative_config is not None),
             ("--kv-transfer-config", self.kv_transfer_config is not None),
             ("--kv-offloading-size", bool(self.kv_offloading_size)),
-            ("HiSparse (--attention-config hisparse_config)", attn.hisparse is not None),
         ]
         for name, on in other:
             if on:

@@ -88,6 +88,13 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
     """This rank's HiSparse state: a device pool (resident pages and hot buffers), a pinned host
     pool holding every completed page, the per-request page tables, and the step's backups."""
 
+    # The next step may be launched before this one is read (--async-scheduling): the page
+    # tables follow the scheduler's messages, every copy (restores, fetches, backups) is device
+    # work ordered on the compute stream or behind the backup event, and nothing here reads the
+    # device back; a block the scheduler frees (a drop, a finished request) is reused by a later
+    # step, queued behind the steps still reading it.
+    pipelines = True
+
     def __init__(
         self,
         layers: list,
@@ -206,8 +213,8 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
 
     def update_request(self, slot: int, req: CachedRequestData) -> None:
         upd = req.kv_update
-        if upd.dropped:
-            self.block_table[slot, upd.dropped] = -1
+        if upd.dropped:  # index arrays through the staging (a list index copies synchronously)
+            self.block_table[slot, self._dev(np.asarray(upd.dropped, dtype=np.int64))] = -1
         self._append(slot, upd)
         self._restore(slot, upd.restore)
 
@@ -229,7 +236,7 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         if not pages:
             return
         src = self._dev(self.host_np[slot, pages])
-        dst = self.idx_table[slot, pages].long()
+        dst = self.idx_table[slot, self._dev(np.asarray(pages, dtype=np.int64))].long()
         for attn, h in zip(self.layers, self.host_idx_dev, strict=True):
             if h is not None:
                 words(attn.indexer_cache)[dst] = words(h)[src]
@@ -240,7 +247,7 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         if not pages:
             return
         src = self._dev(self.host_np[slot, pages])
-        dst = self.block_table[slot, pages].long()
+        dst = self.block_table[slot, self._dev(np.asarray(pages, dtype=np.int64))].long()
         for attn, h in zip(self.layers, self.host_mla_dev, strict=True):
             words(attn.kv_cache)[dst] = words(h)[src]
 

@@ -450,13 +450,13 @@ class ModelRunner:
     def can_pipeline(self, pending: PendingStep) -> bool:
         """Whether the next step may be launched before ``pending``'s results are read: the next
         step's inputs must not need them on the host. Not with drafts to verify (the accepted
-        counts), bad words (their prefix match reads the sampled tokens), step hooks or a KV
-        connector (both keep host state per step)."""
+        counts), bad words (their prefix match reads the sampled tokens), step hooks that do not
+        pipeline (``StepHooks.pipelines``) or a KV connector (it keeps host state per step)."""
         return (
             pending.done is None
             and "accepted" not in pending.host
             and not len(pending.bad_words)
-            and type(self.hooks) is StepHooks
+            and self.hooks.pipelines
             and isinstance(self.connector, NoOpConnector)
         )
 

@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 
 
 class StepHooks:
+    # Whether the runner may launch the next step before reading this one's results
+    # (``ModelRunner.can_pipeline``, --async-scheduling): true when every hook's per-step work
+    # follows from the scheduler's messages and device state alone, its device work ordered on
+    # the streams, nothing read back on the host before the step's own sync.
+    pipelines: bool = True
+
     def add_request(self, slot: int, req: NewRequestData) -> None:
         """A request entered persistent slot `slot` (after the runner recorded its blocks)."""
 
