@@ -211,6 +211,18 @@ def print_kernels(base: dict, spec: dict, top: int = 14) -> None:
         print(f"  {a.get(n, 0.0):8.3f} {b.get(n, 0.0):8.3f}  {n}")
 
 
+def f(x: float | None) -> str:
+    """A table cell: milliseconds, or a dash where the run had no graph timeline."""
+    return f"{x:7.2f}" if x is not None else "      -"
+
+
+def dump(rows: list[dict], path: str | None, bench: str) -> None:
+    if path:
+        with open(path, "a") as out:
+            for r in rows:
+                out.write(json.dumps({"bench": bench, **r}) + "\n")
+
+
 def project(args) -> int:
     """MTP3 against none at GLM-5.3's depth on one GPU's EP8 share: both runs at two depths
     (real dimensions, random FP8 weights), each step time fitted as fixed + layers × per-layer and
@@ -245,13 +257,9 @@ def project(args) -> int:
             )  # fmt: skip
             row["speedup"] = row["tok_s_req_mtp"] / row["tok_s_req_none"]
             out.append(row)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in out:
-                f.write(json.dumps({"bench": "spec_decode_projection", **r}) + "\n")
+    dump(out, args.out, "spec_decode_projection")
     print(f"GLM-5.3 at 78 layers from {lo} and {hi} (one GPU's EP8 share; SYNTHETIC acceptance)")
     print("B    ctx    none ms  MTP ms   target   draft  tok/s/req none -> MTP  speedup")
-    f = lambda x: f"{x:7.2f}" if x is not None else "      -"  # noqa: E731
     for r in out:
         print(
             f"{r['batch']:<4} {r['context']:<6} {r['step78_none']:7.2f} {r['step78_mtp']:7.2f} "
@@ -309,13 +317,9 @@ def main() -> int:
                 r["real_dims"] = args.real_dims
                 r["layers"] = args.layers
                 print("row:", json.dumps(r), flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps({"bench": "spec_decode", **r}) + "\n")
+    dump(rows, args.out, "spec_decode")
     print("SYNTHETIC acceptance in the MTP rows (not the model's drafts)")
     print("k  mode   B    ctx    step ms  tok/step  tok/s/req  speedup  target  samp+ver  draft")
-    f = lambda x: f"{x:7.2f}" if x is not None else "      -"  # noqa: E731
     for r in rows:
         print(
             f"{r['k']:<2} {r['mode']:6} {r['batch']:<4} {r['context']:<6} {r['step_ms']:7.2f} "
