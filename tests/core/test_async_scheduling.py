@@ -147,12 +147,6 @@ def test_start_up_errors_name_the_flag(tiny_ckpt):
             async_scheduling=True,
             speculative_config={"method": "mtp", "num_speculative_tokens": 1},
         ).create_engine_config()
-    with pytest.raises(ValueError, match="--async-scheduling.*--kv-transfer-config"):
-        EngineArgs(
-            model=tiny_ckpt,
-            async_scheduling=True,
-            kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"},
-        ).create_engine_config()
 
 
 @pytest.mark.distributed

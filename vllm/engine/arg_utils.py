@@ -109,14 +109,8 @@ class EngineArgs:
 
     def _check_async_scheduling(self) -> None:
         """--async-scheduling with what it does not support yet: a start-up error naming both."""
-        other = [
-            ("--speculative-config", self.speculative_config is not None),
-            ("--kv-transfer-config", self.kv_transfer_config is not None),
-            ("--kv-offloading-size", bool(self.kv_offloading_size)),
-        ]
-        for name, on in other:
-            if on:
-                raise ValueError(f"--async-scheduling is not supported with {name} yet")
+        if self.speculative_config is not None:
+            raise ValueError("--async-scheduling is not supported with --speculative-config yet")
 
     def create_engine_config(self) -> VllmConfig:
         path = self.resolve_model_path()

@@ -230,6 +230,8 @@ CONFIGS = {
         num_gpu_blocks_override=10,
         speculative_config={"method": "mtp", "num_speculative_tokens": 2},
     ),
+    # each step scheduled, stores and loads chosen, before the previous step's results
+    "1rank-async": dict(num_gpu_blocks_override=10, async_scheduling=True),
     # a scheduler block is 128 tokens here: 5 virtual blocks hold about 2 prompts
     "pcp2-dcp2": dict(
         num_gpu_blocks_override=5, prefill_context_parallel_size=2, decode_context_parallel_size=2
@@ -268,9 +270,11 @@ def test_reloaded_prefix_gives_the_recomputed_output(tiny_ckpt, name):
     assert _kv(stats, "kv_offload_num_loads") > 0 and _kv(stats, "kv_offload_stored_blocks") > 0
 
 
-def test_concurrent_requests_with_a_tier_smaller_than_the_working_set(tiny_ckpt):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_concurrent_requests_with_a_tier_smaller_than_the_working_set(tiny_ckpt, async_scheduling):
     """Loads, stores and evictions in the same steps (the tier holds 6 blocks, the prompts 16):
-    every output still equals the reference's."""
+    every output still equals the reference's; also with --async-scheduling, where a step is
+    scheduled (its stores and loads chosen) before the previous one's results are applied."""
     kw = dict(num_gpu_blocks_override=12, max_num_batched_tokens=128, max_num_seqs=4)
     prompts = [{"prompt_token_ids": PROMPTS[i]} for i in (0, 1, 2, 3, 0, 1, 3, 2)]
     ref = LLM(tiny_ckpt, **kw)
@@ -280,7 +284,12 @@ def test_concurrent_requests_with_a_tier_smaller_than_the_working_set(tiny_ckpt)
         ref.shutdown()
     cfg = EngineArgs(model=tiny_ckpt, kv_offloading_size=1).create_engine_config()
     per_block = 2**30 / cfg.offload_num_blocks
-    m = LLM(tiny_ckpt, kv_offloading_size=6.5 * per_block / 2**30, **kw)
+    m = LLM(
+        tiny_ckpt,
+        kv_offloading_size=6.5 * per_block / 2**30,
+        async_scheduling=async_scheduling,
+        **kw,
+    )
     try:
         assert m.config.offload_num_blocks == 6
         got = [o.outputs[0].token_ids for o in m.generate(prompts, PARAMS)]

@@ -107,7 +107,8 @@ def _wait_metric(server: RemoteServer, name: str, want: float, timeout_s: float 
 @pytest.fixture(scope="module")
 def engines(tiny_ckpt):
     """ref: one engine; p1: prefill DCP1 (kv_both, upstream's usual role) with the CPU offload
-    tier beside NIXL; p2: prefill PCP2×DCP2; d1: decode DCP1 (kv_both, recompute);
+    tier beside NIXL, --async-scheduling; p2: prefill PCP2×DCP2; d1: decode DCP1 (kv_both,
+    recompute, --async-scheduling);
     d2: decode TP2×DCP2 (fail); ddp: decode DP2 + EP2; dhs, dhsdp: HiSparse decode (one rank,
     and DP2 + EP2) whose GPU pool (6 blocks) is smaller than the prompts' pages; pm → dhsm: the
     same PCP2×DCP2 → HiSparse with MTP3 on both engines."""
@@ -118,12 +119,12 @@ def engines(tiny_ckpt):
     specs = {
         "ref": ckpt,
         "p1": ckpt
-        + ["--kv-offloading-size", "0.02"]
+        + ["--kv-offloading-size", "0.02", "--async-scheduling"]
         + _kv("kv_both", side_channel_port=_free_port_range(1)),
         "p2": ckpt
         + ["-pcp", "2", "-dcp", "2"]
         + _kv("kv_producer", side_channel_port=_free_port_range(2)),
-        "d1": ckpt + _kv("kv_both", side_channel_port=_free_port_range(1)),
+        "d1": ckpt + ["--async-scheduling"] + _kv("kv_both", side_channel_port=_free_port_range(1)),
         "d2": ckpt
         + ["-tp", "2", "-dcp", "2"]
         + _kv("kv_consumer", kv_load_failure_policy="fail", kv_load_timeout_s=10),
