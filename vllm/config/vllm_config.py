@@ -203,6 +203,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # per-request prompt tokens per step (0: no cap)
     # schedule step N + 1 while step N runs (its sampled tokens stay on the device)
     async_scheduling: bool = False
+    # streamed responses carry this many tokens a chunk (the first token and the last chunk
+    # at once): fewer writes per token for the API server at high concurrency
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
     async_scheduling: bool = False
+    stream_interval: int = 1
     # features
     attention_config: str | dict | None = None
     speculative_config: str | dict | None = None
@@ -180,7 +181,10 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             async_scheduling=self.async_scheduling,
+            stream_interval=self.stream_interval,
         )
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1, got {self.stream_interval}")
         if self.async_scheduling:
             self._check_async_scheduling()
         if self.kv_offloading_size is not None and self.kv_offloading_size < 0:
@@ -353,6 +357,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         False,
         "schedule each step while the previous one runs (the host's scheduling and output "
         "processing overlap the GPU's step; a finished request is computed one step more)",
+    )
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=d.stream_interval,
+        help="tokens per streamed chunk: the first token is sent at once, then a chunk every "
+        "N tokens and the rest at the end (1: every token; larger values cut the API server's "
+        "writes per token at high concurrency)",
     )
     g = p.add_argument_group("features (JSON)")
     g.add_argument(

@@ -60,7 +60,7 @@ class AsyncLLM:
         except BaseException:  # SIGINT included: no engine process may outlive this
             self.client.shutdown()
             raise
-        self.processor = OutputProcessor()
+        self.processor = OutputProcessor(config.scheduler_config.stream_interval)
         self.metrics = metrics
         self.on_dead = on_dead
         self.dead: str | None = None

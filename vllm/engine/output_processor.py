@@ -70,6 +70,11 @@ def _lp_dict(e: TokenLogprobs, tok: Tokenizer | None) -> dict[int, Logprob]:
 
 
 class OutputProcessor:
+    def __init__(self, stream_interval: int = 1):
+        # delta (streamed) outputs: the first token at once, then every stream_interval tokens,
+        # and whatever is left when the request finishes (upstream's --stream-interval)
+        self.stream_interval = stream_interval
+
     def process(self, st: RequestState, out: EngineCoreOutput) -> tuple[RequestOutput | None, bool]:
         """Apply one engine output. Returns (output to emit or None, whether the engine must abort
         the request because a stop string matched)."""
@@ -126,8 +131,8 @@ class OutputProcessor:
         if kind == RequestOutputKind.DELTA:
             text, ids = st.text[st.sent_text_len :], st.output_ids[st.sent_ids_len :]
             lps = st.logprobs[st.sent_ids_len :] if st.logprobs is not None else None
-            if not text and not ids and not st.finished and st.sent_ids_len:
-                return None
+            if not st.finished and st.sent_ids_len and len(ids) < self.stream_interval:
+                return None  # held for the next chunk (at 1: only an empty delta is held)
         else:
             text, ids, lps = st.text, list(st.output_ids), st.logprobs
         plp = (
