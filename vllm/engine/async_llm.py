@@ -89,6 +89,9 @@ class AsyncLLM:
                 self.metrics.record_stats(batch.stats)
             if batch.utility is not None:
                 self._answer(batch.engine_index, *batch.utility)
+            # one wake-up of each event loop per engine batch, not one per request output: each
+            # call_soon_threadsafe writes to the loop's self-pipe (a syscall a token a stream)
+            puts: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
             for out in batch.outputs:
                 with self._lock:
                     entry = self._queues.get(out.request_id)
@@ -101,7 +104,9 @@ class AsyncLLM:
                 if st.finished:
                     self._finish(st)
                 if ro is not None or st.finished:
-                    loop.call_soon_threadsafe(q.put_nowait, ro if ro is not None else st)
+                    puts.setdefault(loop, []).append((q, ro if ro is not None else st))
+            for loop, items in puts.items():
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _finish(self, st: RequestState) -> None:
         with self._lock:
@@ -232,6 +237,12 @@ class AsyncLLM:
         self._stop = True
         self._thread.join(2)
         self.client.shutdown()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: hand one engine batch's outputs to their requests' queues, in order."""
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _settle(fut: asyncio.Future, answer: list) -> None:
