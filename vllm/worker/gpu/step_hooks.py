@@ -22,8 +22,14 @@ class StepHooks:
     # Whether the runner may launch the next step before reading this one's results
     # (``ModelRunner.can_pipeline``, --async-scheduling): true when every hook's per-step work
     # follows from the scheduler's messages and device state alone, its device work ordered on
-    # the streams, nothing read back on the host before the step's own sync.
+    # the streams, nothing read back on the host before the step's own sync. The no-op hooks
+    # do; a feature's hooks only when their class says so.
     pipelines: bool = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "pipelines" not in cls.__dict__:
+            cls.pipelines = False
 
     def add_request(self, slot: int, req: NewRequestData) -> None:
         """A request entered persistent slot `slot` (after the runner recorded its blocks)."""
