@@ -154,3 +154,25 @@ def test_forward_grouped_gpu(monkeypatch, t):
     got = moe.fused_experts(*args)
     assert calls and torch.equal(got, direct)
     torch.testing.assert_close(got.float(), moe.experts_ref(*args).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_pairs_interpreter(interp, dtype):
+    """The k-slot sum reads only this rank's pairs: other ranks' rows hold NaN (the unset rows of
+    the [T·k, H] buffer) and must not reach the output; slots summed in order, then cast."""
+    mod = interp("moe_grouped")
+    g = torch.Generator().manual_seed(5)
+    t, k, h, off, e_loc = 7, 3, 1500, 4, 4  # H past one column block
+    ids = torch.randint(0, 12, (t, k), generator=g)
+    ids[0] = torch.tensor([0, 1, 11])  # no local slot
+    ids[1] = torch.tensor([4, 5, 7])  # every slot local
+    part = torch.randn(t * k, h, generator=g)
+    local = ((ids >= off) & (ids < off + e_loc)).reshape(-1)
+    part[~local] = float("nan")
+    ref = part.nan_to_num(0.0).view(t, k, h).sum(1).to(dtype)
+    got = mod.combine_pairs(part, ids, off, e_loc, dtype)
+    assert got.dtype == dtype and not got.isnan().any()
+    # fp32 exact to the sum order; bf16 within one ulp (the interpreter's cast truncates)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got, ref, rtol=tol, atol=1e-6)
+    assert got[0].eq(0).all()

@@ -17,9 +17,10 @@ the worst case, NB = min(cdiv(P, BLOCK_M) + E_loc, P) blocks, and built from tor
 read a device value on the host (no .item(), nonzero, unique, boolean indexing), so the whole
 forward is one fixed sequence of launches, CUDA-graph capturable. GEMM 1 gathers token rows of x
 and writes [P, 2I] rows at their pair index; SiLU·up in torch (x.dtype, as the reference rounds);
-GEMM 2 scales each row by its routing weight and writes fp32 [P, H]; the k slots of a token are
-summed in a fixed order (deterministic, no atomics). Rows of invalid pairs are never loaded and
-their output rows stay zero, so garbage there cannot reach the result.
+GEMM 2 scales each row by its routing weight and writes fp32 [P, H]; a last pass sums each
+token's local slots in slot order and casts (deterministic, no atomics). Rows of invalid pairs are
+never loaded, written or summed, so garbage there cannot reach the result (and no buffer needs a
+zero fill).
 
 Traffic: each chosen expert's weights are read once per BLOCK_M-row block of its pairs (once for
 decode batches); the reference reads them once but syncs and launches six ops per chosen expert.
@@ -157,6 +158,53 @@ def _grouped_gemm(a, w, out, sorted_pairs, block_expert, route_w, pairs_per_row,
     record("moe_grouped", compiled)
 
 
+COMBINE_BLOCK = 1024
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,  # fp32 [T·k, H]: each pair's weighted output; rows of other ranks' pairs unset
+    ids_ptr,  # [T, k] global expert ids
+    y_ptr,  # [T, H] x.dtype
+    expert_offset,
+    e_loc,
+    H,
+    stride_pm,
+    stride_it,
+    stride_ik,
+    stride_ym,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y[t] = Σ_j part[t·k + j] over the token's local pairs, in slot order, cast to y's dtype:
+    the k-slot sum and the cast in one pass, the rows of pairs this rank does not own never read
+    (so ``part`` needs no zero fill)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik) - expert_offset
+        if (e >= 0) & (e < e_loc):
+            acc += tl.load(part_ptr + (t * TOP_K + j) * stride_pm + cols, mask=cmask, other=0.0)
+    tl.store(y_ptr + t * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+def combine_pairs(
+    part: torch.Tensor, ids: torch.Tensor, expert_offset: int, e_loc: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """part fp32 [T·k, H] (pair t·k + j: token t's slot j, weighted), ids [T, k] -> [T, H] in
+    ``dtype``: each token's local slots summed in slot order; other ranks' rows never read."""
+    t, top_k = ids.shape
+    h = part.shape[1]
+    y = torch.empty(t, h, dtype=dtype, device=part.device)
+    _combine_kernel[(t, triton.cdiv(h, COMBINE_BLOCK))](
+        part, ids, y, expert_offset, e_loc, h, part.stride(0), ids.stride(0), ids.stride(1),
+        y.stride(0), TOP_K=top_k, BLOCK=COMBINE_BLOCK,
+    )  # fmt: skip
+    return y
+
+
 def experts_grouped(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -190,7 +238,7 @@ def experts_grouped(
     gate_up = torch.empty(p, two_i, dtype=x.dtype, device=x.device)  # [P, 2I]; invalid rows unset
     _grouped_gemm(x, w13, gate_up, sorted_pairs, block_expert, None, top_k, cfg)
     act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [P, I]
-    out = torch.zeros(p, h, dtype=torch.float32, device=x.device)  # [P, H]; invalid rows stay 0
+    out = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]; invalid rows unset
     route_w = weights.reshape(-1).float().contiguous()  # [P]
     _grouped_gemm(act, w2, out, sorted_pairs, block_expert, route_w, 1, cfg)
-    return out.view(t, top_k, h).sum(1).to(x.dtype)
+    return combine_pairs(out, ids, expert_offset, e_loc, x.dtype)

@@ -15,9 +15,9 @@ gate and the up tile of those columns over the same x rows (two fp32 accumulator
 scaled by sx · s_gate / sx · s_up); its epilogue forms SiLU(gate)·up in fp32 and, since its 128
 columns are exactly one quantisation group, quantises them on the spot: e4m3 [P, I] and one scale
 per pair and group — the intermediate never exists in 16 or 32 bits in memory. GEMM 2 reads those,
-scales each row by its routing weight and writes fp32 [P, H]; the k slots of a token are summed in
-a fixed order (deterministic, no atomics). Rows of invalid pairs are never loaded; their outputs
-stay zero. One fixed sequence of launches: CUDA-graph capturable.
+scales each row by its routing weight and writes fp32 [P, H]; a last pass sums each token's local
+slots in slot order and casts (deterministic, no atomics). Rows of invalid pairs are never loaded,
+written or summed (no zero fill of the [P, H] buffer). One fixed sequence of launches: CUDA-graph capturable.
 
 Rounding against the reference: both keep gate, up and SiLU·up in fp32 and quantise that, so
 they differ by the fp32 sum order (and on Hopper the tensor cores' ~14-bit addition inside a
@@ -36,7 +36,7 @@ import triton.language as tl
 
 from vllm.kernels.fp8_gemm import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from vllm.kernels.triton.fp8_gemm import quant_per_token_group
-from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
+from vllm.kernels.triton.moe_grouped import combine_pairs, sort_pairs_by_expert
 from vllm.kernels.triton.utils import check_cuda_or_interpreter, e4m3_bits, interpreting, record
 
 __all__ = ["experts_grouped_fp8", "TUNE"]
@@ -260,7 +260,7 @@ def experts_grouped_fp8(
         TOP_K=top_k, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=GROUP, BLOCK_K=GROUP, **opts,
     )  # fmt: skip
     record("moe_fp8_gate_up", compiled)
-    out = torch.zeros(p, h, dtype=torch.float32, device=x.device)  # [P, H]; invalid rows stay 0
+    out = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]; invalid rows unset
     route_w = weights.reshape(-1).float().contiguous()  # [P]
     block_n = cfg.get("block_n", GROUP)
     compiled = _down_kernel[(nb, triton.cdiv(h, block_n))](
@@ -270,4 +270,4 @@ def experts_grouped_fp8(
         UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=GROUP, **opts,
     )  # fmt: skip
     record("moe_fp8_down", compiled)
-    return out.view(t, top_k, h).sum(1).to(x.dtype)
+    return combine_pairs(out, ids, expert_offset, e_loc, x.dtype)
