@@ -46,6 +46,25 @@ _UPCAST = interpreting()
 TUNE = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
 
 
+# Row blocks per group in the program order: a group's blocks sweep every column tile before the
+# next group starts, so a group's A rows are re-read from L2 across the column tiles and each
+# weight tile is read once for the group's blocks of its expert (adjacent in the sorted layout).
+# With the row block fastest (one 2-D grid) every column tile swept all of A again: at an 8K-token
+# prefill over 256 experts that was ~13 GB of A rows read from HBM against 9.7 GB of weights.
+GROUP_M = 8
+
+
+@triton.jit
+def grouped_pids(num_m, num_n, GROUP: tl.constexpr):
+    """(row block, column tile) of this program of a 1-D grid of num_m · num_n: GROUP row
+    blocks at a time, each group through every column tile."""
+    pid = tl.program_id(0)
+    per_group = GROUP * num_n
+    first_m = (pid // per_group) * GROUP
+    rows = tl.minimum(num_m - first_m, GROUP)
+    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
+
+
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr,  # [rows, K]: x (rows = tokens, GEMM 1) or h (rows = pairs, GEMM 2)
@@ -55,6 +74,7 @@ def _grouped_gemm_kernel(
     block_expert_ptr,  # int32 [NB]: local expert of each block, −1 = past the end
     route_w_ptr,  # fp32 [P] routing weights (read only when MUL_WEIGHT)
     num_pairs,
+    num_m,  # NB
     N,
     K,
     stride_am,
@@ -71,8 +91,7 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_pids(num_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -146,9 +165,9 @@ def sort_pairs_by_expert(
 def _grouped_gemm(a, w, out, sorted_pairs, block_expert, route_w, pairs_per_row, cfg) -> None:
     """out[p] = (A[p // pairs_per_row] · W[e_p]ᵀ) (· route_w[p]) for every valid pair p."""
     n, k = w.shape[1], w.shape[2]
-    grid = (block_expert.numel(), triton.cdiv(n, cfg["block_n"]))
-    compiled = _grouped_gemm_kernel[grid](
-        a, w, out, sorted_pairs, block_expert, route_w, out.shape[0], n, k,
+    nb = block_expert.numel()
+    compiled = _grouped_gemm_kernel[(nb * triton.cdiv(n, cfg["block_n"]),)](
+        a, w, out, sorted_pairs, block_expert, route_w, out.shape[0], nb, n, k,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
         PAIRS_PER_ROW=pairs_per_row, MUL_WEIGHT=route_w is not None, UPCAST=_UPCAST,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",

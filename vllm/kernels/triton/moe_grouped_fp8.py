@@ -36,7 +36,12 @@ import triton.language as tl
 
 from vllm.kernels.fp8_gemm import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from vllm.kernels.triton.fp8_gemm import quant_per_token_group
-from vllm.kernels.triton.moe_grouped import combine_pairs, sort_pairs_by_expert
+from vllm.kernels.triton.moe_grouped import (
+    GROUP_M,
+    combine_pairs,
+    grouped_pids,
+    sort_pairs_by_expert,
+)
 from vllm.kernels.triton.utils import check_cuda_or_interpreter, e4m3_bits, interpreting, record
 
 __all__ = ["experts_grouped_fp8", "TUNE"]
@@ -74,6 +79,7 @@ def _gate_up_kernel(
     sorted_pairs_ptr,  # int32 [NB · BLOCK_M]: pair ids grouped by expert, P = empty slot
     block_expert_ptr,  # int32 [NB]: local expert of each block, −1 = past the end
     num_pairs,
+    num_m,  # NB
     inter,  # I
     H,
     up_scale_row,  # ceil(I/128): first scale row of the up half
@@ -96,8 +102,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,  # = GROUP: one quantisation group of the intermediate
     BLOCK_K: tl.constexpr,  # = GROUP: one scale group of H
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_pids(num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -151,6 +156,7 @@ def _down_kernel(
     block_expert_ptr,
     route_w_ptr,  # fp32 [P] routing weights
     num_pairs,
+    num_m,  # NB
     H,
     inter,  # I
     stride_am,
@@ -167,8 +173,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,  # divides 128: one weight scale row per tile
     BLOCK_K: tl.constexpr,  # = GROUP
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_pids(num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -252,8 +257,9 @@ def experts_grouped_fp8(
     xq, sx = quant_per_token_group(x, GROUP)  # [T, H] e4m3, [T, gh]
     hq = torch.empty(p, inter, dtype=FP8_DTYPE, device=x.device)  # invalid rows unset
     hs = torch.empty(gi, p, dtype=torch.float32, device=x.device).t()  # [P, gi]
-    compiled = _gate_up_kernel[(nb, gi)](
-        xq, sx, w13, w13_scale, hq.view(torch.uint8), hs, sorted_pairs, block_expert, p, inter, h,
+    compiled = _gate_up_kernel[(nb * gi,)](
+        xq, sx, w13, w13_scale, hq.view(torch.uint8), hs, sorted_pairs, block_expert, p, nb, inter,
+        h,
         gi, xq.stride(0), sx.stride(0), sx.stride(1), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), hq.stride(0),
         hs.stride(0), hs.stride(1),
@@ -263,8 +269,8 @@ def experts_grouped_fp8(
     out = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]; invalid rows unset
     route_w = weights.reshape(-1).float().contiguous()  # [P]
     block_n = cfg.get("block_n", GROUP)
-    compiled = _down_kernel[(nb, triton.cdiv(h, block_n))](
-        hq, hs, w2, w2_scale, out, sorted_pairs, block_expert, route_w, p, h, inter,
+    compiled = _down_kernel[(nb * triton.cdiv(h, block_n),)](
+        hq, hs, w2, w2_scale, out, sorted_pairs, block_expert, route_w, p, nb, h, inter,
         hq.stride(0), hs.stride(0), hs.stride(1), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), out.stride(0),
         UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=GROUP, **opts,
