@@ -38,8 +38,7 @@ def test_layout_invariants(t, e_loc, k, offset, e_total, block_m):
     from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
 
     _, _, _, ids, _, _ = _case(t, e_loc, k, 8, 8, offset, e_total, seed=t + block_m)
-    # the torch form; the one-program form equals it (test_sort_pairs_one_program_interpreter)
-    pairs, block_expert = sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=False)
+    pairs, block_expert = sort_pairs_by_expert(ids, offset, e_loc, block_m)
     p = t * k
     nb = min(-(-p // block_m) + e_loc, p)
     assert pairs.dtype == block_expert.dtype == torch.int32
@@ -177,32 +176,3 @@ def test_combine_pairs_interpreter(interp, dtype):
     tol = 1e-6 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got, ref, rtol=tol, atol=1e-6)
     assert got[0].eq(0).all()
-
-
-@pytest.mark.parametrize("block_m", [16, 128])
-@pytest.mark.parametrize(
-    "t,e_loc,k,offset,e_total",
-    [(1, 4, 2, 0, 4), (40, 6, 3, 0, 6), (37, 4, 3, 4, 16), (9, 4, 2, 8, 8), (300, 3, 2, 0, 3),
-     (64, 32, 8, 32, 256), (512, 256, 8, 0, 256)],
-)  # fmt: skip
-def test_sort_pairs_one_program_interpreter(interp, t, e_loc, k, offset, e_total, block_m):
-    """The one-program layout (decode and verify batches) equals the torch form slot for slot:
-    other ranks' experts, experts without pairs, partial and many blocks, 256 local experts."""
-    mod = interp("moe_grouped")
-    _, _, _, ids, _, _ = _case(t, e_loc, k, 8, 8, offset, e_total, seed=t + block_m)
-    ref = mod.sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=False)
-    got = mod.sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=True)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("t,e_loc,k,offset,e_total,block_m", [(64, 32, 8, 32, 256, 16),
-                         (256, 32, 8, 0, 256, 16), (512, 256, 8, 0, 256, 128), (3, 8, 8, 0, 8, 16)])  # fmt: skip
-def test_sort_pairs_one_program_gpu(t, e_loc, k, offset, e_total, block_m):
-    from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
-
-    g = torch.Generator(device="cuda").manual_seed(t)
-    ids = torch.rand(t, e_total, device="cuda", generator=g).topk(k, dim=-1).indices
-    ref = sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=False)
-    got = sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=True)
-    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting, next_pow2, record
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting, record
 
 __all__ = ["experts_grouped", "sort_pairs_by_expert", "TUNE"]
 
@@ -51,7 +51,7 @@ TUNE = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stage
 # weight tile is read once for the group's blocks of its expert (adjacent in the sorted layout).
 # With the row block fastest (one 2-D grid) every column tile swept all of A again: at an 8K-token
 # prefill over 256 experts that was ~13 GB of A rows read from HBM against 9.7 GB of weights.
-GROUP_M = tl.constexpr(8)
+GROUP_M = 8
 
 
 @triton.jit
@@ -127,96 +127,20 @@ def _grouped_gemm_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
 
 
-# Up to this many pairs (decode and verify batches: T·k) and local experts, the layout is built by
-# one program (:func:`_sort_pairs_kernel`): the torch form is ~16 small kernels per MoE layer.
-ONE_PROGRAM_MAX_PAIRS = 4096
-ONE_PROGRAM_MAX_EXPERTS = 511
-
-
-@triton.jit
-def _sort_pairs_kernel(
-    ids_ptr,  # [P] global expert ids (contiguous)
-    sorted_ptr,  # int32 [NB · BLOCK_M]
-    block_expert_ptr,  # int32 [NB]
-    P,
-    expert_offset,
-    e_loc,
-    NB,
-    BLOCK_P: tl.constexpr,  # >= P, a power of two
-    E_PAD: tl.constexpr,  # > e_loc, a power of two
-    NB_PAD: tl.constexpr,  # >= NB, a power of two
-    BLOCK_M: tl.constexpr,
-    FILL: tl.constexpr,
-):
-    """:func:`sort_pairs_by_expert`'s layout in one program: the experts' counts by histogram,
-    the pairs ordered by (expert, pair) in one sort of packed keys, each pair's slot = its
-    expert's padded start + its rank among the expert's pairs; then each block's expert read back
-    from its first slot (a block of an expert always starts with one of its pairs)."""
-    offs = tl.arange(0, BLOCK_P)
-    loc = tl.load(ids_ptr + offs, mask=offs < P, other=0).to(tl.int32) - expert_offset
-    valid = (offs < P) & (loc >= 0) & (loc < e_loc)
-    e = tl.where(valid, loc, E_PAD - 1)  # other ranks' pairs and padding lanes: the last bin
-    bins = tl.arange(0, E_PAD)
-    counts = tl.where(bins < e_loc, tl.histogram(e, E_PAD), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pstart = tl.cumsum(padded, 0) - padded
-    cstart = tl.cumsum(counts, 0) - counts
-    key = tl.sort(e * BLOCK_P + offs)  # by expert, then pair: the stable order
-    se = key // BLOCK_P
-    sp = key % BLOCK_P
-    sv = se < e_loc
-    se = tl.where(sv, se, 0)
-    dest = tl.gather(pstart, se, 0) + offs - tl.gather(cstart, se, 0)
-    for i in range(0, tl.cdiv(NB * BLOCK_M, FILL)):
-        f = i * FILL + tl.arange(0, FILL)
-        tl.store(sorted_ptr + f, tl.full((FILL,), P, tl.int32), mask=f < NB * BLOCK_M)
-    tl.debug_barrier()  # the fill before the scatter (other threads' slots)
-    tl.store(sorted_ptr + dest, sp, mask=sv)
-    tl.debug_barrier()
-    b = tl.arange(0, NB_PAD)
-    first = tl.load(sorted_ptr + b * BLOCK_M, mask=b < NB, other=P)
-    owner = tl.load(ids_ptr + first, mask=first < P, other=0).to(tl.int32) - expert_offset
-    tl.store(block_expert_ptr + b, tl.where(first < P, owner, -1), mask=b < NB)
-
-
 def sort_pairs_by_expert(
-    ids: torch.Tensor,
-    expert_offset: int,
-    num_local_experts: int,
-    block_m: int,
-    one_program: bool | None = None,
+    ids: torch.Tensor, expert_offset: int, num_local_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] global expert ids -> (sorted_pairs int32 [NB · block_m], block_expert int32
     [NB]), NB = min(cdiv(P, block_m) + E_loc, P), P = T·k (P >= 1).
 
     Each local expert e owns the slots [padded_start[e], padded_start[e] + cdiv(count_e, block_m)
     · block_m): its pairs in ascending pair order, then P (empty). block_expert[b] = e for the
-    blocks of e, −1 past the last expert's end. Sync-free on CUDA: one program up to
-    ``ONE_PROGRAM_MAX_PAIRS`` pairs, else torch ops (counts by scatter_add: CUDA bincount reads
-    the maximum on the host; on CPU outside the interpreter). ``one_program`` forces the form
-    (tests)."""
+    blocks of e, −1 past the last expert's end. Every op here is sync-free on CUDA (counts by
+    scatter_add: CUDA bincount reads the maximum on the host)."""
     e_loc, dev = num_local_experts, ids.device
     p = ids.numel()
     # each block holds at least one pair, hence the P bound
     nb = min(triton.cdiv(p, block_m) + e_loc, p)
-    if one_program is None:
-        one_program = (
-            (dev.type == "cuda" or interpreting())
-            and p <= ONE_PROGRAM_MAX_PAIRS
-            and e_loc <= ONE_PROGRAM_MAX_EXPERTS
-        )
-    if one_program:
-        flat = ids.reshape(-1)
-        flat = flat if flat.is_contiguous() else flat.contiguous()
-        sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
-        block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
-        compiled = _sort_pairs_kernel[(1,)](
-            flat, sorted_pairs, block_expert, p, expert_offset, e_loc, nb,
-            BLOCK_P=next_pow2(p), E_PAD=next_pow2(e_loc + 1), NB_PAD=next_pow2(nb),
-            BLOCK_M=block_m, FILL=1024, num_warps=4 if p <= 1024 else 8,
-        )  # fmt: skip
-        record("moe_sort_pairs", compiled)
-        return sorted_pairs, block_expert
     local = ids.reshape(-1).long() - expert_offset
     expert = torch.where((local >= 0) & (local < e_loc), local, e_loc)  # [P], e_loc = other rank
     order = torch.argsort(expert, stable=True)  # [P] pair ids by expert, invalid last
