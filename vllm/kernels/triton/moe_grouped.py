@@ -51,7 +51,7 @@ TUNE = {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stage
 # weight tile is read once for the group's blocks of its expert (adjacent in the sorted layout).
 # With the row block fastest (one 2-D grid) every column tile swept all of A again: at an 8K-token
 # prefill over 256 experts that was ~13 GB of A rows read from HBM against 9.7 GB of weights.
-GROUP_M = 8
+GROUP_M = tl.constexpr(8)
 
 
 @triton.jit
