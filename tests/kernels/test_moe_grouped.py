@@ -28,17 +28,18 @@ def _case(t, e_loc, k, h, i, offset, e_total, dtype=torch.float32, seed=0, skip=
 
 
 # ---- CPU: the padded layout (no kernel) --------------------------------------------------------
+@pytest.mark.parametrize("scan_max", [0, 1 << 30], ids=["sort", "scan"])
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize(
     "t,e_loc,k,offset,e_total",
     [(1, 4, 2, 0, 4), (40, 6, 3, 0, 6), (37, 4, 3, 4, 16), (9, 4, 2, 8, 8), (300, 3, 2, 0, 3)],
 )
-def test_layout_invariants(t, e_loc, k, offset, e_total, block_m):
+def test_layout_invariants(t, e_loc, k, offset, e_total, block_m, scan_max):
     pytest.importorskip("triton")
     from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
 
     _, _, _, ids, _, _ = _case(t, e_loc, k, 8, 8, offset, e_total, seed=t + block_m)
-    pairs, block_expert = sort_pairs_by_expert(ids, offset, e_loc, block_m)
+    pairs, block_expert = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max)
     p = t * k
     nb = min(-(-p // block_m) + e_loc, p)
     assert pairs.dtype == block_expert.dtype == torch.int32
@@ -64,6 +65,32 @@ def test_layout_invariants(t, e_loc, k, offset, e_total, block_m):
     for e in range(e_loc):  # stable: a run keeps pair order
         run = [q for q in seen if local[q] == e]
         assert run == sorted(run)
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)], ids=["cpu", "cuda"]
+)
+@pytest.mark.parametrize("seed", range(6))
+def test_layout_scan_equals_sort(seed, device):
+    """The one-hot prefix-sum ranking and the stable sort give the same slots, on random
+    routings with experts of other ranks, unchosen experts and 256 local experts."""
+    pytest.importorskip("triton")
+    from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
+
+    g = torch.Generator().manual_seed(seed)
+    t = int(torch.randint(1, 700, (1,), generator=g))
+    e_loc = [3, 32, 256][seed % 3]
+    k = min(8, e_loc)
+    offset = [0, e_loc, 2 * e_loc][seed % 3]
+    e_total = 4 * e_loc
+    ids = torch.randint(0, e_total, (t, k), generator=g)
+    if seed % 2:  # a skewed routing: most pairs on a few experts
+        ids = torch.where(torch.rand(t, k, generator=g) < 0.7, offset + ids % 3, ids)
+    ids = ids.to(device)
+    for block_m in (16, 64):
+        a = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max=0)
+        b = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max=1 << 30)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_forward_on_cpu_is_the_reference():

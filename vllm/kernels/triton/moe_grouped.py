@@ -127,8 +127,17 @@ def _grouped_gemm_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
 
 
+# up to here (pairs × (local experts + 1)) the layout ranks pairs by a one-hot prefix sum, past it
+# by a stable sort; both give the same slots
+SCAN_MAX_ELEMENTS = 1 << 21
+
+
 def sort_pairs_by_expert(
-    ids: torch.Tensor, expert_offset: int, num_local_experts: int, block_m: int
+    ids: torch.Tensor,
+    expert_offset: int,
+    num_local_experts: int,
+    block_m: int,
+    scan_max: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] global expert ids -> (sorted_pairs int32 [NB · block_m], block_expert int32
     [NB]), NB = min(cdiv(P, block_m) + E_loc, P), P = T·k (P >= 1).
@@ -136,26 +145,42 @@ def sort_pairs_by_expert(
     Each local expert e owns the slots [padded_start[e], padded_start[e] + cdiv(count_e, block_m)
     · block_m): its pairs in ascending pair order, then P (empty). block_expert[b] = e for the
     blocks of e, −1 past the last expert's end. Every op here is sync-free on CUDA (counts by
-    scatter_add: CUDA bincount reads the maximum on the host)."""
+    scatter_add: CUDA bincount reads the maximum on the host).
+
+    A pair's rank among its expert's pairs comes from a prefix sum over a one-hot [E_loc + 1, P]
+    table while that table holds at most ``scan_max`` elements (default
+    :data:`SCAN_MAX_ELEMENTS`: decode, verify and short prefill batches; one scan kernel instead
+    of a radix sort's several), else from a stable argsort; the two give the same layout."""
     e_loc, dev = num_local_experts, ids.device
     p = ids.numel()
     # each block holds at least one pair, hence the P bound
     nb = min(triton.cdiv(p, block_m) + e_loc, p)
     local = ids.reshape(-1).long() - expert_offset
     expert = torch.where((local >= 0) & (local < e_loc), local, e_loc)  # [P], e_loc = other rank
-    order = torch.argsort(expert, stable=True)  # [P] pair ids by expert, invalid last
-    counts = torch.zeros(e_loc + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, expert, torch.ones_like(expert))
+    pair = torch.arange(p, device=dev)
+    if p * (e_loc + 1) <= (SCAN_MAX_ELEMENTS if scan_max is None else scan_max):
+        onehot = expert.unsqueeze(0) == torch.arange(e_loc + 1, device=dev).unsqueeze(1)
+        seen = onehot.to(torch.int32).cumsum(
+            1, dtype=torch.int32
+        )  # [E_loc + 1, P]: pairs of e up to and at q
+        counts = seen[:, -1].long()
+        rank = seen.gather(0, expert.unsqueeze(0)).squeeze(0).long() - 1
+        src = pair
+    else:
+        order = torch.argsort(expert, stable=True)  # [P] pair ids by expert, invalid last
+        counts = torch.zeros(e_loc + 1, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, expert, torch.ones_like(expert))
+        expert = expert[order]
+        rank = pair - (counts.cumsum(0) - counts)[expert]
+        src = order
     padded = (counts + block_m - 1) // block_m * block_m
     padded[e_loc:].zero_()  # a device fill: an indexed store of a host scalar is a copy
     padded_end = padded.cumsum(0)  # [E_loc + 1]
     padded_start = padded_end - padded
-    sorted_expert = expert[order]
-    rank = torch.arange(p, device=dev) - (counts.cumsum(0) - counts)[sorted_expert]
     # invalid pairs go to a spill slot past the end, dropped below
-    dest = torch.where(sorted_expert < e_loc, padded_start[sorted_expert] + rank, nb * block_m)
+    dest = torch.where(expert < e_loc, padded_start[expert] + rank, nb * block_m)
     sorted_pairs = torch.full((nb * block_m + 1,), p, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    sorted_pairs.scatter_(0, dest, src.to(torch.int32))
     block_start = torch.arange(nb, device=dev) * block_m
     block_expert = torch.searchsorted(padded_end[:e_loc], block_start, right=True)
     block_expert = torch.where(block_expert < e_loc, block_expert, -1).to(torch.int32)
