@@ -1,0 +1,55 @@
+"""The grouped MoE's pair layout (``sort_pairs_by_expert``): the one-hot prefix-sum ranking against
+the stable-sort ranking, in CUDA-graph replays (as the decode and verify steps run it).
+
+Shapes: decode and MTP3-verify batches (64 and 256 tokens, top-8) over 32 local experts (EP8's
+share of GLM-5.3's 256) and 256 (EP1), and 1,024 tokens over 256 experts. The bytes counted are
+the ids read once and the two outputs written once: the op is launch-bound, so its roofline share
+is small by nature; the column that matters is the speed-up over the sort form (``xref``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from benchmarks.kernels.common import (  # noqa: E402
+    dump_json,
+    parser,
+    print_rows,
+    row,
+    time_ms_graph,
+)
+from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert  # noqa: E402
+
+SHAPES = [(64, 32), (256, 32), (64, 256), (256, 256), (1024, 256)]  # (tokens, local experts)
+K, BLOCK_M = 8, 16
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for t, e_loc in SHAPES[:2] if args.quick else SHAPES:
+        e_total = 256
+        ids = torch.rand(t, e_total, device="cuda", generator=g).topk(K, dim=-1).indices
+        p = t * K
+        nbytes = ids.numel() * 8 + (p + e_loc) * BLOCK_M * 4
+        shape = f"T={t} E_loc={e_loc} pairs={p}"
+        sort = lambda: sort_pairs_by_expert(ids, 0, e_loc, BLOCK_M, scan_max=0)  # noqa: B023
+        scan = lambda: sort_pairs_by_expert(ids, 0, e_loc, BLOCK_M, scan_max=1 << 30)  # noqa: B023
+        a, b = sort(), scan()
+        same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        sort_ms, scan_ms = time_ms_graph(sort), time_ms_graph(scan)
+        rows.append(row("moe_sort_argsort", shape, sort_ms, 0, nbytes, "bf16", sort_ms))
+        note = f"same layout: {same}"
+        rows.append(row("moe_sort_scan", shape, scan_ms, 0, nbytes, "bf16", sort_ms, note))
+    print_rows(rows)
+    dump_json(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
