@@ -123,8 +123,10 @@ def decode_run(
     t0 = time.perf_counter()
     runner.initialize_kv_cache(KVCachePlan(blocks))
     capture_s = time.perf_counter() - t0
-    # as a worker does: the context-dependent kernel variants compiled before serving, then
-    # every compile inside a step counted (each is a stall)
+    # as a worker does: the prefill warm-up and the context-dependent kernel variants compiled
+    # before serving, then every compile inside a step counted (each is a stall)
+    if precompile:
+        runner.warm_up()
     n_pre, pre_s = runner.precompile() if precompile else (0, 0.0)
     fill_cache(runner, blocks * 64)
     watch = CompileWatch().start()

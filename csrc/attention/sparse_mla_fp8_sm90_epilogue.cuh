@@ -167,27 +167,26 @@ __device__ __forceinline__ void add_partial_bf16(float (&acc)[4][32], const uint
 }
 
 // The last piece of a split token to arrive merges the partials of all its pieces (slots of
-// CTAs c_a..c_b; at most MAX_PIECES, which the launcher's grid size ensures) into acc and writes
-// the token's LSE. Its own piece (index own) never left its registers: acc holds it unnormalised
-// (inv its 1/l). Every load of a phase is independent of the others, so each costs about one L2
-// latency: (a) the pieces' LSEs into wts [MAX_PIECES][64] (shared), (b) per head, the LSE and
-// each piece's weight, (c) acc = the weighted sum of the pieces' normalised partials. BF16: the
-// partials are store_partial_bf16's.
+// CTAs c_a..c_b; at most MAX_PIECES, which the launcher's grid size ensures) into acc, in piece
+// order, and writes the token's LSE. Every piece, the merging one included, stored its normalised
+// partial, so the result does not depend on the order of arrival. Every load of a phase is
+// independent of the others, so each costs about one L2 latency: (a) the pieces' LSEs into wts
+// [MAX_PIECES][64] (shared), (b) per head, the LSE and each piece's weight, (c) acc = the
+// weighted sum of the pieces' normalised partials. BF16: the partials are store_partial_bf16's.
 template <bool BF16>
-__device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&inv)[16],
-                                             const float* __restrict__ ws_o,
+__device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float* __restrict__ ws_o,
                                              const float* __restrict__ ws_l, float* wts, int c_a,
-                                             int c_b, int own, int tw, int W, int G, float* lse,
+                                             int c_b, int tw, int W, int G, float* lse,
                                              int num_heads, int tc, int c) {
   const int np = c_b - c_a + 1;
-  // BF16: the first EARLY of the 16 loads of the first other piece's partial are issued before
-  // the weights (they do not depend on them); all 16 make the kernel spill 264 bytes.
+  // BF16: the first EARLY of the 16 loads of the first piece's partial are issued before the
+  // weights (they do not depend on them); all 16 make the kernel spill.
   constexpr int EARLY = 8;
-  const int k0 = own == 0 ? 1 : 0;
   uint4 x[16];
   if constexpr (BF16) {
-    const uint4* src = reinterpret_cast<const uint4*>(
-                           ws_o + (long long)piece_slot(c_a + k0, tw, W, G) * 64 * D_V) + tc;
+    const uint4* src =
+        reinterpret_cast<const uint4*>(ws_o + (long long)piece_slot(c_a, tw, W, G) * 64 * D_V) +
+        tc;
 #pragma unroll
     for (int p = 0; p < EARLY; ++p) x[p] = __ldcg(src + 256 * p);
   }
@@ -204,33 +203,21 @@ __device__ __forceinline__ void merge_pieces(float (&acc)[4][32], const float (&
     if (tc < num_heads) lse[tc] = sum > 0.f ? mx + __logf(sum) : -INFINITY;
   }
   bar_sync(3, 256);
-  {
-    const float* wk = wts + 64 * own + 2 * c;
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const float f0 = inv[2 * jj] * wk[8 * jj], f1 = inv[2 * jj + 1] * wk[8 * jj + 1];
+  for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc[j][4 * jj] *= f0;
-        acc[j][4 * jj + 1] *= f1;
-        acc[j][4 * jj + 2] *= f0;
-        acc[j][4 * jj + 3] *= f1;
-      }
-    }
-  }
+    for (int i = 0; i < 32; ++i) acc[j][i] = 0.f;
   if constexpr (BF16) {
     for (int k = 0; k < np; ++k) {
-      if (k == own) continue;
       const uint4* src = reinterpret_cast<const uint4*>(
                              ws_o + (long long)piece_slot(c_a + k, tw, W, G) * 64 * D_V) + tc;
 #pragma unroll
       for (int p = 0; p < 16; ++p)
-        if (k != k0 || p >= EARLY) x[p] = __ldcg(src + 256 * p);
+        if (k != 0 || p >= EARLY) x[p] = __ldcg(src + 256 * p);
       add_partial_bf16(acc, x, wts + 64 * k + 2 * c);
     }
   } else {
     for (int k = 0; k < np; ++k) {
-      if (k == own) continue;
       const float4* src = reinterpret_cast<const float4*>(
                               ws_o + (long long)piece_slot(c_a + k, tw, W, G) * 64 * D_V) + tc;
       const float* wk = wts + 64 * k + 2 * c;

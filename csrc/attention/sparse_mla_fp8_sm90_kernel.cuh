@@ -143,43 +143,45 @@ __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_sm90_kernel(
       else
         store_out<false>(acc, inv, out, pc.t * stride_ot, num_heads, dv0, c);
     } else {
-      // Split token: each piece takes a ticket (arrival order) on counters[2t]. All but the
-      // last store their normalised partial and count it on counters[2t + 1]; the last waits
-      // for that count (the pieces it waits on have their tickets, so they run and wait on
-      // nothing), then merges the others' partials with its own, still in registers. One
-      // thread per CTA orders the CTA's stores (the barrier before it) with a gpu-scope fence.
+      // Split token: every piece stores its normalised partial, then takes a ticket (arrival
+      // order) on counters[2t]. All but the last count themselves on counters[2t + 1]; the last
+      // waits for that count (the pieces it waits on have stored and taken their tickets, so
+      // they wait on nothing), then merges every piece's partial from memory in piece order,
+      // its own included: the sum, and each partial's rounding, do not depend on which piece
+      // arrives last, so a launch is deterministic. One thread per CTA orders the CTA's stores
+      // (the barrier before it) with a gpu-scope fence before its ticket.
       const int c_a = cta_of(pc.tw, pc.W, pc.G), c_b = cta_of(pc.tw + nb - 1, pc.W, pc.G);
       int* cnt = counters + 2 * pc.t;
-      if (wt == 0 && half == 0) ctl_s[0] = atomicAdd(cnt, 1) == c_b - c_a;
-      bar_sync(3, 256);
       const bool pbf = PARTIAL_BF16 && !out_fp32;
-      if (!ctl_s[0]) {
-        float* slot = ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V;
-        if (pbf)
-          store_partial_bf16(acc, inv, slot, 128 * half + wt);
-        else
-          store_partial(acc, inv, slot, 128 * half + wt);
-        bar_sync(3, 256);
-        if (wt == 0 && half == 0) {
-          fence_acq_rel_gpu();
+      float* slot = ws_o + (long long)piece_slot(pc.cta, pc.tw, pc.W, pc.G) * 64 * D_V;
+      if (pbf)
+        store_partial_bf16(acc, inv, slot, 128 * half + wt);
+      else
+        store_partial(acc, inv, slot, 128 * half + wt);
+      bar_sync(3, 256);
+      if (wt == 0 && half == 0) {
+        fence_acq_rel_gpu();
+        const bool last = atomicAdd(cnt, 1) == c_b - c_a;
+        ctl_s[0] = last;
+        if (!last) {
           atomicAdd(cnt + 1, 1);
-        }
-      } else {
-        if (wt == 0 && half == 0) {
+        } else {
           while (ld_acquire_gpu(cnt + 1) < c_b - c_a) {
           }
           cnt[0] = 0;  // zero again for the next launch
           cnt[1] = 0;
         }
-        bar_sync(3, 256);
+      }
+      bar_sync(3, 256);
+      if (ctl_s[0]) {
         if (pbf)
-          merge_pieces<true>(acc, inv, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a,
-                             c_b, pc.cta - c_a, pc.tw, pc.W, pc.G, lse + pc.t * stride_lt,
-                             num_heads, 128 * half + wt, c);
+          merge_pieces<true>(acc, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a, c_b,
+                             pc.tw, pc.W, pc.G, lse + pc.t * stride_lt, num_heads, 128 * half + wt,
+                             c);
         else
-          merge_pieces<false>(acc, inv, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a,
-                              c_b, pc.cta - c_a, pc.tw, pc.W, pc.G, lse + pc.t * stride_lt,
-                              num_heads, 128 * half + wt, c);
+          merge_pieces<false>(acc, ws_o, ws_l, reinterpret_cast<float*>(smem + OFF_RED), c_a, c_b,
+                              pc.tw, pc.W, pc.G, lse + pc.t * stride_lt, num_heads,
+                              128 * half + wt, c);
         float one[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) one[i] = 1.f;

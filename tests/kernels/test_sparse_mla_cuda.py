@@ -83,7 +83,8 @@ def test_cuda_kernel_builds_for_sm90a(tmp_path):
     """ptxas's report for both instantiations: 168 registers at launch (65536 / 384 threads;
     setmaxnreg gives the consumers 240), the wgmmas pipelined, not serialised (C7512 / C7514),
     and the spills of the measured build: a few loop-invariant scalars kept in (L1-cached)
-    local memory, 16 / 24 bytes stored, 32 loaded, none in the block loop."""
+    local memory, 16 / 24 bytes stored, 32 / 40 loaded (the split launch's merge reads its
+    piece indices back after the ticket), none in the block loop."""
     entries = _ptxas_report(tmp_path)
     assert len(entries) == 2, entries
     for name, res in entries.items():
@@ -91,7 +92,7 @@ def test_cuda_kernel_builds_for_sm90a(tmp_path):
         assert res["registers"] == 168, (name, res)
         assert res["wgmma_serialized"] == 0, (name, res)
         assert 0 <= res["spill_stores"] <= (24 if split else 16), (name, res)
-        assert 0 <= res["spill_loads"] <= 32, (name, res)
+        assert 0 <= res["spill_loads"] <= (40 if split else 32), (name, res)
 
 
 def test_cuda_kernel_constants_match_wrapper():
@@ -227,9 +228,25 @@ def test_cuda_decode_gpu_fp32_out_merged(ctas):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_decode_gpu_split_few_heads(out_dtype):
     """Tokens of 16 heads cut between CTAs (3 or 4 pieces each): the merging piece combines
-    the others' partials with its own, kept in registers, and stores only its heads."""
+    every piece's partial and stores only its heads."""
     _gpu()
     _check(3, 16, 2048, 64, seed=21, out_dtype=out_dtype, num_ctas=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_decode_gpu_split_deterministic(out_dtype):
+    """Tokens cut between CTAs give the same bits on every launch: the merging piece (whichever
+    arrives last) sums every piece's stored partial in piece order, its own included."""
+    _gpu()
+    g = torch.Generator().manual_seed(31)
+    cache = _cache(LAYOUT, 64, "cuda", g)
+    q = torch.randn(9, 64, 576, generator=g).to(torch.bfloat16).cuda()
+    slots = _slots(9, 2048, 64 * LAYOUT.block_size, "cuda", g)
+    first = _decode(q, cache, slots, 1.0 / 16, out_dtype, 13)
+    for _ in range(30):
+        out, lse = _decode(q, cache, slots, 1.0 / 16, out_dtype, 13)
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
 
 
 @pytest.mark.gpu
