@@ -1,5 +1,6 @@
-"""The grouped MoE's pair layout (``sort_pairs_by_expert``): the one-hot prefix-sum ranking against
-the stable-sort ranking, in CUDA-graph replays (as the decode and verify steps run it).
+"""The grouped MoE's pair layout (``sort_pairs_by_expert``): the one-hot prefix-sum ranking and the
+one-program Triton layout against the stable-sort ranking, in CUDA-graph replays (as the decode
+and verify steps run it).
 
 Shapes: decode and MTP3-verify batches (64 and 256 tokens, top-8) over 32 local experts (EP8's
 share of GLM-5.3's 256) and 256 (EP1), and 1,024 tokens over 256 experts. The bytes counted are
@@ -41,12 +42,14 @@ def main() -> None:
         shape = f"T={t} E_loc={e_loc} pairs={p}"
         sort = lambda: sort_pairs_by_expert(ids, 0, e_loc, BLOCK_M, scan_max=0)  # noqa: B023
         scan = lambda: sort_pairs_by_expert(ids, 0, e_loc, BLOCK_M, scan_max=1 << 30)  # noqa: B023
-        a, b = sort(), scan()
-        same = torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        sort_ms, scan_ms = time_ms_graph(sort), time_ms_graph(scan)
+        one = lambda: sort_pairs_by_expert(ids, 0, e_loc, BLOCK_M, one_program=True)  # noqa: B023
+        a = sort()
+        same = lambda f: all(torch.equal(u, v) for u, v in zip(a, f(), strict=True))  # noqa: B023, E731
+        sort_ms = time_ms_graph(sort)
         rows.append(row("moe_sort_argsort", shape, sort_ms, 0, nbytes, "bf16", sort_ms))
-        note = f"same layout: {same}"
-        rows.append(row("moe_sort_scan", shape, scan_ms, 0, nbytes, "bf16", sort_ms, note))
+        for op, f in (("moe_sort_scan", scan), ("moe_sort_one_program", one)):
+            note = f"same layout: {same(f)}"
+            rows.append(row(op, shape, time_ms_graph(f), 0, nbytes, "bf16", sort_ms, note))
     print_rows(rows)
     dump_json(rows, args.json)
 

@@ -93,6 +93,42 @@ def test_layout_scan_equals_sort(seed, device):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def _one_program_cases():
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for t, e_loc, k, offset, block_m in [(1, 4, 2, 0, 16), (37, 4, 3, 4, 16), (64, 32, 8, 32, 16),
+                                         (256, 32, 8, 0, 16), (9, 256, 8, 256, 64),
+                                         (512, 256, 8, 0, 64), (300, 3, 2, 0, 16)]:  # fmt: skip
+        ids = torch.randint(0, 4 * e_loc, (t, k), generator=g)
+        if t % 2:  # skewed: most pairs on a few experts
+            ids = torch.where(torch.rand(t, k, generator=g) < 0.7, offset + ids % 3, ids)
+        cases.append((ids, offset, e_loc, block_m))
+    return cases
+
+
+def _check_one_program(device):
+    from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
+
+    for ids, offset, e_loc, block_m in _one_program_cases():
+        ids = ids.to(device)
+        ref = sort_pairs_by_expert(ids, offset, e_loc, block_m)
+        got = sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=True)
+        assert torch.equal(got[0], ref[0]), (ids.shape, e_loc, block_m)
+        assert torch.equal(got[1], ref[1]), (ids.shape, e_loc, block_m)
+
+
+def test_layout_one_program_interpreter(interp):
+    """The one-program layout (histogram, one sort of packed keys, ranks by gather) gives the
+    torch form's slots, skewed routings and other ranks' experts included."""
+    interp("moe_grouped")
+    _check_one_program("cpu")
+
+
+@pytest.mark.gpu
+def test_layout_one_program_gpu():
+    _check_one_program("cuda")
+
+
 def test_forward_on_cpu_is_the_reference():
     """CPU tensors take the reference (the kernels are for CUDA tensors)."""
     args = _case(6, 4, 2, 16, 8, 0, 4, seed=3)

@@ -127,6 +127,74 @@ def _grouped_gemm_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pmask[:, None] & nmask[None, :])
 
 
+# the one-program layout's limits: pairs sorted in one program (a bitonic sort of packed
+# (expert, pair) keys in registers), local experts + 1 histogram bins
+ONE_PROGRAM_MAX_PAIRS = 4096
+ONE_PROGRAM_MAX_EXPERTS = 511
+
+
+@triton.jit
+def _pair_layout_kernel(
+    ids_ptr,  # [P] global expert ids (any integer dtype)
+    sorted_pairs_ptr,  # int32 [NB · BLOCK_M]
+    block_expert_ptr,  # int32 [NB]
+    num_pairs,
+    expert_offset,
+    e_loc,
+    num_blocks,  # NB
+    BLOCK_M: tl.constexpr,
+    PB: tl.constexpr,  # pairs, padded to a power of two
+    E_PAD: tl.constexpr,  # local experts + 1, padded to a power of two
+    FILL: tl.constexpr,
+    BB: tl.constexpr,
+):
+    """:func:`sort_pairs_by_expert`'s layout in one program: a histogram of the experts, one
+    sort of (expert · PB + pair) keys (unique: the sort is stable by construction), a pair's
+    rank = its sorted position − its expert's first sorted position."""
+    p = tl.arange(0, PB)
+    pmask = p < num_pairs
+    local = tl.load(ids_ptr + p, mask=pmask, other=0).to(tl.int32) - expert_offset
+    expert = tl.where(pmask & (local >= 0) & (local < e_loc), local, e_loc)  # e_loc: not ours
+    counts = tl.histogram(expert, E_PAD)  # [E_PAD]; padding rows land in bin e_loc
+    e = tl.arange(0, E_PAD)
+    first = tl.cumsum(counts, 0) - counts  # first sorted position of each expert
+    padded = tl.where(e < e_loc, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    padded_end = tl.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    key = tl.sort(expert * PB + p)  # [PB] ascending: by expert, then by pair
+    s_expert = key // PB
+    s_pair = key % PB
+    pos = tl.arange(0, PB)
+    rank = pos - tl.gather(first, s_expert, 0)
+    dest = tl.gather(padded_start, s_expert, 0) + rank
+    for f in range(0, num_blocks * BLOCK_M, FILL):  # every slot empty first
+        offs = f + tl.arange(0, FILL)
+        tl.store(sorted_pairs_ptr + offs, tl.zeros((FILL,), tl.int32) + num_pairs,
+                 mask=offs < num_blocks * BLOCK_M)  # fmt: skip
+    tl.debug_barrier()  # the fill's stores before the pairs' (other threads, same slots)
+    tl.store(sorted_pairs_ptr + dest, s_pair, mask=s_expert < e_loc)
+    # block b belongs to the expert whose padded run holds slot b · BLOCK_M: the number of
+    # experts that end at or before it (searchsorted, right), −1 past the last
+    ends = tl.where(e < e_loc, padded_end, 2147483647)
+    for b0 in range(0, num_blocks, BB):
+        b = b0 + tl.arange(0, BB)
+        before = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(before < e_loc, before, -1), mask=b < num_blocks)
+
+
+def _pair_layout_one_program(ids, expert_offset, e_loc, block_m, nb):
+    p = ids.numel()
+    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=ids.device)
+    compiled = _pair_layout_kernel[(1,)](
+        ids.reshape(-1), sorted_pairs, block_expert, p, expert_offset, e_loc, nb,
+        BLOCK_M=block_m, PB=max(16, triton.next_power_of_2(p)),
+        E_PAD=max(16, triton.next_power_of_2(e_loc + 1)), FILL=1024, BB=32, num_warps=8,
+    )  # fmt: skip
+    record("moe_pair_layout", compiled)
+    return sorted_pairs, block_expert
+
+
 # up to here (pairs × (local experts + 1)) the layout ranks pairs by a one-hot prefix sum, past it
 # by a stable sort; both give the same slots
 SCAN_MAX_ELEMENTS = 1 << 21
@@ -138,6 +206,7 @@ def sort_pairs_by_expert(
     num_local_experts: int,
     block_m: int,
     scan_max: int | None = None,
+    one_program: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] global expert ids -> (sorted_pairs int32 [NB · block_m], block_expert int32
     [NB]), NB = min(cdiv(P, block_m) + E_loc, P), P = T·k (P >= 1).
@@ -150,11 +219,16 @@ def sort_pairs_by_expert(
     A pair's rank among its expert's pairs comes from a prefix sum over a one-hot [E_loc + 1, P]
     table while that table holds at most ``scan_max`` elements (default
     :data:`SCAN_MAX_ELEMENTS`: decode, verify and short prefill batches; one scan kernel instead
-    of a radix sort's several), else from a stable argsort; the two give the same layout."""
+    of a radix sort's several), else from a stable argsort; the two give the same layout.
+    ``one_program``: the same layout by one Triton program (:func:`_pair_layout_kernel`) up to
+    :data:`ONE_PROGRAM_MAX_PAIRS` pairs and :data:`ONE_PROGRAM_MAX_EXPERTS` local experts."""
     e_loc, dev = num_local_experts, ids.device
     p = ids.numel()
     # each block holds at least one pair, hence the P bound
     nb = min(triton.cdiv(p, block_m) + e_loc, p)
+    if one_program and p <= ONE_PROGRAM_MAX_PAIRS and e_loc <= ONE_PROGRAM_MAX_EXPERTS:
+        check_cuda_or_interpreter(ids)
+        return _pair_layout_one_program(ids, expert_offset, e_loc, block_m, nb)
     local = ids.reshape(-1).long() - expert_offset
     expert = torch.where((local >= 0) & (local < e_loc), local, e_loc)  # [P], e_loc = other rank
     pair = torch.arange(p, device=dev)
