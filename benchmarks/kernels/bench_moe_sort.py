@@ -10,6 +10,7 @@ is small by nature; the column that matters is the speed-up over the sort form (
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -40,9 +41,10 @@ def main() -> None:
         p = t * K
         nbytes = ids.numel() * 8 + (p + e_loc) * BLOCK_M * 4
         shape = f"T={t} E_loc={e_loc} pairs={p}"
-        sort = lambda: sort_pairs_by_expert(ids, 0, e_loc, BLOCK_M, scan_max=0)  # noqa: B023
-        scan = lambda: sort_pairs_by_expert(ids, 0, e_loc, BLOCK_M, scan_max=1 << 30)  # noqa: B023
-        one = lambda: sort_pairs_by_expert(ids, 0, e_loc, BLOCK_M, one_program=True)  # noqa: B023
+        layout = functools.partial(sort_pairs_by_expert, ids, 0, e_loc, BLOCK_M)
+        sort = functools.partial(layout, scan_max=0, one_program=False)
+        scan = functools.partial(layout, scan_max=1 << 30, one_program=False)
+        one = functools.partial(layout, one_program=True)
         a = sort()
         same = lambda f: all(torch.equal(u, v) for u, v in zip(a, f(), strict=True))  # noqa: B023, E731
         sort_ms = time_ms_graph(sort)

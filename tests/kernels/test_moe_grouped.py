@@ -88,8 +88,8 @@ def test_layout_scan_equals_sort(seed, device):
         ids = torch.where(torch.rand(t, k, generator=g) < 0.7, offset + ids % 3, ids)
     ids = ids.to(device)
     for block_m in (16, 64):
-        a = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max=0)
-        b = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max=1 << 30)
+        a = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max=0, one_program=False)
+        b = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max=1 << 30, one_program=False)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -111,7 +111,7 @@ def _check_one_program(device):
 
     for ids, offset, e_loc, block_m in _one_program_cases():
         ids = ids.to(device)
-        ref = sort_pairs_by_expert(ids, offset, e_loc, block_m)
+        ref = sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=False)
         got = sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=True)
         assert torch.equal(got[0], ref[0]), (ids.shape, e_loc, block_m)
         assert torch.equal(got[1], ref[1]), (ids.shape, e_loc, block_m)

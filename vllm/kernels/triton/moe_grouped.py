@@ -206,7 +206,7 @@ def sort_pairs_by_expert(
     num_local_experts: int,
     block_m: int,
     scan_max: int | None = None,
-    one_program: bool = False,
+    one_program: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] global expert ids -> (sorted_pairs int32 [NB · block_m], block_expert int32
     [NB]), NB = min(cdiv(P, block_m) + E_loc, P), P = T·k (P >= 1).
@@ -220,12 +220,16 @@ def sort_pairs_by_expert(
     table while that table holds at most ``scan_max`` elements (default
     :data:`SCAN_MAX_ELEMENTS`: decode, verify and short prefill batches; one scan kernel instead
     of a radix sort's several), else from a stable argsort; the two give the same layout.
-    ``one_program``: the same layout by one Triton program (:func:`_pair_layout_kernel`) up to
-    :data:`ONE_PROGRAM_MAX_PAIRS` pairs and :data:`ONE_PROGRAM_MAX_EXPERTS` local experts."""
+    ``one_program`` (default: on CUDA): the same layout by one Triton program
+    (:func:`_pair_layout_kernel`; 5-37 µs against 68-105 µs for the torch forms at 512-2,048
+    pairs on an H100) up to :data:`ONE_PROGRAM_MAX_PAIRS` pairs and
+    :data:`ONE_PROGRAM_MAX_EXPERTS` local experts."""
     e_loc, dev = num_local_experts, ids.device
     p = ids.numel()
     # each block holds at least one pair, hence the P bound
     nb = min(triton.cdiv(p, block_m) + e_loc, p)
+    if one_program is None:  # compiled Triton: the one program; CPU: the torch form
+        one_program = ids.is_cuda
     if one_program and p <= ONE_PROGRAM_MAX_PAIRS and e_loc <= ONE_PROGRAM_MAX_EXPERTS:
         check_cuda_or_interpreter(ids)
         return _pair_layout_one_program(ids, expert_offset, e_loc, block_m, nb)
