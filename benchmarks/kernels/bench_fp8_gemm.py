@@ -218,9 +218,17 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--out", dest="json", help="same as --json")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
+    names = [name for name, _, _ in GLM_LINEARS]
+    ap.add_argument("--shapes", help=f"comma-separated shape names out of {','.join(names)}")
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     shapes = GLM_LINEARS[:3] if args.quick else GLM_LINEARS
+    if args.shapes:
+        wanted = args.shapes.split(",")
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            ap.error(f"--shapes: unknown {unknown}; known: {names}")
+        shapes = [s for s in GLM_LINEARS if s[0] in wanted]
     rows = []
     for name, n, k in shapes:
         rows += bench(name, n, k, ms, args.sweep)
