@@ -668,7 +668,7 @@ class ModelRunner:
             any_top_k=bool(st.top_k_on[slots].any()),
             any_top_p=bool(st.top_p_on[slots].any()),
             any_min_p=bool(st.min_p_on[slots].any()),
-            max_logprobs=int(max(st.logprobs[slots].max(initial=-1), 0)),
+            max_logprobs=int(st.logprobs[slots].max(initial=-1)),
             banned=banned,
             allowed=st.logit_bias.gather_allowed(slots, h2d),
             bias=st.logit_bias.gather_bias(slots, h2d),
