@@ -51,16 +51,27 @@ def _sync(dev):
 
 
 def run(
-    path: str, device: str, batch: int, steps: int, dtype: torch.dtype, sampling: str = "topp"
+    path: str,
+    device: str,
+    batch: int,
+    steps: int,
+    dtype: torch.dtype,
+    sampling: str = "topp",
+    graphs: bool = False,
 ) -> dict:
     dev = torch.device(device)
+    cc = {"cudagraph_capture_sizes": sorted({1, batch})} if graphs else None
     cfg = EngineArgs(
         model=path,
         device=device,
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, batch * 16),
+        # the graphs' forward reads every row up to this length (a CPU run pays for all of it)
+        max_model_len=512,
         kv_cache_memory_bytes=2 * 2**30 if device == "cuda" else 256 * 2**20,
         dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+        enforce_eager=not graphs,
+        compilation_config=cc,
     ).create_engine_config()
     model = build_model(path, dtype=cfg.model_config.dtype, device=dev)
     runner = ModelRunner(cfg, model, ParallelContext.single(), dev)
@@ -76,12 +87,14 @@ def run(
                     temperature=0.8 if sampling == "topp" else 0.0,
                     top_p=0.95 if sampling == "topp" else 1.0,
                     seed=i,
-                    max_tokens=10_000,
+                    max_tokens=400,
                     ignore_eos=True,
                 ),
                 [],
             )
         )
+    if graphs:
+        return _run_graphs(runner, sched, batch, steps, sampling)
     rows = []
     for step in range(steps + 3):
         t0 = time.perf_counter()
@@ -139,6 +152,57 @@ def run(
     }
 
 
+def _run_graphs(runner, sched, batch: int, steps: int, sampling: str) -> dict:
+    """The engine's own step with CUDA graphs: ``runner.launch`` (state update, step inputs,
+    sampling plan, the graph's input copy and replay, sampling, the results' copy queued) and
+    ``runner.finish`` (the wait, then the output), as the worker calls them. Host time is the
+    step's wall time less the graph's forward: on CUDA the device is synchronised after the
+    launch and that wait is excluded; on CPU (no capture: the same code runs the graph's
+    forward eagerly) the time inside the forward is subtracted."""
+    graphs, fwd = runner.graphs, [0.0]
+    assert graphs is not None, "no decode graphs: a capture size must cover the batch"
+    real = graphs._forward
+
+    def timed(size):
+        t = time.perf_counter()
+        out = real(size)
+        fwd[0] += time.perf_counter() - t
+        return out
+
+    graphs._forward = timed
+    cuda = runner.device.type == "cuda"
+    rows = []
+    for step in range(steps + 3):
+        fwd[0] = 0.0
+        t0 = time.perf_counter()
+        so = sched.schedule()
+        t1 = time.perf_counter()
+        pending = runner.launch(so)
+        t2 = time.perf_counter()
+        _sync(runner.device)
+        t3 = time.perf_counter()
+        out = runner.finish(pending)
+        t4 = time.perf_counter()
+        sched.update_from_output(so, out)
+        t5 = time.perf_counter()
+        decode = all(n == 1 for n in so.num_scheduled_tokens.values())
+        if step >= 3 and decode and pending.stats.get("cudagraph_steps"):
+            launch = (t2 - t1) - (0.0 if cuda else fwd[0])
+            rows.append(
+                dict(schedule=t1 - t0, launch=launch, finish=t4 - t3, update=t5 - t4, fwd=fwd[0])
+            )
+    assert rows, "no step replayed a graph"
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return {
+        "batch": batch,
+        "sampling": sampling,
+        "graphs": True,
+        "steps": len(rows),
+        "host_ms": (med["schedule"] + med["launch"] + med["finish"] + med["update"]) * 1e3,
+        **{f"{k}_ms": v * 1e3 for k, v in med.items()},
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -147,15 +211,32 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", default=None)
     ap.add_argument("--sampling", nargs="+", default=["greedy", "topp"], choices=["greedy", "topp"])
+    ap.add_argument(
+        "--graphs",
+        action="store_true",
+        help="the step as the engine runs it with CUDA graphs (launch + finish, the graph's "
+        "forward excluded) instead of the eager phases",
+    )
     args = ap.parse_args()
     path = _checkpoint(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     res = [
-        run(path, args.device, b, args.steps, dtype, sm)
+        run(path, args.device, b, args.steps, dtype, sm, args.graphs)
         for sm in args.sampling
         for b in args.batches
     ]
     print(f"host overhead per decode step ({args.model}, {args.device}); forward excluded; medians")
+    if args.graphs:
+        print(
+            f"{'sampling':>8} {'batch':>5} {'host ms':>8} {'sched':>7} {'launch':>7} {'finish':>7} {'update':>7} {'fwd ms':>8}"
+        )
+        for r in res:
+            print(
+                f"{r['sampling']:>8} {r['batch']:>5} {r['host_ms']:>8.3f} {r['schedule_ms']:>7.3f} {r['launch_ms']:>7.3f}"
+                f" {r['finish_ms']:>7.3f} {r['update_ms']:>7.3f} {r['fwd_ms']:>8.2f}"
+            )
+        _dump(args, res)
+        return 0
     print(
         f"{'sampling':>8} {'batch':>5} {'host ms':>8} {'sched':>7} {'prep':>7} {'sample':>7} {'update':>7} {'fwd ms':>8} {'syncs':>5}"
     )
@@ -164,6 +245,11 @@ def main() -> int:
             f"{r['sampling']:>8} {r['batch']:>5} {r['host_ms']:>8.3f} {r['schedule_ms']:>7.3f} {r['prep_ms']:>7.3f} {r['sample_ms']:>7.3f}"
             f" {r['update_ms']:>7.3f} {r['forward_ms']:>8.2f} {r['syncs_per_step']:>5}"
         )
+    _dump(args, res)
+    return 0
+
+
+def _dump(args, res) -> None:
     if args.json:
         with open(args.json, "a") as f:
             for r in res:
@@ -173,7 +259,6 @@ def main() -> int:
                     )
                     + "\n"
                 )
-    return 0
 
 
 if __name__ == "__main__":

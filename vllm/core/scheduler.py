@@ -155,21 +155,26 @@ class Scheduler:
         order += [x for x in lefts if x[1] > 1]
         fair = self.chunked_prefill
         reserve = self._newcomer_reserve() if fair else 0
+        allocate, spec_on, running = (
+            self.kv.allocate_slots,
+            self.num_spec_tokens,
+            RequestStatus.RUNNING,
+        )
         for req, left in order:
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this step
+            if req.status != running:  # preempted earlier in this step
                 continue
             assert left > 0 or self.async_scheduling, f"{req.request_id} has nothing to compute"
             if left <= 0:
                 continue
-            room = budget if left == 1 else budget - reserve
-            n = min(left, room, self.max_chunk, self._prefill_cap(left))
-            if left == 1 and n == 1:  # a decode: verify the drafts proposed last step too
-                n += self._num_drafts(req, room - 1)
-            if n <= 0 or (not self.chunked_prefill and n < left):
-                continue
-            new_blocks = self.kv.allocate_slots(req, n)
+            if left == 1:  # a decode (budget >= 1 here): verify the drafts proposed last step too
+                n = 1 + self._num_drafts(req, budget - 1) if spec_on else 1
+            else:
+                n = min(left, budget - reserve, self.max_chunk, self._prefill_cap(left))
+                if n <= 0 or (not self.chunked_prefill and n < left):
+                    continue
+            new_blocks = allocate(req, n)
             while new_blocks is None:
                 victim = self._victim(num_sched)
                 self.running.remove(victim)
@@ -238,8 +243,9 @@ class Scheduler:
 
         # messages are built after every allocation of the step: a later allocation may have
         # changed an earlier request's pages (HiSparse drops)
+        worker_update = self.kv.worker_update
         for req, is_new, new_blocks, start in updates:
-            extra = self.kv.worker_update(req, is_new)
+            extra = worker_update(req, is_new)
             if is_new:
                 new_reqs.append(
                     NewRequestData(
@@ -390,57 +396,84 @@ class Scheduler:
                 req.num_output_placeholders -= 1
         spec, self._spec = self._spec, {}
         max_len = self.max_request_tokens
+        # per request, every step: names bound once (B = 256 decode rows went through ~2.3 µs
+        # of attribute lookups and property calls each)
+        grammar, spec_on = self._grammar, self.num_spec_tokens
+        get_req, publish, check_stop = (
+            self.requests.get,
+            self.kv.cache_full_blocks,
+            self._check_stop,
+        )
+        logprobs, prompt_lps = ro.logprobs, ro.prompt_logprobs
         for rid in so.num_scheduled_tokens:
-            req = self.requests.get(rid)
+            req = get_req(rid)
             if req is None or req.status >= _FINISHED:
                 continue
-            toks = sampled.get(rid, [])
-            if rid in spec and req.status == RequestStatus.RUNNING:
+            toks = sampled.get(rid, ())
+            if spec and rid in spec and req.status == RequestStatus.RUNNING:
                 # the KV of rejected drafts is stale: recompute from the first one (overwritten)
                 drafted, accepted = spec[rid], max(len(toks) - 1, 0)
                 req.num_computed_tokens -= drafted - accepted
                 self._stats.spec_decoding.observe(drafted, accepted)
-            if toks and self.num_spec_tokens:
+            if toks and spec_on:
                 req.has_drafts = True
-            self.kv.cache_full_blocks(req, req.num_computed_tokens)
-            new_ids: list[int] = []
-            for t in toks:
-                if self._grammar is not None and not self._grammar.accept(rid, t):
-                    self._finish(req, RequestStatus.FINISHED_ABORTED)
-                    outputs.append(
-                        EngineCoreOutput(
-                            rid,
-                            finish_reason="error",
-                            error=f"token {t} was sampled outside the request's grammar",
-                        )
-                    )
-                    break
-                req.output_token_ids.append(t)
-                new_ids.append(t)
-                if self._check_stop(req, t, max_len):
-                    break
-                if self._grammar is not None and self._grammar.terminated(rid):
-                    self._finish(req, RequestStatus.FINISHED_STOPPED)  # nothing may follow
-                    break
-            if req.is_finished and req.status == RequestStatus.FINISHED_ABORTED:
+            publish(req, req.num_computed_tokens)
+            if grammar is None:
+                new_ids = list(toks)
+                out_ids = req.output_token_ids
+                for i, t in enumerate(toks):
+                    out_ids.append(t)
+                    if check_stop(req, t, max_len):
+                        del new_ids[i + 1 :]
+                        break
+            else:
+                new_ids = self._accept_constrained(req, toks, max_len, outputs)
+            status = req.status
+            if status == RequestStatus.FINISHED_ABORTED:  # outside its grammar: reported above
                 continue
-            plp = ro.prompt_logprobs.get(rid)
-            if not new_ids and plp is None and not req.is_finished:
+            finished = status >= _FINISHED
+            plp = prompt_lps.get(rid) if prompt_lps else None
+            if not new_ids and plp is None and not finished:
                 continue
             outputs.append(
                 EngineCoreOutput(
                     rid,
-                    new_token_ids=new_ids,
-                    new_logprobs=ro.logprobs.get(rid)[: len(new_ids)]
-                    if rid in ro.logprobs
-                    else None,
-                    prompt_logprobs=plp,
-                    finish_reason=req.status.finish_reason if req.is_finished else None,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                    new_ids,
+                    logprobs[rid][: len(new_ids)] if logprobs and rid in logprobs else None,
+                    plp,
+                    status.finish_reason if finished else None,
+                    req.stop_reason,
+                    max(req.num_cached_tokens, 0),
                 )
             )
         return self.kv_connector.attach_params(outputs)
+
+    def _accept_constrained(
+        self, req: Request, toks, max_len: int | None, outputs: list[EngineCoreOutput]
+    ) -> list[int]:
+        """Append the sampled tokens of a step under structured outputs: each must be allowed
+        by the request's grammar (else the request ends with an error output), and a grammar
+        that has terminated ends the request. Returns the tokens appended."""
+        rid, grammar, new_ids = req.request_id, self._grammar, []
+        for t in toks:
+            if not grammar.accept(rid, t):
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                outputs.append(
+                    EngineCoreOutput(
+                        rid,
+                        finish_reason="error",
+                        error=f"token {t} was sampled outside the request's grammar",
+                    )
+                )
+                break
+            req.output_token_ids.append(t)
+            new_ids.append(t)
+            if self._check_stop(req, t, max_len):
+                break
+            if grammar.terminated(rid):
+                self._finish(req, RequestStatus.FINISHED_STOPPED)  # nothing may follow
+                break
+        return new_ids
 
     def _check_stop(self, req: Request, token: int, max_len: int | None = None) -> bool:
         """Whether ``token`` (just appended) ends ``req``; ``max_len``: max_request_tokens."""
@@ -454,9 +487,12 @@ class Scheduler:
                 req.stop_reason = token
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
                 return True
-        if (req.max_tokens is not None and n_out >= req.max_tokens) or req.num_tokens >= (
-            self.max_request_tokens if max_len is None else max_len
-        ):
+        if max_len is None:
+            max_len = self.max_request_tokens
+        max_tokens = req.max_tokens
+        if (max_tokens is not None and n_out >= max_tokens) or len(
+            req.prompt_token_ids
+        ) + n_out >= max_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
             return True
         return False
