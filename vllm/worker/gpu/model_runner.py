@@ -784,7 +784,10 @@ class ModelRunner:
             st.num_sampled[slots] += 1
         pending = PendingStep(
             step=step,
-            req_ids=[inp.req_ids[b] for b in rows.tolist()],
+            # every row samples in a decode step: its request list as it is
+            req_ids=inp.req_ids
+            if len(rows) == len(inp.req_ids)
+            else [inp.req_ids[b] for b in rows.tolist()],
             req_ids_all=inp.req_ids,
             slots=slots,
             first=first,
@@ -827,12 +830,12 @@ class ModelRunner:
                 st.num_sampled[p.slots] += acc + 1
             else:  # one sample per row, rows in order (counted at launch)
                 out.sampled_token_ids = [[t] for t in sampled]
-                lo_hi = [(i, i + 1) for i in range(len(p.slots))]
+                lo_hi = None
             for i in p.bad_words.tolist():  # never pipelined either
                 for t in out.sampled_token_ids[i]:
                     st.logit_bias.record(int(p.slots[i]), t)
             for i in np.nonzero(p.logprobs >= 0)[0].tolist():
-                k, (lo, hi) = int(p.logprobs[i]), lo_hi[i]
+                k, (lo, hi) = int(p.logprobs[i]), lo_hi[i] if lo_hi else (i, i + 1)
                 out.logprobs[out.req_ids[i]] = [
                     TokenLogprobs(
                         sampled[j],
