@@ -657,14 +657,16 @@ class ModelRunner:
         banned = None
         if banned_r:
             banned = (h2d(np.array(banned_r, dtype=np.int64)), h2d(np.array(banned_t, np.int64)))
+        # a greedy batch takes the argmax: no per-row parameters to gather on the device
+        greedy = bool(st.greedy[slots].all())
         return SamplingBatch(
-            temperature=st.temperature[dslots],
-            top_k=st.top_k[dslots],
-            top_p=st.top_p[dslots],
-            min_p=st.min_p[dslots],
-            seeds=st.seeds[dslots],
-            positions=h2d(positions),
-            all_greedy=bool(st.greedy[slots].all()),
+            temperature=None if greedy else st.temperature[dslots],
+            top_k=None if greedy else st.top_k[dslots],
+            top_p=None if greedy else st.top_p[dslots],
+            min_p=None if greedy else st.min_p[dslots],
+            seeds=None if greedy else st.seeds[dslots],
+            positions=None if greedy else h2d(positions),
+            all_greedy=greedy,
             any_top_k=bool(st.top_k_on[slots].any()),
             any_top_p=bool(st.top_p_on[slots].any()),
             any_min_p=bool(st.min_p_on[slots].any()),
@@ -741,7 +743,9 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[h2d(sampled_tok)])
             sampled, lp = sample(logits, sb)
             sampled = self.planner.broadcast_sampled(sampled)
-            dslots = inp.idx_mapping[h2d(rows)]
+            dslots = (
+                inp.idx_mapping if len(rows) == len(inp.req_ids) else inp.idx_mapping[h2d(rows)]
+            )
             accepted, last = None, sampled
             if nd.max() > 0:
                 tokens, accepted = self.drafter.verify(

@@ -26,14 +26,15 @@ from vllm.worker.gpu.penalties import Penalties, apply_penalties
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling parameters, gathered from the persistent request state for this step."""
+    """Per-row sampling parameters, gathered from the persistent request state for this step
+    (the six tensors are None when ``all_greedy``: the argmax reads none of them)."""
 
-    temperature: torch.Tensor  # [B] fp32, 0 = greedy
-    top_k: torch.Tensor  # [B] int64, 0 = off
-    top_p: torch.Tensor  # [B] fp32, 1 = off
-    min_p: torch.Tensor  # [B] fp32, 0 = off
-    seeds: torch.Tensor  # [B] int64
-    positions: torch.Tensor  # [B] int64, position of the token being sampled
+    temperature: torch.Tensor | None  # [B] fp32, 0 = greedy
+    top_k: torch.Tensor | None  # [B] int64, 0 = off
+    top_p: torch.Tensor | None  # [B] fp32, 1 = off
+    min_p: torch.Tensor | None  # [B] fp32, 0 = off
+    seeds: torch.Tensor | None  # [B] int64
+    positions: torch.Tensor | None  # [B] int64, position of the token being sampled
     all_greedy: bool
     any_top_k: bool
     any_top_p: bool
