@@ -10,7 +10,8 @@ drafted tokens (`num_drafts`) and samples a token at each of its positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,10 +32,32 @@ class StepInputs:
     is_prefill: np.ndarray  # [B] bool: the chunk holds known (not freshly sampled) tokens
     sample_rows: np.ndarray  # batch rows that produce a token this step
     num_drafts: np.ndarray  # [B] drafted tokens each row verifies (decode rows of 1 + d tokens)
-    input_ids: torch.Tensor  # [T] (device)
-    positions: torch.Tensor  # [T] int64 (device)
-    token_req: torch.Tensor  # [T] batch row of each token (device)
-    positions_np: np.ndarray | None = None  # host copy of positions
+    positions_np: np.ndarray  # [T] int64, position of each token (host)
+    # the device token inputs (input_ids [T], positions [T] int64, token_req [T]: batch row of
+    # each token), built at first use: a replayed CUDA graph derives its own from idx_mapping,
+    # start and num_drafts, so a decode step that replays copies and launches none of them
+    device_tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    build_device_tokens: Callable[[], tuple[torch.Tensor, ...]] | None = field(
+        default=None, repr=False
+    )
+
+    def _tokens(self) -> tuple[torch.Tensor, ...]:
+        if self.device_tokens is None:
+            self.device_tokens = self.build_device_tokens()
+            self.build_device_tokens = None
+        return self.device_tokens
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self._tokens()[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._tokens()[1]
+
+    @property
+    def token_req(self) -> torch.Tensor:
+        return self._tokens()[2]
 
     @property
     def num_tokens(self) -> int:
@@ -56,10 +79,12 @@ class StepInputs:
             is_prefill=self.is_prefill[lo:hi],
             sample_rows=sr[(sr >= lo) & (sr < hi)] - lo,
             num_drafts=self.num_drafts[lo:hi],
-            input_ids=self.input_ids[t0:t1],
-            positions=self.positions[t0:t1],
-            token_req=self.token_req[t0:t1] - lo if lo else self.token_req[t0:t1],
-            positions_np=None if self.positions_np is None else self.positions_np[t0:t1],
+            positions_np=self.positions_np[t0:t1],
+            device_tokens=(
+                self.input_ids[t0:t1],
+                self.positions[t0:t1],
+                self.token_req[t0:t1] - lo if lo else self.token_req[t0:t1],
+            ),
         )
 
 
@@ -91,15 +116,22 @@ def build_step_inputs(
     num_drafts = np.where(start < known, 0, n - 1)
     # device-side tokens: row-major index into next_tokens [slot, 1 + k] (the last sampled token
     # at offset 0 of a decode row, the drafts after it)
-    width = st.next_tokens.shape[1]
-    flat = idx[token_req] * width + np.minimum(positions - start[token_req], width - 1)
-    dev_idx = h2d(idx)
-    dev_tr = h2d(token_req)
-    ids_d = h2d(np.where(ids >= 0, ids, -1 - flat))
-    input_ids = torch.where(ids_d >= 0, ids_d, st.next_tokens.view(-1)[(-1 - ids_d).clamp_min(0)])
+    next_tokens = st.next_tokens
+
+    def device_tokens():
+        width = next_tokens.shape[1]
+        flat = idx[token_req] * width + np.minimum(positions - start[token_req], width - 1)
+        if (ids < 0).all():  # decode rows only: every token from the device
+            input_ids = next_tokens.view(-1)[h2d(flat)]
+        else:
+            ids_d = h2d(np.where(ids >= 0, ids, -1 - flat))
+            dev = next_tokens.view(-1)[(-1 - ids_d).clamp_min(0)]
+            input_ids = torch.where(ids_d >= 0, ids_d, dev)
+        return input_ids, h2d(positions), h2d(token_req)
+
     return StepInputs(
         req_ids=req_ids,
-        idx_mapping=dev_idx,
+        idx_mapping=h2d(idx),
         idx_np=idx,
         start=start,
         num_scheduled=n,
@@ -108,8 +140,6 @@ def build_step_inputs(
         is_prefill=start < known,
         sample_rows=sample_rows,
         num_drafts=num_drafts,
-        input_ids=input_ids,
-        positions=h2d(positions),
-        token_req=dev_tr,
         positions_np=positions,
+        build_device_tokens=device_tokens,
     )
