@@ -405,6 +405,7 @@ class Scheduler:
             self._check_stop,
         )
         logprobs, prompt_lps = ro.logprobs, ro.prompt_logprobs
+        aborted = RequestStatus.FINISHED_ABORTED
         for rid in so.num_scheduled_tokens:
             req = get_req(rid)
             if req is None or req.status >= _FINISHED:
@@ -429,7 +430,7 @@ class Scheduler:
             else:
                 new_ids = self._accept_constrained(req, toks, max_len, outputs)
             status = req.status
-            if status == RequestStatus.FINISHED_ABORTED:  # outside its grammar: reported above
+            if status == aborted:  # outside its grammar: reported above
                 continue
             finished = status >= _FINISHED
             plp = prompt_lps.get(rid) if prompt_lps else None
