@@ -80,6 +80,7 @@ for step in ${STEPS:-gpu_tests decode_step prefill_step serving}; do
           bf16) serve bf16 /tmp/slice "" "1 64" ;;
           bf16_eager) serve bf16_eager /tmp/slice "--enforce-eager" "1 64" ;;
           bf16_async) serve bf16_async /tmp/slice "--async-scheduling" "1 64" ;;
+          bf16_async64) serve bf16_async64 /tmp/slice "--async-scheduling" "64" ;;
           bf16_async_si4) serve bf16_async_si4 /tmp/slice "--async-scheduling --stream-interval 4" "64" ;;
           bf16_2k) serve bf16_2k /tmp/slice "--max-num-batched-tokens 2048 --async-scheduling" "64" ;;
           fp8) serve fp8 /tmp/slice_fp8 "" "1 16" ;;
