@@ -14,6 +14,7 @@ process on the same inputs; the fraction of requests decoding the same tokens is
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -200,6 +201,7 @@ def decode_run(
     steady = walls[warm + window :]
     med = statistics.median(steady)
     del runner, model
+    gc.collect()  # the runner and its graphs reference each other: refcounts never free them
     torch.cuda.empty_cache()
     return {
         "mode": ("pipe" if pipelined else "graph") if graphs else "eager",

@@ -16,6 +16,7 @@ the target (verify) forward, the eager sampling + verification, and the drafting
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -170,6 +171,7 @@ def run(
     per_step = statistics.mean(emitted[warm + profile :])
     split = timeline.split_ms(since) if timeline is not None else (None, None, None)
     del runner, model
+    gc.collect()  # the runner and its graphs reference each other: refcounts never free them
     torch.cuda.empty_cache()
     return {
         "k": k,
