@@ -220,7 +220,18 @@ def main() -> None:
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated M values")
     names = [name for name, _, _ in GLM_LINEARS]
     ap.add_argument("--shapes", help=f"comma-separated shape names out of {','.join(names)}")
+    ap.add_argument(
+        "--split",
+        help="PROGRAMS,WAVES: split-K targets of the table (gemm_config's SPLIT_PROGRAMS_PER_SM and "
+        "SPLIT_MAX_WAVES) instead of the served ones, to time another rule in the same call",
+    )
     args = ap.parse_args()
+    if args.split:
+        p, w = args.split.split(",")
+        tri.SPLIT_PROGRAMS_PER_SM, tri.SPLIT_MAX_WAVES = int(p), float(w)
+    print(
+        f"# split-K rule: {tri.SPLIT_PROGRAMS_PER_SM} programs per SM below {tri.SPLIT_MAX_WAVES} waves"
+    )
     ms = [int(v) for v in args.ms.split(",")]
     shapes = GLM_LINEARS[:3] if args.quick else GLM_LINEARS
     if args.shapes:

@@ -258,8 +258,15 @@ TILES = [
     (256, 64, 128, 4, 4),
     (1 << 62, 128, 128, 8, 3),
 ]
-# grids smaller than this many programs per SM split K (at least 4 K blocks per split)
-SPLIT_PROGRAMS_PER_SM = 2
+# Grids of fewer than SPLIT_MAX_WAVES tiles per SM split K into about SPLIT_PROGRAMS_PER_SM
+# programs per SM (at least 4 K blocks per split). Decode GEMMs are weight reads: more programs
+# in flight keep more loads in flight. H100, graph replays (bench_fp8_gemm.py --sweep, 2026-12-06),
+# per M = 1 / 16 / 64: o_proj 43.5 / 49.5 / 66.6 µs at 2 programs per SM against 39.6 / 41.9 /
+# 52.0 at 4-5 (the best swept tile at 64), mlp_down 34.8 / 39.4 / 53.2 against 32.1 / 34.2 /
+# 43.2, mlp gate/up (192 tiles, 1.45 per SM; unsplit before) faster split in two at every M;
+# q_b (256 tiles, 1.94 per SM) slower split (161 against 259 TFLOP/s at M = 64): not split.
+SPLIT_PROGRAMS_PER_SM = 4
+SPLIT_MAX_WAVES = 1.5
 # Rows up to which the GEMM quantises x itself in its K loop (one launch instead of two): 0, off.
 # Each program quantises its own [BLOCK_M, 128] block of x per K step, so every N tile repeats
 # the work (x read in 16 bits, two IEEE divisions per element, N / BLOCK_N times over), and the
@@ -272,9 +279,9 @@ FUSED_QUANT_MAX_M = 0
 # Split-K arrival counters, one int32 per output tile, zero between launches (each tile's last
 # split resets its own). One buffer per device, zeroed by an eager call and then kept for the
 # process: captured graphs hold its address, so it is never freed or replaced. The table splits
-# only grids of at most num_sms tiles (gemm_config); a call needing more slots (forced configs),
-# or one made inside a capture before any eager call (a zeroing memset would run only at replay),
-# gets its own torch.zeros buffer: one memset more, correct everywhere, in graphs too. Launches on
+# only grids of fewer than SPLIT_MAX_WAVES * num_sms tiles (gemm_config); a call needing more
+# slots (forced configs), or one made inside a capture before any eager call (a zeroing memset
+# would run only at replay), gets its own torch.zeros buffer: one memset more, correct everywhere, in graphs too. Launches on
 # one device share the buffer, so split-K calls must not run concurrently on two streams (the
 # engine runs its linears on one compute stream; its side streams only copy).
 COUNTER_SLOTS = 1024
@@ -303,7 +310,9 @@ def gemm_config(
     block_m, block_n, warps, stages = tile or next(t[1:] for t in TILES if m <= t[0])
     nkb = triton.cdiv(k, block_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = max(1, min(nkb // 4, SPLIT_PROGRAMS_PER_SM * num_sms // tiles))
+    split = 1
+    if tiles < SPLIT_MAX_WAVES * num_sms:
+        split = max(1, min(nkb // 4, SPLIT_PROGRAMS_PER_SM * num_sms // tiles))
     per_split = triton.cdiv(nkb, split)
     return dict(
         block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
