@@ -222,15 +222,18 @@ def main() -> None:
     ap.add_argument("--shapes", help=f"comma-separated shape names out of {','.join(names)}")
     ap.add_argument(
         "--split",
-        help="PROGRAMS,WAVES: split-K targets of the table (gemm_config's SPLIT_PROGRAMS_PER_SM and "
-        "SPLIT_MAX_WAVES) instead of the served ones, to time another rule in the same call",
+        help="PROGRAMS,DEEP,WAVES: the table's split-K targets (gemm_config's "
+        "SPLIT_PROGRAMS_PER_SM, SPLIT_DEEP_PROGRAMS_PER_SM, SPLIT_MAX_WAVES) instead of the "
+        "served ones, to time another rule in the same call",
     )
     args = ap.parse_args()
     if args.split:
-        p, w = args.split.split(",")
-        tri.SPLIT_PROGRAMS_PER_SM, tri.SPLIT_MAX_WAVES = int(p), float(w)
+        p, d, w = args.split.split(",")
+        tri.SPLIT_PROGRAMS_PER_SM, tri.SPLIT_DEEP_PROGRAMS_PER_SM = int(p), int(d)
+        tri.SPLIT_MAX_WAVES = float(w)
     print(
-        f"# split-K rule: {tri.SPLIT_PROGRAMS_PER_SM} programs per SM below {tri.SPLIT_MAX_WAVES} waves"
+        f"# split-K rule: {tri.SPLIT_PROGRAMS_PER_SM} programs per SM, "
+        f"{tri.SPLIT_DEEP_PROGRAMS_PER_SM} for deep K under {tri.SPLIT_MAX_WAVES} waves"
     )
     ms = [int(v) for v in args.ms.split(",")]
     shapes = GLM_LINEARS[:3] if args.quick else GLM_LINEARS

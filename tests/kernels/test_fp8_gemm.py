@@ -329,11 +329,13 @@ def test_gemm_config_table():
     assert c["block_m"] == 16 and c["split_k"] * c["k_blocks_per_split"] >= 48
     assert c["split_k"] > 1 and (c["split_k"] - 1) * c["k_blocks_per_split"] < 48
     assert gemm_config(8192, 6144, 16384, 128, 132)["split_k"] == 1  # prefill: no split
-    # decode, 132 SMs: o_proj's 96 tiles split to ~4 programs per SM; mlp gate/up's 192 tiles
-    # (under 1.5 waves) in two; q_b's 256 tiles (a full second wave) not at all
+    # decode, 132 SMs: o_proj's 96 tiles of deep K split to ~4 programs per SM; mlp gate/up's 192
+    # tiles (under 1.5 waves) in two; q_b's 256 tiles (a full second wave) not at all; q_a+kv_a's
+    # 41 tiles of 48 K blocks stay at ~2 programs per SM (12 splits of 4 blocks were slower)
     assert gemm_config(1, 6144, 16384, 128, 132)["split_k"] == 5
     assert gemm_config(16, 12288, 6144, 128, 132)["split_k"] == 2
     assert gemm_config(64, 16384, 2048, 128, 132)["split_k"] == 1
+    assert gemm_config(64, 2624, 6144, 128, 132)["split_k"] == 6
     # decode: the quantiser, then one GEMM that sums its own splits (quantising inside the GEMM
     # lost on the H200: FUSED_QUANT_MAX_M)
     assert not c["fuse_quant"] and c["reduce_in_kernel"]

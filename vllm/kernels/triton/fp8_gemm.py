@@ -258,14 +258,19 @@ TILES = [
     (256, 64, 128, 4, 4),
     (1 << 62, 128, 128, 8, 3),
 ]
-# Grids of fewer than SPLIT_MAX_WAVES tiles per SM split K into about SPLIT_PROGRAMS_PER_SM
-# programs per SM (at least 4 K blocks per split). Decode GEMMs are weight reads: more programs
-# in flight keep more loads in flight. H100, graph replays (bench_fp8_gemm.py --sweep, 2026-12-06),
-# per M = 1 / 16 / 64: o_proj 43.5 / 49.5 / 66.6 µs at 2 programs per SM against 39.6 / 41.9 /
-# 52.0 at 4-5 (the best swept tile at 64), mlp_down 34.8 / 39.4 / 53.2 against 32.1 / 34.2 /
-# 43.2, mlp gate/up (192 tiles, 1.45 per SM; unsplit before) faster split in two at every M;
-# q_b (256 tiles, 1.94 per SM) slower split (161 against 259 TFLOP/s at M = 64): not split.
-SPLIT_PROGRAMS_PER_SM = 4
+# Split-K of the decode grids (gemm_config): a grid under SPLIT_PROGRAMS_PER_SM programs per SM
+# splits K to fill it (at least 4 K blocks per split: kv_a's 9 tiles, q_a's 32); a grid under
+# SPLIT_MAX_WAVES tiles per SM with a deep K goes on to SPLIT_DEEP_PROGRAMS_PER_SM (at least 16 K
+# blocks per split). Decode GEMMs are weight reads: more programs keep more loads in flight, but
+# short splits cost a pipeline fill each and their fp32 partials (split x M x N x 4 bytes) grow
+# against the weight. H100, graph replays, M = 1 / 16 / 64 (bench_fp8_gemm.py --split, same
+# call, 2026-12-06), 2 programs per SM against 4: o_proj 43.2 / 49.3 / 66.3 -> 40.8 / 42.9 /
+# 64.7 µs, mlp gate/up (192 tiles, unsplit before) 33.6 / 37.4 / 48.4 -> 31.8 / 33.8 / 42.2,
+# mlp_down 34.6 / 39.3 / 53.3 -> 32.5 / 34.0 / 51.6; but q_a+kv_a split 12 ways (4 K blocks each)
+# 9.5 / 10.1 / 14.4 -> 10.1 / 10.7 / 20.3 and q_a 8.8 / 9.3 / 14.1 -> 9.3 / 9.8 / 15.3, hence the
+# depth rule, which leaves those at their old split; q_b (256 tiles, ~2 waves) slower split.
+SPLIT_PROGRAMS_PER_SM = 2
+SPLIT_DEEP_PROGRAMS_PER_SM = 4
 SPLIT_MAX_WAVES = 1.5
 # Rows up to which the GEMM quantises x itself in its K loop (one launch instead of two): 0, off.
 # Each program quantises its own [BLOCK_M, 128] block of x per K step, so every N tile repeats
@@ -310,9 +315,9 @@ def gemm_config(
     block_m, block_n, warps, stages = tile or next(t[1:] for t in TILES if m <= t[0])
     nkb = triton.cdiv(k, block_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = 1
+    split = max(1, min(nkb // 4, SPLIT_PROGRAMS_PER_SM * num_sms // tiles))
     if tiles < SPLIT_MAX_WAVES * num_sms:
-        split = max(1, min(nkb // 4, SPLIT_PROGRAMS_PER_SM * num_sms // tiles))
+        split = max(split, min(nkb // 16, SPLIT_DEEP_PROGRAMS_PER_SM * num_sms // tiles))
     per_split = triton.cdiv(nkb, split)
     return dict(
         block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
