@@ -143,14 +143,22 @@ class Scheduler:
         preempted: list[Request] = []
         updates: list[tuple[Request, bool, list[int] | None, int]] = []
 
-        # decodes first, then unfinished prompts (chunks), each in admission order
-        def remaining(r: Request) -> int:
-            if self.async_scheduling and self._emitted_all(r):
-                return 0  # its last token is in flight: nothing to compute
-            return r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
-
-        # what each request has left: nothing another request's scheduling changes
-        lefts = [(r, remaining(r)) for r in self.running]
+        # decodes first, then unfinished prompts (chunks), each in admission order; what each
+        # request has left: nothing another request's scheduling changes (inlined: this runs for
+        # every running request every step)
+        lefts = [
+            (
+                r,
+                len(r.prompt_token_ids)
+                + len(r.output_token_ids)
+                + r.num_output_placeholders
+                - r.num_computed_tokens,
+            )
+            for r in self.running
+        ]
+        if self.async_scheduling:  # a request whose last token is in flight has nothing to do
+            emitted_all = self._emitted_all
+            lefts = [(r, 0 if emitted_all(r) else left) for r, left in lefts]
         order = [x for x in lefts if x[1] <= 1]
         order += [x for x in lefts if x[1] > 1]
         fair = self.chunked_prefill
