@@ -13,8 +13,10 @@ torch.cuda.set_sync_debug_mode during the host phases.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -58,6 +60,7 @@ def run(
     dtype: torch.dtype,
     sampling: str = "topp",
     graphs: bool = False,
+    profile: int = 0,
 ) -> dict:
     dev = torch.device(device)
     cc = {"cudagraph_capture_sizes": sorted({1, batch})} if graphs else None
@@ -94,7 +97,7 @@ def run(
             )
         )
     if graphs:
-        return _run_graphs(runner, sched, batch, steps, sampling)
+        return _run_graphs(runner, sched, batch, steps, sampling, profile)
     rows = []
     for step in range(steps + 3):
         t0 = time.perf_counter()
@@ -152,7 +155,7 @@ def run(
     }
 
 
-def _run_graphs(runner, sched, batch: int, steps: int, sampling: str) -> dict:
+def _run_graphs(runner, sched, batch: int, steps: int, sampling: str, profile: int = 0) -> dict:
     """The engine's own step with CUDA graphs: ``runner.launch`` (state update, step inputs,
     sampling plan, the graph's input copy and replay, sampling, the results' copy queued) and
     ``runner.finish`` (the wait, then the output), as the worker calls them. Host time is the
@@ -171,13 +174,18 @@ def _run_graphs(runner, sched, batch: int, steps: int, sampling: str) -> dict:
 
     graphs._forward = timed
     cuda = runner.device.type == "cuda"
+    prof = cProfile.Profile() if profile else None
     rows = []
     for step in range(steps + 3):
         fwd[0] = 0.0
         t0 = time.perf_counter()
         so = sched.schedule()
         t1 = time.perf_counter()
+        if prof is not None and step >= 3:
+            prof.enable()
         pending = runner.launch(so)
+        if prof is not None:
+            prof.disable()
         t2 = time.perf_counter()
         _sync(runner.device)
         t3 = time.perf_counter()
@@ -192,6 +200,9 @@ def _run_graphs(runner, sched, batch: int, steps: int, sampling: str) -> dict:
                 dict(schedule=t1 - t0, launch=launch, finish=t4 - t3, update=t5 - t4, fwd=fwd[0])
             )
     assert rows, "no step replayed a graph"
+    if prof is not None:
+        print(f"--- launch profile: {sampling} B = {batch}, {steps} steps (tottime, top {profile})")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {
         "batch": batch,
@@ -217,11 +228,18 @@ def main() -> int:
         help="the step as the engine runs it with CUDA graphs (launch + finish, the graph's "
         "forward excluded) instead of the eager phases",
     )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --graphs: cProfile the steady launches and print the top N functions",
+    )
     args = ap.parse_args()
     path = _checkpoint(args.model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     res = [
-        run(path, args.device, b, args.steps, dtype, sm, args.graphs)
+        run(path, args.device, b, args.steps, dtype, sm, args.graphs, args.profile)
         for sm in args.sampling
         for b in args.batches
     ]
