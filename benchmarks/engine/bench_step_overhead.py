@@ -201,8 +201,7 @@ def _run_graphs(runner, sched, batch: int, steps: int, sampling: str, profile: i
             )
     assert rows, "no step replayed a graph"
     if prof is not None:
-        print(f"--- launch profile: {sampling} B = {batch}, {steps} steps (tottime, top {profile})")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(profile)
+        _print_profile(prof, f"{sampling} B = {batch}", steps, profile)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {
         "batch": batch,
@@ -212,6 +211,18 @@ def _run_graphs(runner, sched, batch: int, steps: int, sampling: str, profile: i
         "host_ms": (med["schedule"] + med["launch"] + med["finish"] + med["update"]) * 1e3,
         **{f"{k}_ms": v * 1e3 for k, v in med.items()},
     }
+
+
+def _print_profile(prof: cProfile.Profile, what: str, steps: int, top: int) -> None:
+    """The profiled launches' functions in µs per step: own time and with callees."""
+    st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, ncalls, tottime, cumtime, callers)
+    total = sum(v[2] for v in st.values())
+    print(f"--- launch profile, {what}: {total / steps * 1e6:.0f} µs/step under cProfile")
+    print(f"{'calls/step':>10} {'own µs':>8} {'cum µs':>8}  function")
+    rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
+    for (file, line, name), (_, n, tt, ct, _) in rows:
+        where = f"{os.path.basename(file)}:{line}({name})" if line else name
+        print(f"{n / steps:>10.1f} {tt / steps * 1e6:>8.1f} {ct / steps * 1e6:>8.1f}  {where}")
 
 
 def main() -> int:
