@@ -223,6 +223,20 @@ def _print_profile(prof: cProfile.Profile, what: str, steps: int, top: int) -> N
     for (file, line, name), (_, n, tt, ct, _) in rows:
         where = f"{os.path.basename(file)}:{line}({name})" if line else name
         print(f"{n / steps:>10.1f} {tt / steps * 1e6:>8.1f} {ct / steps * 1e6:>8.1f}  {where}")
+    # where the step's main calls spend it: their callees by time (edges of the call graph)
+    for target in ("launch", "run", "_sample", "build_step_inputs", "_sampling_batch"):
+        parents = [k for k in st if k[2] == target and "vllm" in k[0]]
+        for parent in parents:
+            edges = [
+                (v[4][parent][3], callee)
+                for callee, v in st.items()
+                if parent in v[4] and v[4][parent][3] / steps > 2e-6
+            ]
+            edges.sort(reverse=True)
+            print(f"  {os.path.basename(parent[0])}:{parent[1]}({target}) calls:")
+            for ct, (file, line, name) in edges[:12]:
+                where = f"{os.path.basename(file)}:{line}({name})" if line else name
+                print(f"    {ct / steps * 1e6:>8.1f} µs  {where}")
 
 
 def main() -> int:

@@ -291,6 +291,8 @@ class DecodeGraphs:
             h[0, :b], h[1, :b], h[2, :b] = inp.idx_np, inp.start, inp.num_drafts
             h[3, :b] = r.states.num_blocks[inp.idx_np] * r.scheduler_block_size
         self.inputs[:, :size].copy_(r.staging.to_device(h))
+        if b and inp.idx_mapping_d is None:  # the step's slots, already on the device
+            inp.idx_mapping_d = self.inputs[0, :b]
         if size in self.graphs:
             g, logits, hidden = self.graphs[size]
             g.replay()

@@ -23,8 +23,7 @@ from vllm.worker.gpu.states import RequestStates
 @dataclass
 class StepInputs:
     req_ids: list[str]
-    idx_mapping: torch.Tensor  # [B] slot per batch row (device)
-    idx_np: np.ndarray
+    idx_np: np.ndarray  # [B] slot per batch row (host; `idx_mapping` on the device)
     start: np.ndarray  # [B] first position of this step's tokens
     num_scheduled: np.ndarray  # [B]
     query_start_loc: np.ndarray  # [B+1]
@@ -40,6 +39,15 @@ class StepInputs:
     build_device_tokens: Callable[[], tuple[torch.Tensor, ...]] | None = field(
         default=None, repr=False
     )
+    # idx_np on the device, copied at first use (a replayed graph's own input row holds it)
+    idx_mapping_d: torch.Tensor | None = None
+    h2d: Callable[[np.ndarray], torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def idx_mapping(self) -> torch.Tensor:
+        if self.idx_mapping_d is None:
+            self.idx_mapping_d = self.h2d(self.idx_np)
+        return self.idx_mapping_d
 
     def _tokens(self) -> tuple[torch.Tensor, ...]:
         if self.device_tokens is None:
@@ -70,8 +78,9 @@ class StepInputs:
         sr = self.sample_rows
         return StepInputs(
             req_ids=self.req_ids[lo:hi],
-            idx_mapping=self.idx_mapping[lo:hi],
             idx_np=self.idx_np[lo:hi],
+            idx_mapping_d=None if self.idx_mapping_d is None else self.idx_mapping_d[lo:hi],
+            h2d=self.h2d,
             start=self.start[lo:hi],
             num_scheduled=self.num_scheduled[lo:hi],
             query_start_loc=self.query_start_loc[lo : hi + 1] - t0,
@@ -96,19 +105,24 @@ def build_step_inputs(
     staging=None,
 ) -> StepInputs:
     req_ids = list(so.num_scheduled_tokens)
-    idx = np.fromiter((st.slot_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-    n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-    start = np.fromiter((start_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-    qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
-    np.cumsum(n, out=qsl[1:])
-    t = int(qsl[-1])
-    token_req = np.repeat(np.arange(len(req_ids)), n)
-    positions = np.repeat(start, n) + (np.arange(t) - np.repeat(qsl[:-1], n))
+    b = len(req_ids)
+    idx = np.fromiter(map(st.slot_of.__getitem__, req_ids), dtype=np.int64, count=b)
+    n = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=b)
+    start = np.fromiter(map(start_of.__getitem__, req_ids), dtype=np.int64, count=b)
     known = st.num_known[idx]
+    t = int(n.sum())
+    if t == b:  # one token a row (decode): no per-token expansion
+        qsl = np.arange(b + 1, dtype=np.int64)
+        token_req, positions = qsl[:-1], start
+    else:
+        qsl = np.zeros(b + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        token_req = np.repeat(np.arange(b), n)
+        positions = np.repeat(start, n) + (np.arange(t) - np.repeat(qsl[:-1], n))
     ids = np.full(t, -1, dtype=np.int64)
-    for b in np.nonzero(start < known)[0]:  # rows with host-known tokens (prefill chunks)
-        hi = min(start[b] + n[b], known[b])
-        ids[qsl[b] : qsl[b] + hi - start[b]] = st.token_ids[idx[b]][start[b] : hi]
+    for r in np.nonzero(start < known)[0]:  # rows with host-known tokens (prefill chunks)
+        hi = min(start[r] + n[r], known[r])
+        ids[qsl[r] : qsl[r] + hi - start[r]] = st.token_ids[idx[r]][start[r] : hi]
     seq_lens = start + n
     # a row samples once its chunk reaches the newest token (known + what this worker sampled)
     sample_rows = np.nonzero(seq_lens >= known + st.num_sampled[idx])[0]
@@ -131,8 +145,8 @@ def build_step_inputs(
 
     return StepInputs(
         req_ids=req_ids,
-        idx_mapping=h2d(idx),
         idx_np=idx,
+        h2d=h2d,
         start=start,
         num_scheduled=n,
         query_start_loc=qsl,

@@ -76,6 +76,8 @@ class ModelRunner:
         self.planner = make_cp_planner(config.parallel_config, pc)
         self.staging = HostStaging(device)
         self.kv_cache, self.hooks, self.kv_access = self._kv_features()
+        # the per-request update hook is skipped when the feature keeps the no-op default
+        self._hooks_update = type(self.hooks).update_request is not StepHooks.update_request
         self.drafter = make_drafter(self)
         self.graphs: DecodeGraphs | None = None  # built once the KV cache exists
         self.piecewise: PiecewiseGraphs | None = None  # likewise
@@ -390,12 +392,16 @@ class ModelRunner:
             slot = self.states.add(r, self.eos_ids, self.staging.to_device)
             start_of[r.req_id] = r.num_computed_tokens
             self.hooks.add_request(slot, r)
+        cached = so.cached_reqs
         self.states.append_blocks(
-            [(c.req_id, c.new_block_ids) for c in so.cached_reqs], self.staging.to_device
+            [(c.req_id, c.new_block_ids) for c in cached if c.new_block_ids],
+            self.staging.to_device,
         )
-        for c in so.cached_reqs:
-            start_of[c.req_id] = c.num_computed_tokens
-            self.hooks.update_request(self.states.slot_of[c.req_id], c)
+        start_of.update([(c.req_id, c.num_computed_tokens) for c in cached])
+        if self._hooks_update:
+            slot_of = self.states.slot_of
+            for c in cached:
+                self.hooks.update_request(slot_of[c.req_id], c)
         return start_of
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -646,7 +652,6 @@ class ModelRunner:
         """Parameters of the sampled positions: batch row ``rows[i]`` samples the token at
         ``positions[i]`` (a row verifying drafts samples several)."""
         st, slots, h2d = self.states, inp.idx_np[rows], self.staging.to_device
-        dslots = h2d(slots)
         banned_r, banned_t = st.logit_bias.bad_word_bans(slots)
         # min_tokens: the stop tokens are banned until enough outputs exist (rows found by an
         # array compare: a Python loop over every row cost ~0.1 ms a step at B = 256)
@@ -659,6 +664,8 @@ class ModelRunner:
             banned = (h2d(np.array(banned_r, dtype=np.int64)), h2d(np.array(banned_t, np.int64)))
         # a greedy batch takes the argmax: no per-row parameters to gather on the device
         greedy = bool(st.greedy[slots].all())
+        penalised = bool(st.penalties.on[slots].any())
+        dslots = h2d(slots) if penalised or not greedy else None
         return SamplingBatch(
             temperature=None if greedy else st.temperature[dslots],
             top_k=None if greedy else st.top_k[dslots],
@@ -674,7 +681,7 @@ class ModelRunner:
             banned=banned,
             allowed=st.logit_bias.gather_allowed(slots, h2d),
             bias=st.logit_bias.gather_bias(slots, h2d),
-            penalties=st.penalties.gather(slots, dslots),
+            penalties=st.penalties.gather(slots, dslots) if penalised else None,
             grammar=self._grammar_rows(inp, rows),
         )
 
@@ -700,13 +707,17 @@ class ModelRunner:
         if not len(rows):
             return None
         nd = inp.num_drafts[rows]
-        per = 1 + nd
-        first = np.zeros(len(rows), dtype=np.int64)  # each row's first sampled position
-        np.cumsum(per[:-1], out=first[1:])
-        # the step token whose logits each sampled position takes: a row's last 1 + d
-        sampled_tok = np.repeat(inp.query_start_loc[rows + 1] - per - first, per)
-        sampled_tok += np.arange(int(per.sum()))
-        lrows = np.repeat(rows, per)
+        if not nd.any():  # one sample a row (no drafts to verify): its last token
+            first, lrows = np.arange(len(rows), dtype=np.int64), rows
+            sampled_tok = inp.query_start_loc[rows + 1] - 1
+        else:
+            per = 1 + nd
+            first = np.zeros(len(rows), dtype=np.int64)  # each row's first sampled position
+            np.cumsum(per[:-1], out=first[1:])
+            # the step token whose logits each sampled position takes: a row's last 1 + d
+            sampled_tok = np.repeat(inp.query_start_loc[rows + 1] - per - first, per)
+            sampled_tok += np.arange(int(per.sum()))
+            lrows = np.repeat(rows, per)
         sb = self._sampling_batch(inp, lrows, inp.positions_np[sampled_tok] + 1)
         return SamplingPlan(rows, nd, first, sampled_tok, lrows, sb)
 
@@ -778,8 +789,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.from_numpy(tok_rows).to(self.device)])
             res = prompt_logprobs(logits, torch.from_numpy(next_ids).to(self.device), n)
             host.update(plp_chosen=res[0], plp_rank=res[1], plp_ids=res[2], plp_vals=res[3])
-        h, event = to_host_async(host)  # the step's one device -> host copy, read by finish()
-        arena = self.staging.step_done()
+        stream = self.staging.stream()
+        h, event = to_host_async(host, stream)  # the step's one device -> host copy (finish())
+        arena = self.staging.step_done(stream)
         # per-slot bookkeeping now, while the slots are this step's: the next step's update may
         # free a slot and give it to a new request before this step's results are read
         slots = inp.idx_np[rows]
@@ -809,6 +821,8 @@ class ModelRunner:
     def _prompt_logprob_plan(self, inp: StepInputs):
         """(batch row, hidden rows, next prompt ids, n) for requests wanting prompt logprobs."""
         st, plan = self.states, []
+        if st.prompt_logprobs.max() < 0:  # no request wants them (the usual step)
+            return plan
         for b in np.nonzero(st.prompt_logprobs[inp.idx_np] >= 0)[0]:
             s = inp.idx_np[b]
             lo, hi = int(inp.start[b]), min(int(inp.seq_lens[b]), int(st.num_prompt[s]) - 1)
@@ -939,10 +953,11 @@ def warm_up_chunks(cap: int, topk: int, limit: int) -> list[tuple[int, int]]:
 
 
 def to_host_async(
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor], stream: torch.cuda.Stream | None = None
 ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
-    """Queue copies of every tensor into pinned host memory; the returned event completes when
-    they have landed (None: CPU tensors, copied now)."""
+    """Queue copies of every tensor into pinned host memory on ``stream`` (the current one by
+    default); the returned event completes when they have landed (None: CPU tensors, copied
+    now)."""
     if not tensors:
         return {}, None
     first = next(iter(tensors.values()))
@@ -953,7 +968,7 @@ def to_host_async(
         out[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
         out[k].copy_(v, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(stream)
     return out, event
 
 

@@ -22,8 +22,10 @@ import torch
 
 class HostStaging:
     def __init__(self, device: torch.device, nbytes: int = 32 << 20):
-        self.device = device
         self.cuda = device.type == "cuda"
+        if self.cuda and device.index is None:  # an explicit index: current_stream's fast path
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.bufs = (
             [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             if self.cuda
@@ -52,14 +54,18 @@ class HostStaging:
         host = chunk.view(torch.from_numpy(arr[:0]).dtype).view(arr.shape)
         return host.to(self.device, non_blocking=True)
 
-    def step_done(self) -> int:
-        """The step's inputs are all queued: later copies go to the other arena. Returns this
-        step's arena, for :meth:`synced`."""
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream the step's work is queued on (None on CPU)."""
+        return torch.cuda.current_stream(self.device) if self.cuda else None
+
+    def step_done(self, stream: torch.cuda.Stream | None = None) -> int:
+        """The step's inputs are all queued (on ``stream``, by default the current one): later
+        copies go to the other arena. Returns this step's arena, for :meth:`synced`."""
         used = self.cur
         self.busy[used] = self.cuda
         if self.cuda:
             self.events[used] = torch.cuda.Event()
-            self.events[used].record(torch.cuda.current_stream(self.device))
+            self.events[used].record(stream if stream is not None else self.stream())
         self.cur, self.off = 1 - used, 0
         # the other arena may still be busy here (step N + 1 is launched before step N is
         # read); it is checked when the next step first writes to it, after step N's sync

@@ -118,6 +118,7 @@ class RequestStates:
             return
         self.token_ids[s] = None
         self.num_blocks[s] = 0
+        self.prompt_logprobs[s] = -1  # free slots want none: one max() tells if any row does
         self.logit_bias.remove(s)
         self.free_slots.append(s)
 
