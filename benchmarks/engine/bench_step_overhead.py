@@ -97,7 +97,8 @@ def run(
             )
         )
     if graphs:
-        return _run_graphs(runner, sched, batch, steps, sampling, profile)
+        with torch.inference_mode():  # as the worker's loop runs
+            return _run_graphs(runner, sched, batch, steps, sampling, profile)
     rows = []
     for step in range(steps + 3):
         t0 = time.perf_counter()
@@ -175,12 +176,17 @@ def _run_graphs(runner, sched, batch: int, steps: int, sampling: str, profile: i
     graphs._forward = timed
     cuda = runner.device.type == "cuda"
     prof = cProfile.Profile() if profile else None
+    sprof = cProfile.Profile() if profile else None  # schedule() and update_from_output()
     rows = []
     for step in range(steps + 3):
         fwd[0] = 0.0
+        if sprof is not None and step >= 3:
+            sprof.enable()
         t0 = time.perf_counter()
         so = sched.schedule()
         t1 = time.perf_counter()
+        if sprof is not None:
+            sprof.disable()
         if prof is not None and step >= 3:
             prof.enable()
         pending = runner.launch(so)
@@ -191,7 +197,11 @@ def _run_graphs(runner, sched, batch: int, steps: int, sampling: str, profile: i
         t3 = time.perf_counter()
         out = runner.finish(pending)
         t4 = time.perf_counter()
+        if sprof is not None and step >= 3:
+            sprof.enable()
         sched.update_from_output(so, out)
+        if sprof is not None:
+            sprof.disable()
         t5 = time.perf_counter()
         decode = all(n == 1 for n in so.num_scheduled_tokens.values())
         if step >= 3 and decode and pending.stats.get("cudagraph_steps"):
@@ -202,6 +212,7 @@ def _run_graphs(runner, sched, batch: int, steps: int, sampling: str, profile: i
     assert rows, "no step replayed a graph"
     if prof is not None:
         _print_profile(prof, f"{sampling} B = {batch}", steps, profile)
+        _print_profile(sprof, f"scheduler, {sampling} B = {batch}", steps, profile)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {
         "batch": batch,
@@ -217,14 +228,22 @@ def _print_profile(prof: cProfile.Profile, what: str, steps: int, top: int) -> N
     """The profiled launches' functions in µs per step: own time and with callees."""
     st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, ncalls, tottime, cumtime, callers)
     total = sum(v[2] for v in st.values())
-    print(f"--- launch profile, {what}: {total / steps * 1e6:.0f} µs/step under cProfile")
+    print(f"--- profile, {what}: {total / steps * 1e6:.0f} µs/step under cProfile")
     print(f"{'calls/step':>10} {'own µs':>8} {'cum µs':>8}  function")
     rows = sorted(st.items(), key=lambda kv: -kv[1][2])[:top]
     for (file, line, name), (_, n, tt, ct, _) in rows:
         where = f"{os.path.basename(file)}:{line}({name})" if line else name
         print(f"{n / steps:>10.1f} {tt / steps * 1e6:>8.1f} {ct / steps * 1e6:>8.1f}  {where}")
     # where the step's main calls spend it: their callees by time (edges of the call graph)
-    for target in ("launch", "run", "_sample", "build_step_inputs", "_sampling_batch"):
+    for target in (
+        "launch",
+        "run",
+        "_sample",
+        "build_step_inputs",
+        "_sampling_batch",
+        "schedule",
+        "update_from_output",
+    ):
         parents = [k for k in st if k[2] == target and "vllm" in k[0]]
         for parent in parents:
             edges = [

@@ -164,6 +164,7 @@ class DeviceKVCacheManager(KVCacheManager):
         if blocks is not None and not computed:  # a running request: most steps need no block
             need = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
             if need <= 0:
+                req.kv_room = len(blocks) * self.block_size
                 return []
         computed = computed or []
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
@@ -177,18 +178,22 @@ class DeviceKVCacheManager(KVCacheManager):
             blocks = self.req_blocks[req.request_id] = []
         blocks += computed
         blocks += new
+        req.kv_room = len(blocks) * self.block_size
         return new
 
     def cache_full_blocks(self, req: Request, num_computed: int) -> None:
         """Publish the request's blocks that are now completely computed."""
         start = self.published.get(req.request_id, 0)
+        req.kv_publish_at = (start + 1) * self.block_size  # the next block's end
         if num_computed // self.block_size <= start:  # no block completed since (most steps)
             return
         if not self.pool.enable_caching or not req.use_prefix_cache:
+            req.kv_publish_at = 1 << 62  # never anything to publish
             return
         n = min(num_computed, req.num_tokens) // self.block_size
         if n <= start:
             return
+        req.kv_publish_at = (n + 1) * self.block_size
         blocks = self.req_blocks.get(req.request_id, [])
         self._extend_hashes(req, n)
         hashes = req.block_hashes
@@ -197,6 +202,7 @@ class DeviceKVCacheManager(KVCacheManager):
         self.published[req.request_id] = n
 
     def free(self, req: Request) -> None:
+        req.kv_room = req.kv_publish_at = 0
         self.published.pop(req.request_id, None)
         blocks = self.req_blocks.pop(req.request_id, None)
         if blocks:

@@ -51,6 +51,17 @@ class Request:
         self.has_drafts = False
         # --async-scheduling: tokens sampled by steps in flight, not yet appended
         self.num_output_placeholders = 0
+        # the scheduler's per-step quick tests (each step looks at every running request):
+        # the tokens that may end it (stop tokens count only past min_tokens: checked then),
+        # its output count cap, and, kept by the KV manager, the tokens its blocks hold (a step
+        # within them allocates nothing) and the computed count at which its next block
+        # completes (nothing to publish before); 0: ask the manager
+        s = req.sampling
+        self.stop_tokens = set(s.stop_token_ids) | (set() if s.ignore_eos else self.eos_token_ids)
+        self.max_output = self.max_tokens if self.max_tokens is not None else 1 << 62
+        self.prompt_len = len(self.prompt_token_ids)
+        self.kv_room = 0
+        self.kv_publish_at = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -149,7 +149,7 @@ class Scheduler:
         lefts = [
             (
                 r,
-                len(r.prompt_token_ids)
+                r.prompt_len
                 + len(r.output_token_ids)
                 + r.num_output_placeholders
                 - r.num_computed_tokens,
@@ -168,6 +168,9 @@ class Scheduler:
             self.num_spec_tokens,
             RequestStatus.RUNNING,
         )
+        # a manager that tells the workers where pages live (HiSparse) builds every message
+        # after the step's last allocation; otherwise a running request's is built at once
+        page_updates = type(self.kv).worker_update is not KVCacheManager.worker_update
         for req, left in order:
             if budget <= 0:
                 break
@@ -182,7 +185,8 @@ class Scheduler:
                 n = min(left, budget - reserve, self.max_chunk, self._prefill_cap(left))
                 if n <= 0 or (not self.chunked_prefill and n < left):
                     continue
-            new_blocks = allocate(req, n)
+            # within the blocks it holds: nothing to allocate (the manager keeps kv_room)
+            new_blocks = [] if req.num_computed_tokens + n <= req.kv_room else allocate(req, n)
             while new_blocks is None:
                 victim = self._victim(num_sched)
                 self.running.remove(victim)
@@ -196,7 +200,12 @@ class Scheduler:
             num_sched[req.request_id] = n
             if left == 1 and n > 1:
                 self._spec[req.request_id] = n - 1
-            updates.append((req, False, new_blocks, req.num_computed_tokens))
+            if page_updates:
+                updates.append((req, False, new_blocks, req.num_computed_tokens))
+            else:  # its message now: no later allocation changes what the workers learn
+                cached.append(
+                    CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
+                )
             budget -= n
 
         compiling: list[Request] = []  # waiting for their grammar: keep their place
@@ -426,13 +435,19 @@ class Scheduler:
                 self._stats.spec_decoding.observe(drafted, accepted)
             if toks and spec_on:
                 req.has_drafts = True
-            publish(req, req.num_computed_tokens)
+            if req.num_computed_tokens >= req.kv_publish_at:  # a block may have completed
+                publish(req, req.num_computed_tokens)
             if grammar is None:
                 new_ids = list(toks)
                 out_ids = req.output_token_ids
+                stops, cap, plen = req.stop_tokens, req.max_output, req.prompt_len
                 for i, t in enumerate(toks):
                     out_ids.append(t)
-                    if check_stop(req, t, max_len):
+                    n_out = len(out_ids)
+                    # the full test only where it may end (a stop token, a length limit)
+                    if (t in stops or n_out >= cap or plen + n_out >= max_len) and check_stop(
+                        req, t, max_len
+                    ):
                         del new_ids[i + 1 :]
                         break
             else:
@@ -452,7 +467,7 @@ class Scheduler:
                     plp,
                     status.finish_reason if finished else None,
                     req.stop_reason,
-                    max(req.num_cached_tokens, 0),
+                    req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
                 )
             )
         return self.kv_connector.attach_params(outputs)

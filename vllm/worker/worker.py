@@ -211,30 +211,32 @@ def _run(config, global_rank, dp_rank, dist_init, in_addr, ctx, out, enc):
             kv = ModelRunnerOutput(step=ro.step, kv_connector_output=ro.kv_connector_output)
             out.send(enc.encode(WorkerMessage(rank=global_rank, kind="output", output=kv)))
 
-    while True:
-        raw = inp.recv()
-        if raw == b"SHUTDOWN":
-            break
-        if raw == b"FLUSH":  # nothing follows the held step: read it now
-            if pending is not None:
+    # the loop runs in inference mode (the runner's steps would enter it each time otherwise)
+    with torch.inference_mode():
+        while True:
+            raw = inp.recv()
+            if raw == b"SHUTDOWN":
+                break
+            if raw == b"FLUSH":  # nothing follows the held step: read it now
+                if pending is not None:
+                    report(pending)
+                    pending = None
+                continue
+            so = dec.decode(raw)
+            if pending is not None and not runner.can_pipeline(pending):
                 report(pending)
                 pending = None
-            continue
-        so = dec.decode(raw)
-        if pending is not None and not runner.can_pipeline(pending):
-            report(pending)
-            pending = None
-        prof.before()
-        seen = len(watch.compiles) if watch is not None else 0
-        launched = runner.launch(so)  # kernels compile on the host, at their launch
-        launched.compiles = len(watch.compiles) - seen if watch is not None else 0
-        if pending is not None:  # step N + 1 is queued behind step N: now read step N
-            launched.stats["pipelined_steps"] = 1
-            report(pending)
-        # the engine core sends the next step or FLUSH before it waits for this one's results
-        pending = launched if so.pipelined else None
-        if pending is None:
-            report(launched)
+            prof.before()
+            seen = len(watch.compiles) if watch is not None else 0
+            launched = runner.launch(so)  # kernels compile on the host, at their launch
+            launched.compiles = len(watch.compiles) - seen if watch is not None else 0
+            if pending is not None:  # step N + 1 is queued behind step N: now read step N
+                launched.stats["pipelined_steps"] = 1
+                report(pending)
+            # the engine core sends the next step or FLUSH before it waits for this one's results
+            pending = launched if so.pipelined else None
+            if pending is None:
+                report(launched)
     connector.shutdown()
     pc.destroy()
 

@@ -66,9 +66,10 @@ class DecodeGraphs:
         # rows: persistent slot, first position, drafts verified, tokens the request's blocks
         # hold (padding: the scratch slot, -1, 0, 0)
         self.scratch = runner.states.max_num_reqs  # next_tokens' spare row
-        self.inputs = torch.zeros(4, n, dtype=torch.int64, device=dev)
-        self.inputs[0].fill_(self.scratch)
-        self.inputs[1].fill_(-1)
+        # size b's graph reads the first 4·b values as [4, b] (one contiguous copy a step)
+        self.flat_inputs = torch.zeros(4 * n, dtype=torch.int64, device=dev)
+        for size in self.sizes:
+            self._pad_inputs(size)
         self.arange = torch.arange(n * q, dtype=torch.int64, device=dev)
         self.sampled = torch.zeros(n * q, dtype=torch.int64, device=dev)  # drafting's inputs
         self.accepted = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -96,11 +97,23 @@ class DecodeGraphs:
         return None
 
     # ---- the captured forward ----------------------------------------------------------------
+    def inputs(self, size: int) -> torch.Tensor:
+        """Size ``size``'s inputs [4, size]: per row its persistent slot, first position, drafts
+        verified, and the tokens its blocks hold (padding rows: the scratch slot, -1, 0, 0)."""
+        return self.flat_inputs[: 4 * size].view(4, size)
+
+    def _pad_inputs(self, size: int) -> None:
+        """Every row of size ``size``'s inputs padding (before its warm-up and capture)."""
+        v = self.inputs(size)
+        v[0].fill_(self.scratch)
+        v[1].fill_(-1)
+        v[2:].zero_()
+
     def _tokens(self, size: int):
         """The step's tokens from the inputs: (slot [size], per-token row [T], offset in the row
         [T], position [T], context length after the step [size]); T = size·q."""
         q, t = self.q, size * self.q
-        idx, first, nd = self.inputs[0, :size], self.inputs[1, :size], self.inputs[2, :size]
+        idx, first, nd = self.inputs(size)[:3]
         tok = self.arange[:t]
         row, j = tok // q, tok % q
         live = (first[row] >= 0) & (j <= nd[row])
@@ -219,7 +232,7 @@ class DecodeGraphs:
         h, p0 = h[sel], pos[sel]
         draft = r.model.mtp_logits(h, 0).argmax(dim=-1)
         drafts = [draft]
-        cap = self.inputs[3, :size]
+        cap = self.inputs(size)[3]
         rows = self.arange[:size]
         shard1 = self._shard(size, 1)
         for depth in range(1, self.k):
@@ -243,6 +256,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         for i, size in enumerate(reversed(self.sizes)):
             t1 = time.perf_counter()
+            self._pad_inputs(size)  # the larger sizes' steps used these values
             self._forward(size)  # warm-up: compiles kernels, initialises cuBLAS for the shapes
             torch.cuda.synchronize()
             if i == 0:
@@ -290,9 +304,9 @@ class DecodeGraphs:
         if b:
             h[0, :b], h[1, :b], h[2, :b] = inp.idx_np, inp.start, inp.num_drafts
             h[3, :b] = r.states.num_blocks[inp.idx_np] * r.scheduler_block_size
-        self.inputs[:, :size].copy_(r.staging.to_device(h))
+        r.staging.copy_into(self.flat_inputs[: 4 * size], h)
         if b and inp.idx_mapping_d is None:  # the step's slots, already on the device
-            inp.idx_mapping_d = self.inputs[0, :b]
+            inp.idx_mapping_d = self.flat_inputs[:b]
         if size in self.graphs:
             g, logits, hidden = self.graphs[size]
             g.replay()

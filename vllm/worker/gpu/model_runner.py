@@ -11,6 +11,7 @@ KV connector, a no-op unless configured).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +45,20 @@ from vllm.worker.gpu.spec_decode import DraftBatch, make_drafter
 from vllm.worker.gpu.staging import HostStaging
 from vllm.worker.gpu.states import RequestStates
 from vllm.worker.gpu.step_hooks import StepHooks
+
+
+def _inference(fn):
+    """``fn`` under torch.inference_mode(), entered only when it is not on already: the
+    worker's loop runs in it, and entering it costs ~20 µs of host time a step on a GPU host."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class ModelRunner:
@@ -408,7 +423,7 @@ class ModelRunner:
         """Run one step and read its results (:meth:`launch` then :meth:`finish`)."""
         return self.finish(self.launch(so))
 
-    @torch.inference_mode()
+    @_inference
     def launch(self, so: SchedulerOutput) -> PendingStep:
         """Queue the step's device work (inputs, forward, sampling, drafting, the copies of its
         results to the host) without waiting for it. :meth:`finish` reads the results; until
@@ -790,7 +805,8 @@ class ModelRunner:
             res = prompt_logprobs(logits, torch.from_numpy(next_ids).to(self.device), n)
             host.update(plp_chosen=res[0], plp_rank=res[1], plp_ids=res[2], plp_vals=res[3])
         stream = self.staging.stream()
-        h, event = to_host_async(host, stream)  # the step's one device -> host copy (finish())
+        # the step's one device -> host copy, into its staging arena (read by finish())
+        h, event = to_host_async(host, stream, self.staging.host_empty)
         arena = self.staging.step_done(stream)
         # per-slot bookkeeping now, while the slots are this step's: the next step's update may
         # free a slot and give it to a new request before this step's results are read
@@ -953,11 +969,11 @@ def warm_up_chunks(cap: int, topk: int, limit: int) -> list[tuple[int, int]]:
 
 
 def to_host_async(
-    tensors: dict[str, torch.Tensor], stream: torch.cuda.Stream | None = None
+    tensors: dict[str, torch.Tensor], stream: torch.cuda.Stream | None = None, empty=None
 ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
-    """Queue copies of every tensor into pinned host memory on ``stream`` (the current one by
-    default); the returned event completes when they have landed (None: CPU tensors, copied
-    now)."""
+    """Queue copies of every tensor into pinned host memory (``empty(shape, dtype)``, by default
+    newly allocated) on ``stream`` (the current one by default); the returned event completes
+    when they have landed (None: CPU tensors, copied now)."""
     if not tensors:
         return {}, None
     first = next(iter(tensors.values()))
@@ -965,7 +981,11 @@ def to_host_async(
         return {k: v.cpu() for k, v in tensors.items()}, None
     out = {}
     for k, v in tensors.items():
-        out[k] = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        out[k] = (
+            empty(v.shape, v.dtype)
+            if empty is not None
+            else torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+        )
         out[k].copy_(v, non_blocking=True)
     event = torch.cuda.Event()
     event.record(stream)
