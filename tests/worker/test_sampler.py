@@ -57,6 +57,25 @@ def test_greedy_and_temperature_zero_rows():
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
+def test_a_precomputed_argmax_is_taken_only_while_nothing_edits_the_logits():
+    """A replayed graph hands the sampler its logits' argmax: a greedy batch takes it as its
+    tokens unless something edits the logits (bans, bias, allowed ids, penalties, grammar) or a
+    row samples; then the sampler computes its own from the edited logits."""
+    logits = torch.randn(4, 64)
+    true = logits.argmax(dim=-1)
+    given = (true + 1) % 64  # not the argmax: tells which one was taken
+    greedy = dict(temperature=torch.zeros(4), all_greedy=True)
+    out, _ = sample(logits, _sb(4, **greedy), given)
+    assert torch.equal(out, given)
+    banned = (torch.tensor([0]), true[:1])  # row 0's best token banned
+    out, _ = sample(logits, _sb(4, **greedy, banned=banned), given)
+    edited = logits.clone()
+    edited[0, true[0]] = float("-inf")
+    assert torch.equal(out, edited.argmax(dim=-1))
+    out, _ = sample(logits, _sb(4, temperature=torch.tensor([0.0, 0.0, 0.0, 1.0])), given)
+    assert torch.equal(out[:3], true[:3])  # sampled batch: its own (greedy rows' argmax)
+
+
 def test_top_k_top_p_min_p_restrict_support():
     torch.manual_seed(0)
     logits = torch.randn(1, 64).repeat(400, 1)
@@ -171,7 +190,12 @@ def test_logprobs_are_computed_only_for_steps_that_ask(tiny_ckpt, monkeypatch):
     runner.initialize_kv_cache(KVCachePlan(64))
     seen, real = [], mr.sample
     monkeypatch.setattr(
-        mr, "sample", lambda logits, sb: (seen.append(sb.max_logprobs), real(logits, sb))[1]
+        mr,
+        "sample",
+        lambda logits, sb, argmax=None: (
+            seen.append(sb.max_logprobs),
+            real(logits, sb, argmax),
+        )[1],
     )
     plain = SamplingOptions(temperature=0.0, max_tokens=100)
     asks = SamplingOptions(temperature=0.0, max_tokens=100, logprobs=2)

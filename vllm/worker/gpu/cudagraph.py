@@ -68,15 +68,18 @@ class DecodeGraphs:
         self.scratch = runner.states.max_num_reqs  # next_tokens' spare row
         # size b's graph reads the first 4·b values as [4, b] (one contiguous copy a step)
         self.flat_inputs = torch.zeros(4 * n, dtype=torch.int64, device=dev)
+        self._padding = np.array([[self.scratch], [-1], [0], [0]], dtype=np.int64)
         for size in self.sizes:
             self._pad_inputs(size)
         self.arange = torch.arange(n * q, dtype=torch.int64, device=dev)
         self.sampled = torch.zeros(n * q, dtype=torch.int64, device=dev)  # drafting's inputs
         self.accepted = torch.zeros(n, dtype=torch.int64, device=dev)
         self.capture = dev.type == "cuda"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # size -> (graph, logits, final hidden, logits' argmax)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ...]] = {}
         self.draft_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # uncaptured (CPU): the last step's
+        self.argmax: torch.Tensor | None = None  # the last run's logits' argmax, row by row
         self.pool = None
         self._shards: dict[tuple[int, int], _Shard] = {}  # PCP: (size, q) -> this rank's share
 
@@ -203,9 +206,11 @@ class DecodeGraphs:
             return None
         return self.runner.planner.cp_metadata(1, tokens)
 
-    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs [:, :size] -> (logits [size·q, vocab] fp32, final hidden [size·q, hidden]):
-        the whole decode step but sampling."""
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs [:, :size] -> (logits [size·q, vocab] fp32, final hidden [size·q, hidden],
+        the logits' argmax [size·q]): the whole decode step but sampling. The argmax is a
+        greedy batch's tokens when nothing edits its logits (no eager reduction launched after
+        the replay: ~30-80 µs of host time a step)."""
         r = self.runner
         idx, row, j, pos, seq = self._tokens(size)
         shard = self._shard(size, self.q)
@@ -214,7 +219,8 @@ class DecodeGraphs:
         # every EP rank replays the same size (agreed per step): the MoE dispatch shapes follow it
         ids = r.states.next_tokens[idx[row], j]
         hidden = self._pass(shard, size * self.q, lambda i, p: r.model(i, p, meta), ids, pos)
-        return r.model.compute_logits(hidden), hidden
+        logits = r.model.compute_logits(hidden)
+        return logits, hidden, logits.argmax(dim=-1)
 
     def _draft_forward(self, size: int, hidden: torch.Tensor) -> None:
         """The drafting of a step (``spec_decode/mtp.py``) from the static samples and accepted
@@ -267,8 +273,8 @@ class DecodeGraphs:
                 )
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
-                logits, hidden = self._forward(size)
-            self.graphs[size] = (g, logits, hidden)
+                logits, hidden, tokens = self._forward(size)
+            self.graphs[size] = (g, logits, hidden, tokens)
             if self.k:
                 self._draft_forward(size, hidden)
                 torch.cuda.synchronize()
@@ -300,26 +306,27 @@ class DecodeGraphs:
         r = self.runner
         b = len(inp.req_ids) if inp is not None else 0
         h = np.empty((4, size), dtype=np.int64)
-        h[0, b:], h[1, b:], h[2, b:], h[3, b:] = self.scratch, -1, 0, 0
+        h[:, b:] = self._padding  # the scratch slot, -1, 0, 0
         if b:
             h[0, :b], h[1, :b], h[2, :b] = inp.idx_np, inp.start, inp.num_drafts
-            h[3, :b] = r.states.num_blocks[inp.idx_np] * r.scheduler_block_size
+            np.multiply(r.states.num_blocks[inp.idx_np], r.scheduler_block_size, out=h[3, :b])
         r.staging.copy_into(self.flat_inputs[: 4 * size], h)
         if b and inp.idx_mapping_d is None:  # the step's slots, already on the device
             inp.idx_mapping_d = self.flat_inputs[:b]
         if size in self.graphs:
-            g, logits, hidden = self.graphs[size]
+            g, logits, hidden, tokens = self.graphs[size]
             g.replay()
         else:
-            logits, hidden = self._forward(size)
+            logits, hidden, tokens = self._forward(size)
             self.hidden[size] = hidden
-        if self.q == 1:
-            return logits[:b]
         nd = inp.num_drafts if b else np.zeros(0, dtype=np.int64)
-        if (nd == self.k).all():  # every row full: the rows are already in order
-            return logits[: b * self.q]
-        keep = np.repeat(np.arange(b) * self.q, 1 + nd) + _ranks(1 + nd)
-        return logits[r.staging.to_device(keep)]
+        if self.q == 1 or (nd == self.k).all():  # the rows are already in order
+            n = b * self.q
+            self.argmax = tokens[:n]
+            return logits[:n]
+        keep = r.staging.to_device(np.repeat(np.arange(b) * self.q, 1 + nd) + _ranks(1 + nd))
+        self.argmax = tokens[keep]
+        return logits[keep]
 
     def draft(self, inp, size: int, sampled, accepted) -> None:
         """After the eager sampling and verification of a replayed step: replay its drafting.

@@ -47,6 +47,7 @@ class LogitBiasState:
         self.bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n  # ids, values
         self.bad_words: list[list[list[int]]] = [[] for _ in range(n)]
         self.outputs: list[list[int]] = [[] for _ in range(n)]  # only slots with bad_words
+        self.num_on = 0  # slots using any of the three (none: a step skips them all at once)
 
     def add(
         self, slot: int, sp: SamplingOptions, token_ids: np.ndarray, num_prompt: int, h2d=None
@@ -63,11 +64,17 @@ class LogitBiasState:
         self.bias[slot] = (dev(list(b), np.int64), dev(list(b.values()), np.float32)) if b else None
         self.bad_words[slot] = list(sp.bad_words_token_ids or [])
         self.outputs[slot] = token_ids[num_prompt:].tolist() if self.bad_words[slot] else []
+        self.num_on -= self._on(slot)
         self.allowed_on[slot] = self.allowed[slot] is not None
         self.bias_on[slot] = b is not None and len(b) > 0
         self.bad_words_on[slot] = bool(self.bad_words[slot])
+        self.num_on += self._on(slot)
+
+    def _on(self, slot: int) -> bool:
+        return bool(self.allowed_on[slot] or self.bias_on[slot] or self.bad_words_on[slot])
 
     def remove(self, slot: int) -> None:
+        self.num_on -= self._on(slot)
         self.allowed[slot] = self.bias[slot] = None
         self.bad_words[slot], self.outputs[slot] = [], []
         self.allowed_on[slot] = self.bias_on[slot] = self.bad_words_on[slot] = False

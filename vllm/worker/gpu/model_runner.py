@@ -46,6 +46,8 @@ from vllm.worker.gpu.staging import HostStaging
 from vllm.worker.gpu.states import RequestStates
 from vllm.worker.gpu.step_hooks import StepHooks
 
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
 
 def _inference(fn):
     """``fn`` under torch.inference_mode(), entered only when it is not on already: the
@@ -445,10 +447,11 @@ class ModelRunner:
         # built while the device runs the forward (nothing here reads the logits)
         plan = self._sampling_plan(inp)
         size = self._graph_size(self.graphs.decode_batch(inp)) if self.graphs else None
-        hidden = logits = target = None
+        hidden = logits = target = argmax = None
         split = None
         if size is not None:  # a decode-only step: replay its CUDA graph, logits included
             logits = self.graphs.run(inp, size)
+            argmax = self.graphs.argmax
         elif n_dec and (size := self._split_size(inp, plan, n_dec)) is not None:
             logits, target, hidden = self._run_split(inp, plan, n_dec, size)
             split = (n_dec, size, target, hidden)
@@ -458,7 +461,7 @@ class ModelRunner:
             hidden = self.forward(*target)
         self.hooks.after_forward(inp)
         self.connector.wait_for_save()
-        pending = self._sample(inp, plan, hidden, so.step, logits, target, size, split)
+        pending = self._sample(inp, plan, hidden, so.step, logits, target, size, split, argmax)
         pending.finished_req_ids = so.finished_req_ids
         pending.num_tokens = so.total_num_scheduled_tokens
         if split:
@@ -667,7 +670,8 @@ class ModelRunner:
         """Parameters of the sampled positions: batch row ``rows[i]`` samples the token at
         ``positions[i]`` (a row verifying drafts samples several)."""
         st, slots, h2d = self.states, inp.idx_np[rows], self.staging.to_device
-        banned_r, banned_t = st.logit_bias.bad_word_bans(slots)
+        lb = st.logit_bias
+        banned_r, banned_t = lb.bad_word_bans(slots) if lb.num_on else ([], [])
         # min_tokens: the stop tokens are banned until enough outputs exist (rows found by an
         # array compare: a Python loop over every row cost ~0.1 ms a step at B = 256)
         for i in np.nonzero(st.num_generated[slots] < st.min_tokens[slots])[0].tolist():
@@ -689,13 +693,13 @@ class ModelRunner:
             seeds=None if greedy else st.seeds[dslots],
             positions=None if greedy else h2d(positions),
             all_greedy=greedy,
-            any_top_k=bool(st.top_k_on[slots].any()),
-            any_top_p=bool(st.top_p_on[slots].any()),
-            any_min_p=bool(st.min_p_on[slots].any()),
+            any_top_k=not greedy and bool(st.top_k_on[slots].any()),
+            any_top_p=not greedy and bool(st.top_p_on[slots].any()),
+            any_min_p=not greedy and bool(st.min_p_on[slots].any()),
             max_logprobs=int(st.logprobs[slots].max(initial=-1)),
             banned=banned,
-            allowed=st.logit_bias.gather_allowed(slots, h2d),
-            bias=st.logit_bias.gather_bias(slots, h2d),
+            allowed=lb.gather_allowed(slots, h2d) if lb.num_on else None,
+            bias=lb.gather_bias(slots, h2d) if lb.num_on else None,
             penalties=st.penalties.gather(slots, dslots) if penalised else None,
             grammar=self._grammar_rows(inp, rows),
         )
@@ -746,12 +750,14 @@ class ModelRunner:
         target=None,
         replayed: int | None = None,
         split=None,
+        argmax: torch.Tensor | None = None,
     ) -> PendingStep:
         """Sample the rows that produce tokens, from ``hidden`` (every token's final hidden
         state) or, after a graph replay, from ``logits`` (one row per request). A row verifying
         d drafts samples its 1 + d positions and emits the accepted drafts and one more token;
         then the drafter proposes the next step's drafts (``target``: the step's (RankStep,
-        metadata) of an eager step; ``replayed``: the size of a replayed graph)."""
+        metadata) of an eager step; ``replayed``: the size of a replayed graph, ``argmax``: its
+        logits' argmax)."""
         st, h2d = self.states, self.staging.to_device
         rows = inp.sample_rows
         host: dict[str, torch.Tensor] = {}
@@ -767,7 +773,7 @@ class ModelRunner:
             )
             if logits is None:
                 logits = self.model.compute_logits(hidden[h2d(sampled_tok)])
-            sampled, lp = sample(logits, sb)
+            sampled, lp = sample(logits, sb, argmax)
             sampled = self.planner.broadcast_sampled(sampled)
             dslots = (
                 inp.idx_mapping if len(rows) == len(inp.req_ids) else inp.idx_mapping[h2d(rows)]
@@ -827,7 +833,9 @@ class ModelRunner:
             event=event,
             arena=arena,
             plp_plan=plp_plan,
-            bad_words=np.nonzero(st.logit_bias.bad_words_on[slots])[0],
+            bad_words=np.nonzero(st.logit_bias.bad_words_on[slots])[0]
+            if st.logit_bias.num_on
+            else _NO_ROWS,
             logprobs=st.logprobs[slots].copy(),
         )
         if hidden is None:

@@ -61,15 +61,18 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch):
+def sample(logits: torch.Tensor, sb: SamplingBatch, argmax: torch.Tensor | None = None):
     """logits [B, V] fp32 -> sampled [B] int64, and (logprob [B], rank [B], top ids [B, n],
-    top logprobs [B, n]) of the raw distribution if any row asked for logprobs."""
+    top logprobs [B, n]) of the raw distribution if any row asked for logprobs. ``argmax``
+    [B]: the logits' argmax if already computed (a replayed graph's), a greedy batch's tokens
+    when nothing edits its logits."""
+    given = logits
     if sb.grammar is not None:  # structured outputs: before everything, as upstream
         logits = apply_token_bitmask(logits.clone(), sb.grammar)
     raw = logits
     logits = process_logits(logits, sb)
     if sb.all_greedy:
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax if argmax is not None and logits is given else logits.argmax(dim=-1)
     else:
         # greedy rows are divided by 1 and keep their first maximum through every filter, so
         # gumbel_sample's plain argmax for them is the argmax of the logits

@@ -16,6 +16,8 @@ inputs of a step still queued (garbage block tables in 64K-token prefills on an 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -66,7 +68,7 @@ class HostStaging:
         the step after next writes the arena, i.e. read at the step's ``finish`` (which comes
         first: a step is read before the next but one is launched)."""
         npdt = _NUMPY_DTYPES.get(dtype)
-        view = self._reserve(int(np.prod(shape)) * npdt.itemsize) if npdt is not None else None
+        view = self._reserve(math.prod(shape) * npdt.itemsize) if npdt is not None else None
         if view is None:  # no numpy twin (bf16) or no room left: a pinned block of its own
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         return torch.from_numpy(view.view(npdt).reshape(shape))
