@@ -221,3 +221,66 @@ def test_logprobs_are_computed_only_for_steps_that_ask(tiny_ckpt, monkeypatch):
     )
     assert seen[-1] == 2 and set(out.logprobs) == {"b"}
     assert len(out.logprobs["b"][0].top_logprobs) == 2
+
+
+def test_a_reused_step_plan_samples_as_a_fresh_one(tiny_ckpt, monkeypatch):
+    """A decode step of the same requests in the same slots reuses the previous step's sampling
+    plan (refreshing the positions the seeded noise follows): the tokens must be those of a
+    plan built every step, while requests finish, join, and carry bans, penalties and logprobs
+    (which build fresh plans) beside steady sampled rows."""
+    from vllm.core.messages import EngineCoreRequest, KVCachePlan, SamplingOptions
+    from vllm.core.scheduler import Scheduler
+    from vllm.distributed.parallel_state import ParallelContext
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import build_model
+    from vllm.worker.gpu.model_runner import ModelRunner
+
+    opts = [
+        SamplingOptions(temperature=0.9, top_p=0.9, seed=1, max_tokens=14, ignore_eos=True),
+        SamplingOptions(temperature=1.0, top_k=5, seed=2, max_tokens=5, ignore_eos=True),
+        SamplingOptions(temperature=0.0, max_tokens=9, logprobs=1, ignore_eos=True),
+        SamplingOptions(temperature=1.2, min_p=0.05, seed=4, max_tokens=11, ignore_eos=True),
+        SamplingOptions(temperature=0.7, seed=5, max_tokens=6, repetition_penalty=1.3),
+        SamplingOptions(temperature=0.8, seed=6, max_tokens=8, bad_words_token_ids=[[7]]),
+    ]
+
+    def run(reuse: bool) -> tuple[dict[str, list[int]], int]:
+        cfg = EngineArgs(
+            model=tiny_ckpt, device="cpu", max_num_seqs=8, kv_cache_memory_bytes=1 << 28
+        ).create_engine_config()
+        model = build_model(tiny_ckpt, dtype=cfg.model_config.dtype, device=torch.device("cpu"))
+        runner = ModelRunner(cfg, model, ParallelContext.single(), torch.device("cpu"))
+        runner.initialize_kv_cache(KVCachePlan(64))
+        sched = Scheduler(cfg, KVCachePlan(64))
+        built, plan_of = [0], runner._sampling_plan
+
+        def plan(inp):
+            if not reuse:
+                runner._plan_cache = None
+            before = runner._plan_cache
+            out = plan_of(inp)
+            built[0] += out is not None and (before is None or out is not before[2])
+            return out
+
+        monkeypatch.setattr(runner, "_sampling_plan", plan)
+        out: dict[str, list[int]] = {}
+        for step in range(40):
+            if step in (0, 6, 12):  # two requests join every sixth step
+                for i in range(2):
+                    k = step // 3 + i
+                    sched.add_request(
+                        EngineCoreRequest(str(k), [3 + k, 11, 19 + k, 4], opts[k], [0])
+                    )
+            so = sched.schedule()
+            if so.total_num_scheduled_tokens == 0:
+                break
+            for o in sched.update_from_output(so, runner.execute(so)):
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out, built[0]
+
+    fresh, n_fresh = run(reuse=False)
+    reused, n_reused = run(reuse=True)
+    assert sorted(fresh) == [str(k) for k in range(6)]
+    assert all(len(fresh[str(k)]) == opts[k].max_tokens for k in range(6))
+    assert reused == fresh
+    assert n_reused < n_fresh  # plans were reused

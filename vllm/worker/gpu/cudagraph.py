@@ -210,7 +210,8 @@ class DecodeGraphs:
         """Inputs [:, :size] -> (logits [size·q, vocab] fp32, final hidden [size·q, hidden],
         the logits' argmax [size·q]): the whole decode step but sampling. The argmax is a
         greedy batch's tokens when nothing edits its logits (no eager reduction launched after
-        the replay: ~30-80 µs of host time a step)."""
+        the replay: ~30-80 µs of host time a step); without drafts it is also written as each
+        row's last sampled token, which the sampling overwrites when it picks others."""
         r = self.runner
         idx, row, j, pos, seq = self._tokens(size)
         shard = self._shard(size, self.q)
@@ -220,7 +221,10 @@ class DecodeGraphs:
         ids = r.states.next_tokens[idx[row], j]
         hidden = self._pass(shard, size * self.q, lambda i, p: r.model(i, p, meta), ids, pos)
         logits = r.model.compute_logits(hidden)
-        return logits, hidden, logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)
+        if self.q == 1:  # a greedy row's next input, unless the eager sampling writes another
+            r.states.last_sampled[idx] = tokens
+        return logits, hidden, tokens
 
     def _draft_forward(self, size: int, hidden: torch.Tensor) -> None:
         """The drafting of a step (``spec_decode/mtp.py``) from the static samples and accepted

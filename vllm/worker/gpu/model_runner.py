@@ -87,6 +87,7 @@ class ModelRunner:
         )
         self.eos_ids = list(self.arch.eos_token_id)
         self._grammar: tuple[list[str], bytes] = ([], b"")  # this step's structured-output rows
+        self._plan_cache: tuple | None = None  # (req_ids, states.version, SamplingPlan)
         self.connector = connector or NoOpConnector()
         self.force_mqa = config.attention_config.sparse_mla_force_mqa
         self.num_blocks = 0
@@ -726,6 +727,14 @@ class ModelRunner:
         if not len(rows):
             return None
         nd = inp.num_drafts[rows]
+        b = len(inp.req_ids)
+        decode = len(rows) == b == len(inp.positions_np) and not nd.any()  # one token a row
+        if decode and (cached := self._plan_cache) is not None:
+            ids, version, plan = cached
+            if version == self.states.version and ids == inp.req_ids and not self._grammar[0]:
+                if not plan.batch.all_greedy:  # seeded noise follows the positions
+                    plan.batch.positions = self.staging.to_device(inp.positions_np + 1)
+                return plan
         if not nd.any():  # one sample a row (no drafts to verify): its last token
             first, lrows = np.arange(len(rows), dtype=np.int64), rows
             sampled_tok = inp.query_start_loc[rows + 1] - 1
@@ -738,7 +747,17 @@ class ModelRunner:
             sampled_tok += np.arange(int(per.sum()))
             lrows = np.repeat(rows, per)
         sb = self._sampling_batch(inp, lrows, inp.positions_np[sampled_tok] + 1)
-        return SamplingPlan(rows, nd, first, sampled_tok, lrows, sb)
+        plan = SamplingPlan(rows, nd, first, sampled_tok, lrows, sb)
+        # the next decode step of the same requests in the same slots reuses it, when its rows
+        # need nothing that changes from step to step (bans, penalties' counts, a grammar)
+        steady = (
+            sb.banned is None
+            and sb.penalties is None
+            and sb.grammar is None
+            and not self.states.logit_bias.num_on
+        )
+        self._plan_cache = (inp.req_ids, self.states.version, plan) if decode and steady else None
+        return plan
 
     def _sample(
         self,
@@ -785,7 +804,8 @@ class ModelRunner:
                 )
                 last = tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
                 host["accepted"] = accepted
-            st.last_sampled[dslots] = last
+            if not (last is argmax and self.graphs.q == 1):  # else the graph wrote them
+                st.last_sampled[dslots] = last
             if sb.penalties is not None:  # rows with penalties verify no drafts
                 st.penalties.count_sampled(inp.idx_mapping[h2d(lrows)], sampled)
             host["sampled"] = sampled
@@ -813,7 +833,7 @@ class ModelRunner:
         stream = self.staging.stream()
         # the step's one device -> host copy, into its staging arena (read by finish())
         h, event = to_host_async(host, stream, self.staging.host_empty)
-        arena = self.staging.step_done(stream)
+        arena = self.staging.step_done(stream, event)
         # per-slot bookkeeping now, while the slots are this step's: the next step's update may
         # free a slot and give it to a new request before this step's results are read
         slots = inp.idx_np[rows]

@@ -111,14 +111,19 @@ class HostStaging:
             )
         return self._stream
 
-    def step_done(self, stream: torch.cuda.Stream | None = None) -> int:
+    def step_done(
+        self, stream: torch.cuda.Stream | None = None, event: torch.cuda.Event | None = None
+    ) -> int:
         """The step's inputs are all queued (on ``stream``, by default the current one): later
-        copies go to the other arena. Returns this step's arena, for :meth:`synced`."""
+        copies go to the other arena. ``event``: one already recorded there after them (the
+        step's results'), else one is recorded. Returns this step's arena, for :meth:`synced`."""
         used = self.cur
         self.busy[used] = self.cuda
         if self.cuda:
-            self.events[used] = torch.cuda.Event()
-            self.events[used].record(stream if stream is not None else self.stream())
+            if event is None:
+                event = torch.cuda.Event()
+                event.record(stream if stream is not None else self.stream())
+            self.events[used] = event
         self.cur, self.off = 1 - used, 0
         # the other arena may still be busy here (step N + 1 is launched before step N is
         # read); it is checked when the next step first writes to it, after step N's sync

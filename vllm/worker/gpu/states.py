@@ -30,6 +30,7 @@ class RequestStates:
         self.device = device
         self.free_slots = list(range(max_num_reqs - 1, -1, -1))
         self.slot_of: dict[str, int] = {}
+        self.version = 0  # bumped by every add and remove (what a cached step plan checks)
         n = max_num_reqs
         # host
         self.token_ids: list[np.ndarray | None] = [None] * n
@@ -69,6 +70,7 @@ class RequestStates:
         return h2d(arr) if h2d is not None else torch.from_numpy(arr).to(self.device)
 
     def add(self, r: NewRequestData, eos_ids: list[int], h2d=None) -> int:
+        self.version += 1
         if not self.free_slots:
             raise RuntimeError("no free request slot (max_num_seqs exceeded)")
         if len(r.block_ids) > self.max_blocks:
@@ -116,6 +118,7 @@ class RequestStates:
         s = self.slot_of.pop(req_id, None)
         if s is None:
             return
+        self.version += 1
         self.token_ids[s] = None
         self.num_blocks[s] = 0
         self.prompt_logprobs[s] = -1  # free slots want none: one max() tells if any row does
