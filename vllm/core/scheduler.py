@@ -406,7 +406,13 @@ class Scheduler:
             outputs.append(EngineCoreOutput(req.request_id, finish_reason="error", error=error))
         for k, v in ro.stats.items():
             self._worker_stats[k] = self._worker_stats.get(k, 0) + v
-        sampled = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
+        # (request, its tokens) of every scheduled row; a step where every row sampled (a decode
+        # step) pairs the runner's lists as they are, without a dict of them
+        if len(ro.req_ids) == len(so.num_scheduled_tokens):
+            rows = zip(ro.req_ids, ro.sampled_token_ids, strict=True)
+        else:
+            sampled = dict(zip(ro.req_ids, ro.sampled_token_ids, strict=True))
+            rows = ((rid, sampled.get(rid, ())) for rid in so.num_scheduled_tokens)
         for rid in self._placeholders.pop(so.step, ()):
             req = self.requests.get(rid)
             if req is not None:
@@ -423,11 +429,10 @@ class Scheduler:
         )
         logprobs, prompt_lps = ro.logprobs, ro.prompt_logprobs
         aborted = RequestStatus.FINISHED_ABORTED
-        for rid in so.num_scheduled_tokens:
+        for rid, toks in rows:
             req = get_req(rid)
             if req is None or req.status >= _FINISHED:
                 continue
-            toks = sampled.get(rid, ())
             if spec and rid in spec and req.status == RequestStatus.RUNNING:
                 # the KV of rejected drafts is stale: recompute from the first one (overwritten)
                 drafted, accepted = spec[rid], max(len(toks) - 1, 0)
