@@ -171,6 +171,9 @@ class Scheduler:
         # a manager that tells the workers where pages live (HiSparse) builds every message
         # after the step's last allocation; otherwise a running request's is built at once
         page_updates = type(self.kv).worker_update is not KVCacheManager.worker_update
+        async_on = self.async_scheduling
+        samples: list[str] = []  # requests this step samples (async scheduling)
+        admitted: list[tuple[Request, int]] = []  # (newly running request, its tokens)
         for req, left in order:
             if budget <= 0:
                 break
@@ -200,12 +203,18 @@ class Scheduler:
             num_sched[req.request_id] = n
             if left == 1 and n > 1:
                 self._spec[req.request_id] = n - 1
+            start = req.num_computed_tokens
             if page_updates:
-                updates.append((req, False, new_blocks, req.num_computed_tokens))
+                updates.append((req, False, new_blocks, start))
             else:  # its message now: no later allocation changes what the workers learn
-                cached.append(
-                    CachedRequestData(req.request_id, new_blocks, req.num_computed_tokens)
-                )
+                cached.append(CachedRequestData(req.request_id, new_blocks, start))
+            req.num_computed_tokens = start + n
+            # a chunk reaching the newest token samples the next one (in flight: a placeholder)
+            if async_on and start + n >= req.prompt_len + len(req.output_token_ids) + (
+                req.num_output_placeholders
+            ):
+                req.num_output_placeholders += 1
+                samples.append(req.request_id)
             budget -= n
 
         compiling: list[Request] = []  # waiting for their grammar: keep their place
@@ -253,6 +262,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             updates.append((req, True, None, num_hit))
+            admitted.append((req, n))
             num_sched[req.request_id] = n
             budget -= n
 
@@ -277,24 +287,21 @@ class Scheduler:
                 )
             else:
                 cached.append(CachedRequestData(req.request_id, new_blocks, start, extra))
+        for req, n in admitted:  # (the running ones were advanced as they were scheduled)
+            req.num_computed_tokens += n
+            if async_on and req.num_computed_tokens >= (
+                req.num_tokens + req.num_output_placeholders
+            ):
+                req.num_output_placeholders += 1
+                samples.append(req.request_id)
         grammar_ids: list[str] = []
         if self._grammar is not None:  # rows that finish their prompt this step sample a token
             grammar_ids = [
                 rid
-                for rid, n in num_sched.items()
+                for rid in num_sched
                 if self._grammar.has(rid)
-                and self.requests[rid].num_computed_tokens + n >= self.requests[rid].num_tokens
+                and self.requests[rid].num_computed_tokens >= self.requests[rid].num_tokens
             ]
-        samples: list[str] = []
-        for req in self.running:
-            if req.request_id in num_sched:
-                req.num_computed_tokens += num_sched[req.request_id]
-                # a chunk reaching the newest token samples the next one
-                if self.async_scheduling and req.num_computed_tokens >= (
-                    req.num_tokens + req.num_output_placeholders
-                ):
-                    req.num_output_placeholders += 1
-                    samples.append(req.request_id)
         if samples:
             self._placeholders[self.step] = samples
         out = SchedulerOutput(
