@@ -436,6 +436,40 @@ class Scheduler:
         )
         logprobs, prompt_lps = ro.logprobs, ro.prompt_logprobs
         aborted = RequestStatus.FINISHED_ABORTED
+        if grammar is None and not spec_on and not prompt_lps and not spec:
+            # one token a sampled row, nothing but the stop rules to apply: the loop below
+            # without its branches (the usual decode step)
+            for rid, toks in rows:
+                req = get_req(rid)
+                if req is None or req.status >= _FINISHED:
+                    continue
+                if req.num_computed_tokens >= req.kv_publish_at:
+                    publish(req, req.num_computed_tokens)
+                if len(toks) != 1:
+                    if not toks:
+                        continue
+                    raise AssertionError(f"{rid}: {len(toks)} tokens in a step without drafts")
+                t = toks[0]
+                out_ids = req.output_token_ids
+                out_ids.append(t)
+                n_out = len(out_ids)
+                finished = (
+                    t in req.stop_tokens
+                    or n_out >= req.max_output
+                    or req.prompt_len + n_out >= max_len
+                ) and check_stop(req, t, max_len)
+                outputs.append(
+                    EngineCoreOutput(
+                        rid,
+                        toks,
+                        logprobs[rid][:1] if logprobs and rid in logprobs else None,
+                        None,
+                        req.status.finish_reason if finished else None,
+                        req.stop_reason,
+                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                    )
+                )
+            return self.kv_connector.attach_params(outputs)
         for rid, toks in rows:
             req = get_req(rid)
             if req is None or req.status >= _FINISHED:
