@@ -111,7 +111,14 @@ class SparseMLAAttention(nn.Module):
         padded; rows of dense/short tokens are −1) for shared layers."""
         self.kv_access.write(self, kv_c, k_pe, idx.k if idx is not None else None, meta)
         iq = None
-        if idx is not None:
+        # the indexer's queries are read only by decode tokens and sparse prefills: a step of
+        # dense prompts (each no longer than index_topk) skips their quantisation (both facts are
+        # global under PCP and DCP: every rank decides alike)
+        needs_iq = meta.decode_tokens is not None or any(
+            p and not (d and not self.force_mqa)
+            for p, d in zip(meta.is_prefill_cpu, meta.use_dense_cpu, strict=True)
+        )
+        if idx is not None and needs_iq:
             if meta.layout.is_fp8:
                 qv, qs = quantize_indexer_fp8(idx.q)
                 # e4m3 values as they are: the fast kernels use FP8 tensor-core dots
@@ -255,20 +262,22 @@ class SparseMLAAttention(nn.Module):
 
     def _dense_attend_sdpa(self, q_nope, q_pe, rows, pos, tail: bool):
         dt, h, s = q_nope.dtype, self.num_heads, rows.shape[0]
-        c, kpe = rows[:, : self.kv_lora_rank].to(dt), rows[:, self.kv_lora_rank :].to(dt)
+        r = self.kv_lora_rank
+        c, kpe = rows[:, :r].to(dt), rows[:, r:].to(dt)
+        # token-major [S, H, d] operands (one GEMM each, no permuted copies): the layout flash
+        # attention reads natively ([B, S, H, d] with the head dim contiguous)
+        k_nope = torch.mm(c, self.w_uk.to(dt).view(h * self.qk_nope, r).t())
         k = torch.cat(
-            [
-                torch.einsum("sr,hnr->hsn", c, self.w_uk.to(dt)),
-                kpe.unsqueeze(0).expand(h, s, kpe.shape[-1]),
-            ],
-            -1,
-        )  # [H, S, nope + rope]
-        v = torch.einsum("sr,hvr->hsv", c, self.w_uv.to(dt))  # [H, S, v]
-        q = torch.cat([q_nope, q_pe.to(dt)], -1).transpose(0, 1)  # [H, T, nope + rope]
-        t = q.shape[1]
-        # 4-D [1, H, ., .]: the fused kernels take no other rank (3-D inputs fall back to the
-        # math path, which materialises the scores)
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+            [k_nope.view(s, h, self.qk_nope), kpe.unsqueeze(1).expand(s, h, kpe.shape[-1])], -1
+        )  # [S, H, nope + rope]
+        v = torch.mm(c, self.w_uv.to(dt).view(h * self.v_dim, r).t()).view(s, h, self.v_dim)
+        q = _joined(q_nope, q_pe)  # the model's [T, H, nope + rope] query, rotated in place
+        if q is None:
+            q = torch.cat([q_nope, q_pe.to(dt)], -1)
+        t = q.shape[0]
+        # 4-D [1, H, ., .] views: the fused kernels take no other rank (3-D inputs fall back to
+        # the math path, which materialises the scores)
+        q, k, v = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))
         sdpa = torch.nn.functional.scaled_dot_product_attention
         # not cuDNN's: it builds and compiles (NVRTC) a graph for every new (T, S), and a
         # server's chunks come in every length: tens of ms inside each step, half of a C = 64
@@ -299,6 +308,26 @@ class SparseMLAAttention(nn.Module):
         )
         p = torch.softmax(scores, dim=-1)
         return torch.einsum("ths,hsv->thv", p, v)
+
+
+def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The tensor [..., n + m] whose last dim a [..., n] and b [..., m] split (adjacent views of
+    one tensor with the same strides), as a view; None if they are not."""
+    if (
+        a.dtype != b.dtype
+        or a.shape[:-1] != b.shape[:-1]
+        or a.stride() != b.stride()
+        or a.stride(-1) != 1
+        or b.data_ptr() != a.data_ptr() + a.shape[-1] * a.element_size()
+    ):
+        return None
+    width = a.shape[-1] + b.shape[-1]
+    span = width  # elements under each stride, innermost first: rows must not overlap
+    for st, n in sorted(zip(a.stride()[:-1], a.shape[:-1], strict=True)):
+        if n > 1 and st < span:
+            return None
+        span = max(span, st * n)
+    return a.as_strided((*a.shape[:-1], width), a.stride())
 
 
 def _is_tail(positions: np.ndarray, num_keys: int) -> bool:

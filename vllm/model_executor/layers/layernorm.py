@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm.kernels.norm_rope import rms_norm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
@@ -11,9 +13,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LayerNorm(nn.LayerNorm):

@@ -66,18 +66,11 @@ class Indexer(nn.Module):
         q = self.wq_b(c_q).view(
             t, self.wq_b.out_features // self.head_dim, self.head_dim
         )  # [T, Hi_local, D], rope dims first
-        q = torch.cat(
-            [
-                apply_rope(q[..., : self.rope_dim], cos, sin, self.interleave),
-                q[..., self.rope_dim :],
-            ],
-            dim=-1,
-        )
+        # rotated in place: the rope dims stay where they are in each head (no concatenation)
+        r = self.rope_dim
+        apply_rope(q[..., :r], cos, sin, self.interleave, out=q[..., :r])
         k = self.k_norm(self.wk(x))  # [T, D]
-        k = torch.cat(
-            [apply_rope(k[:, : self.rope_dim], cos, sin, self.interleave), k[:, self.rope_dim :]],
-            dim=-1,
-        )
+        apply_rope(k[:, :r], cos, sin, self.interleave, out=k[:, :r])
         w = self.weights_proj(x.float()) * self.w_scale  # [T, Hi_local]
         q = hadamard_transform(q)
         # every TP rank scores with all indexer heads (the indexer's work is not split by TP)
@@ -195,10 +188,10 @@ class MLAAttention(nn.Module):
             c_q, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
         c_q = self.q_a_layernorm(c_q)
         q = self.q_b_proj(c_q).view(t, self.num_heads, self.nope + self.rope)
-        q_nope, q_pe = (
-            q[..., : self.nope],
-            apply_rope(q[..., self.nope :], cos, sin, self.interleave),
-        )
+        # the rope dims rotated in place: q_nope and q_pe stay the two halves of one [T, H, nope +
+        # rope] tensor, which the dense prefill form takes as its query without a concatenation
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+        apply_rope(q_pe, cos, sin, self.interleave, out=q_pe)
         kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, self.interleave)
         idx = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None

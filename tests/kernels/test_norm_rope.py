@@ -1,0 +1,113 @@
+"""RMSNorm and rotary embedding: the references against independent formulas, the Triton kernels
+(CPU interpreter; compiled on the GPU) against the references, in place inside a larger head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.kernels.norm_rope import apply_rope, apply_rope_ref, rms_norm, rms_norm_ref
+
+FP32 = dict(rtol=1e-5, atol=1e-5)
+BF16 = dict(rtol=2**-7, atol=1e-3)  # one bf16 unit in the last place
+
+
+def _angles(t: int, half: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.rand(t, half, generator=g) * 50
+    return a.cos(), a.sin()
+
+
+def test_rope_reference_is_a_complex_rotation():
+    """Pairs (interleaved) or halves (NeoX) rotate as complex numbers times e^{i·angle}."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 8, generator=g, dtype=torch.float64).float()
+    cos, sin = _angles(5, 4)
+    e = torch.complex(cos, sin).unsqueeze(1)  # [T, 1, 4]
+    pairs = torch.view_as_complex(x.view(5, 3, 4, 2).contiguous())
+    want = torch.view_as_real(pairs * e).flatten(-2)
+    torch.testing.assert_close(apply_rope_ref(x, cos, sin, True), want, rtol=1e-5, atol=1e-5)
+    halves = torch.complex(x[..., :4], x[..., 4:]) * e
+    want = torch.cat([halves.real, halves.imag], -1)
+    torch.testing.assert_close(apply_rope_ref(x, cos, sin, False), want, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_reference():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(16, generator=g, dtype=torch.float64)
+    want = w * x / (x.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()
+    torch.testing.assert_close(rms_norm_ref(x, w, 1e-6), want)
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))  # CPU: the reference
+
+
+def test_op_writes_in_place_on_the_reference_path():
+    """``out`` a view of a larger tensor (the rope half of each head): only it changes."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 4, 24, generator=g)
+    before = q.clone()
+    cos, sin = _angles(6, 4)
+    r = apply_rope(q[..., 16:], cos, sin, True, out=q[..., 16:])
+    assert r.data_ptr() == q[..., 16:].data_ptr()
+    assert torch.equal(q[..., :16], before[..., :16])
+    assert torch.equal(q[..., 16:], apply_rope_ref(before[..., 16:], cos, sin, True))
+
+
+def _rope_cases(dtype):
+    g = torch.Generator().manual_seed(4)
+    for t, h, d, interleave in [(7, 5, 16, True), (3, 1, 8, False), (1, 17, 64, True)]:
+        base = torch.randn(t, h, d + 12, generator=g).to(dtype)
+        cos, sin = _angles(t, d // 2, seed=t)
+        yield base, cos, sin, d, interleave
+
+
+def _check_rope(mod, dtype, tol, dev="cpu"):
+    for base, cos, sin, _d, interleave in _rope_cases(dtype):
+        base, cos, sin = base.to(dev), cos.to(dev), sin.to(dev)
+        x = base[..., 12:]  # strided [T, H, d]: the rope dims after 12 others in each head
+        want = apply_rope_ref(x, cos, sin, interleave)
+        out = mod.apply_rope(x, cos, sin, interleave)  # a new tensor
+        torch.testing.assert_close(out.float(), want.float(), **tol)
+        inplace = base.clone()
+        mod.apply_rope(inplace[..., 12:], cos, sin, interleave, out=inplace[..., 12:])
+        assert torch.equal(inplace[..., :12], base[..., :12])
+        torch.testing.assert_close(inplace[..., 12:].float(), want.float(), **tol)
+        k = base[:, 0, 12:]  # [T, d] with a row stride: a key's rope slice
+        torch.testing.assert_close(
+            mod.apply_rope(k, cos, sin, interleave).float(),
+            apply_rope_ref(k, cos, sin, interleave).float(),
+            **tol,
+        )
+
+
+def _check_norm(mod, dtype, tol, dev="cpu"):
+    g = torch.Generator().manual_seed(5)
+    for n, d in [(5, 16), (1, 48), (9, 64), (3, 6144)]:
+        wide = torch.randn(n, d + 8, generator=g).to(dtype).to(dev)
+        x = wide[:, :d]  # row-strided (a split of a fused projection)
+        w = (torch.randn(d, generator=g) * 0.5 + 1).to(dtype).to(dev)
+        got = mod.rms_norm(x, w, 1e-5)
+        assert got.dtype == dtype and got.shape == x.shape
+        torch.testing.assert_close(got.float(), rms_norm_ref(x, w, 1e-5).float(), **tol)
+    x3 = torch.randn(2, 3, 32, generator=g).to(dtype).to(dev)
+    w = torch.ones(32, dtype=dtype, device=dev)
+    torch.testing.assert_close(
+        mod.rms_norm(x3, w, 1e-5).float(), rms_norm_ref(x3, w, 1e-5).float(), **tol
+    )
+
+
+def test_kernels_interpreter(interp):
+    """fp32 (the interpreter's bf16 arithmetic is not the GPU's): equal to rounding."""
+    mod = interp("norm_rope")
+    _check_rope(mod, torch.float32, FP32)
+    _check_norm(mod, torch.float32, FP32)
+
+
+@pytest.mark.gpu
+def test_kernels_on_gpu():
+    """Compiled, bf16: within one bf16 unit of the reference (FMA contraction, sum order)."""
+    from vllm.kernels.triton import norm_rope as mod
+
+    _check_rope(mod, torch.bfloat16, BF16, "cuda")
+    _check_norm(mod, torch.bfloat16, BF16, "cuda")
+    _check_rope(mod, torch.float32, FP32, "cuda")
