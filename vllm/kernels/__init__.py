@@ -13,6 +13,7 @@ reference (``<op>_ref``) that defines the semantics, and the cost model (``<op>_
                           e4m3 weights with 128 x 128 scales)
   * ``moe``               routed SwiGLU experts (bf16, or e4m3 with block scales)
   * ``sampling``          top-k / top-p masks without a vocabulary sort, fused Gumbel-max sampling
+  * ``norm_rope``         RMSNorm, rotary embedding (one pass each; the rotation in place)
 
 Implementations: Triton kernels in ``vllm/kernels/triton/`` (any CUDA GPU, and the Triton CPU
 interpreter in tests), the Gluon warp-specialised kernel for Hopper (``sparse_mla_ws``), and the
