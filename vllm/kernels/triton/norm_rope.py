@@ -56,12 +56,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-@triton.jit(do_not_specialize=("h", "sxt", "sxh", "sot", "soh"))
+@triton.jit(do_not_specialize=("n_rows", "h", "sxt", "sxh", "sot", "soh"))
 def _rope_kernel(
     x_ptr,  # [T, H, 2 * HALF], strides (sxt, sxh, 1)
     o_ptr,  # same shape, strides (sot, soh, 1); may be x
     cos_ptr,  # [T, HALF] fp32 contiguous
     sin_ptr,
+    n_rows,  # T * H
     h,
     sxt,
     sxh,
@@ -69,26 +70,30 @@ def _rope_kernel(
     soh,
     HALF: tl.constexpr,
     INTERLEAVE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """BLOCK_R (token, head) rows a program, each read and written as one contiguous run of
+    2·HALF elements (the interleaved pairs split and joined in registers)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m = (rows < n_rows)[:, None]
+    t, hh = rows // h, rows % h
     j = tl.arange(0, HALF)
-    c = tl.load(cos_ptr + t * HALF + j)[None, :]
-    s = tl.load(sin_ptr + t * HALF + j)[None, :]
+    c = tl.load(cos_ptr + t[:, None] * HALF + j[None, :], mask=m, other=0.0)
+    s = tl.load(sin_ptr + t[:, None] * HALF + j[None, :], mask=m, other=0.0)
+    xb = x_ptr + (t * sxt + hh * sxh)[:, None]
+    ob = o_ptr + (t * sot + hh * soh)[:, None]
+    # every element this program writes it has read first (in place is safe: rows are disjoint)
     if INTERLEAVE:
-        i1, i2 = 2 * j, 2 * j + 1
+        d = tl.arange(0, 2 * HALF)
+        x = tl.load(xb + d[None, :], mask=m, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_R, HALF, 2)))
+        o = tl.reshape(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), (BLOCK_R, 2 * HALF))
+        tl.store(ob + d[None, :], o.to(o_ptr.dtype.element_ty), mask=m)
     else:
-        i1, i2 = j, j + HALF
-    m = (hs < h)[:, None]
-    xb = x_ptr + t * sxt + hs[:, None].to(tl.int64) * sxh
-    x1 = tl.load(xb + i1[None, :], mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(xb + i2[None, :], mask=m, other=0.0).to(tl.float32)
-    # every element this program writes it has read first (in place is safe: programs are
-    # disjoint)
-    ob = o_ptr + t * sot + hs[:, None].to(tl.int64) * soh
-    tl.store(ob + i1[None, :], (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=m)
-    tl.store(ob + i2[None, :], (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=m)
+        x1 = tl.load(xb + j[None, :], mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(xb + HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(ob + j[None, :], (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=m)
+        tl.store(ob + HALF + j[None, :], (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=m)
 
 
 def apply_rope(
@@ -110,12 +115,14 @@ def apply_rope(
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     o3 = out if out.dim() == 3 else out.unsqueeze(1)
     h = x3.shape[1]
-    block_h = min(triton.next_power_of_2(h), 16)
-    _rope_kernel[(t, triton.cdiv(h, block_h))](
+    n = t * h
+    block_r = max(1, min(4096 // d, triton.next_power_of_2(n)))
+    _rope_kernel[(triton.cdiv(n, block_r),)](
         x3,
         o3,
         cos.float(),
         sin.float(),
+        n,
         h,
         x3.stride(0),
         x3.stride(1),
@@ -123,7 +130,7 @@ def apply_rope(
         o3.stride(1),
         HALF=d // 2,
         INTERLEAVE=interleave,
-        BLOCK_H=block_h,
-        num_warps=4 if block_h * d >= 1024 else 1,
+        BLOCK_R=block_r,
+        num_warps=4 if block_r * d >= 2048 else 1,
     )
     return out
