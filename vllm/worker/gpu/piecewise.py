@@ -141,6 +141,12 @@ class PiecewiseGraphs:
         self.out = like(a.q_nope, (attn.num_heads, attn.v_dim))
         for f in _FIELDS:
             self.bufs[f] = like(getattr(a, f))
+        if a.q_nope.dtype == a.q_pe.dtype:
+            # q_nope and q_pe as the two halves of one [n, H, nope + rope] buffer, as the model
+            # produces them: the dense prefill form then reads the query without concatenating
+            nope = a.q_nope.shape[-1]
+            q = like(a.q_nope, (*a.q_nope.shape[1:-1], nope + a.q_pe.shape[-1]))
+            self.bufs["q_nope"], self.bufs["q_pe"] = q[..., :nope], q[..., nope:]
         if idx is not None:
             for f in _IDX_FIELDS:
                 self.bufs["idx_" + f] = like(getattr(idx, f))
