@@ -16,7 +16,7 @@ if [ "${TEST_TIMEOUT:-200}" != 0 ]; then
   echo "tests exit $?" >>"$OUT/tests.log"
 fi
 # the FP8 benchmarks finished within 150 s (fp8_gemm) and 100 s (fp8_moe) on the H200
-for b in ${BENCHES:-sparse_mla_decode sparse_mla_prefill indexer_logits topk kv_write merge_attn fp8_gemm fp8_moe}; do
+for b in ${BENCHES:-sparse_mla_decode sparse_mla_prefill indexer_logits topk kv_write merge_attn fp8_gemm fp8_moe norm_rope}; do
   echo "==== bench_$b" >>"$OUT/bench.log"
   timeout "${BENCH_TIMEOUT:-150}" python3 "benchmarks/kernels/bench_$b.py" --json "$OUT/bench.jsonl" \
     ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1

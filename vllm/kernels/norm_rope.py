@@ -75,3 +75,15 @@ def apply_rope_ref(
         x1, x2 = xf.chunk(2, dim=-1)
         r = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     return r.to(x.dtype)
+
+
+def rms_norm_cost(num_rows: int, dim: int, itemsize: int = 2) -> tuple[int, int]:
+    """(flops, bytes): each row read and written once, the weight once (L2-resident after)."""
+    return 4 * num_rows * dim, (2 * num_rows + 1) * dim * itemsize
+
+
+def apply_rope_cost(num_tokens: int, heads: int, dim: int, itemsize: int = 2) -> tuple[int, int]:
+    """(flops, bytes): the rotated dims read and written once, the fp32 angles read once."""
+    return 3 * num_tokens * heads * dim, 2 * num_tokens * heads * dim * itemsize + (
+        num_tokens * dim * 4
+    )
