@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.attention.layer import SparseMLAAttention, _is_tail, _joined
+from vllm.attention.layer import SparseMLAAttention, _is_tail, joined
 
 
 def _layer(h, nope, v, r, rope, device, seed):
@@ -30,7 +30,7 @@ def _check(attn, g, t, s, positions, device, tail):
     # the model's query: both halves views of one [T, H, nope + rope] tensor (taken as it is)
     q = torch.cat([q_nope, q_pe], -1)
     halves = q[..., : attn.qk_nope], q[..., attn.qk_nope :]
-    assert _joined(*halves).data_ptr() == q.data_ptr()
+    assert joined(*halves).data_ptr() == q.data_ptr()
     assert torch.equal(attn._dense_attend(*halves, rows, pos, tail), got)
     ref = attn._dense_attend_fp32(q_nope, q_pe, rows, pos)
     err = (got.float() - ref).abs().max().item()
@@ -54,13 +54,13 @@ def test_sdpa_matches_reference_cpu(t, s, positions, tail):
 def test_joined_only_for_adjacent_halves_of_one_tensor():
     q = torch.randn(3, 4, 10)
     a, b = q[..., :6], q[..., 6:]
-    assert torch.equal(_joined(a, b), q)
-    assert _joined(b, a) is None  # wrong order
-    assert _joined(a, q[..., 6:9]) is not None  # a narrower tail still lies inside each row
-    assert _joined(a.clone(), b) is None  # separate tensors
-    assert _joined(q[:, :2, :6], q[:, 1:3, 6:]) is None  # not the same rows
+    assert torch.equal(joined(a, b), q)
+    assert joined(b, a) is None  # wrong order
+    assert joined(a, q[..., 6:9]) is not None  # a narrower tail still lies inside each row
+    assert joined(a.clone(), b) is None  # separate tensors
+    assert joined(q[:, :2, :6], q[:, 1:3, 6:]) is None  # not the same rows
     wide = torch.randn(3, 4, 7)
-    assert _joined(wide[..., :3], wide[..., 3:6].contiguous()) is None  # other strides
+    assert joined(wide[..., :3], wide[..., 3:6].contiguous()) is None  # other strides
 
 
 def test_fp32_queries_take_the_reference():

@@ -271,7 +271,7 @@ class SparseMLAAttention(nn.Module):
             [k_nope.view(s, h, self.qk_nope), kpe.unsqueeze(1).expand(s, h, kpe.shape[-1])], -1
         )  # [S, H, nope + rope]
         v = torch.mm(c, self.w_uv.to(dt).view(h * self.v_dim, r).t()).view(s, h, self.v_dim)
-        q = _joined(q_nope, q_pe)  # the model's [T, H, nope + rope] query, rotated in place
+        q = joined(q_nope, q_pe)  # the model's [T, H, nope + rope] query, rotated in place
         if q is None:
             q = torch.cat([q_nope, q_pe.to(dt)], -1)
         t = q.shape[0]
@@ -310,7 +310,7 @@ class SparseMLAAttention(nn.Module):
         return torch.einsum("ths,hsv->thv", p, v)
 
 
-def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+def joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """The tensor [..., n + m] whose last dim a [..., n] and b [..., m] split (adjacent views of
     one tensor with the same strides), as a view; None if they are not."""
     if (

@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from vllm.attention.layer import joined
 from vllm.distributed.ep import ep_forward
 from vllm.model_executor.models.glm_moe_dsa import AttentionInputs, IndexerInputs
 from vllm.utils import logger
@@ -143,10 +144,11 @@ class PiecewiseGraphs:
             self.bufs[f] = like(getattr(a, f))
         if a.q_nope.dtype == a.q_pe.dtype:
             # q_nope and q_pe as the two halves of one [n, H, nope + rope] buffer, as the model
-            # produces them: the dense prefill form then reads the query without concatenating
+            # produces them: the dense prefill form then reads the query without concatenating,
+            # and a piece stores the model's query with one contiguous copy
             nope = a.q_nope.shape[-1]
             q = like(a.q_nope, (*a.q_nope.shape[1:-1], nope + a.q_pe.shape[-1]))
-            self.bufs["q_nope"], self.bufs["q_pe"] = q[..., :nope], q[..., nope:]
+            self.bufs["q"], self.bufs["q_nope"], self.bufs["q_pe"] = q, q[..., :nope], q[..., nope:]
         if idx is not None:
             for f in _IDX_FIELDS:
                 self.bufs["idx_" + f] = like(getattr(idx, f))
@@ -177,8 +179,13 @@ class PiecewiseGraphs:
         self.hidden[:size].copy_(x)
         if a is None:
             return
+        q = joined(a.q_nope, a.q_pe) if "q" in self.bufs else None
         for f in _FIELDS:
+            if q is not None and f in ("q_nope", "q_pe"):
+                continue
             self.bufs[f][:size].copy_(getattr(a, f))
+        if q is not None:
+            self.bufs["q"][:size].copy_(q)
         if a.idx is not None:
             for f in _IDX_FIELDS:
                 self.bufs["idx_" + f][:size].copy_(getattr(a.idx, f))
