@@ -55,18 +55,26 @@ def make_ctx(
     return KVConnectorContext(config, layout, shard, rank=rank, model_name=model)
 
 
+_HANDED_OUT: set[int] = set()  # ports this process gave a server (bound later, maybe not yet)
+
+
 def free_port_range(n: int) -> int:
     """A base port with n free consecutive ports after it, below Linux's ephemeral range
     (32768-60999): the OS hands ports there to every outgoing connection (gloo opens many), so
-    a port probed free there can be taken before the server binds it."""
+    a port probed free there can be taken before the server binds it. Never a port handed out
+    before in this process: servers started together probe before any of them binds, and two
+    overlapping ranges both probe free."""
     for _ in range(100):
         base = random.randint(20000, 32767 - n)
+        if _HANDED_OUT.intersection(range(base, base + n)):
+            continue
         socks = []
         try:
             for k in range(n):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", base + k))
+            _HANDED_OUT.update(range(base, base + n))
             return base
         except OSError:
             continue
