@@ -148,6 +148,8 @@ def test_async_scheduling_pipelined_on_cuda(slice_ckpt):
     sync = LLM(slice_ckpt, **kw)
     try:
         ref = _run(sync)
+        # prefix hits change the steps' composition: the second runs are compared together
+        ref_again = _run(sync)
     finally:
         sync.shutdown()
     m = LLM(slice_ckpt, async_scheduling=True, **kw)
@@ -159,7 +161,7 @@ def test_async_scheduling_pipelined_on_cuda(slice_ckpt):
     finally:
         m.shutdown()
     assert assert_same_greedy(ref, got) >= sum(MAX_TOKENS) // 2
-    assert assert_same_greedy(ref, got_again) >= sum(MAX_TOKENS) // 2
+    assert assert_same_greedy(ref_again, got_again) >= sum(MAX_TOKENS) // 2
 
 
 def test_piecewise_only_on_cuda(slice_ckpt):
@@ -178,6 +180,8 @@ def test_piecewise_only_on_cuda(slice_ckpt):
     eager = LLM(slice_ckpt, enforce_eager=True, **kw)
     try:
         ref = _run(eager)
+        # prefix hits change the steps' composition: the second runs are compared together
+        ref_again = _run(eager)
     finally:
         eager.shutdown()
     m = LLM(slice_ckpt, compilation_config={"cudagraph_mode": "PIECEWISE"}, **kw)
@@ -189,4 +193,4 @@ def test_piecewise_only_on_cuda(slice_ckpt):
     finally:
         m.shutdown()
     assert assert_same_greedy(ref, got) >= sum(MAX_TOKENS) // 2
-    assert assert_same_greedy(ref, got_again) >= sum(MAX_TOKENS) // 2
+    assert assert_same_greedy(ref_again, got_again) >= sum(MAX_TOKENS) // 2
