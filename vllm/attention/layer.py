@@ -266,10 +266,16 @@ class SparseMLAAttention(nn.Module):
         c, kpe = rows[:, :r].to(dt), rows[:, r:].to(dt)
         # token-major [S, H, d] operands (one GEMM each, no permuted copies): the layout flash
         # attention reads natively ([B, S, H, d] with the head dim contiguous)
-        k_nope = torch.mm(c, self.w_uk.to(dt).view(h * self.qk_nope, r).t())
-        k = torch.cat(
-            [k_nope.view(s, h, self.qk_nope), kpe.unsqueeze(1).expand(s, h, kpe.shape[-1])], -1
-        )  # [S, H, nope + rope]
+        # K [S, H, nope + rope] written in place: each head's GEMM into its nope columns (a
+        # batched GEMM with a strided output, c shared by every head), the rope key broadcast
+        # into the rest (no concatenation reading the GEMM's output back)
+        k = torch.empty((s, h, self.qk_nope + kpe.shape[-1]), dtype=dt, device=c.device)
+        torch.bmm(
+            c.unsqueeze(0).expand(h, s, r),
+            self.w_uk.to(dt).transpose(1, 2),
+            out=k[..., : self.qk_nope].transpose(0, 1),
+        )
+        k[..., self.qk_nope :] = kpe.unsqueeze(1)
         v = torch.mm(c, self.w_uv.to(dt).view(h * self.v_dim, r).t()).view(s, h, self.v_dim)
         q = joined(q_nope, q_pe)  # the model's [T, H, nope + rope] query, rotated in place
         if q is None:
