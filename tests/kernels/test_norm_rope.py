@@ -103,6 +103,39 @@ def test_kernels_interpreter(interp):
     _check_norm(mod, torch.float32, FP32)
 
 
+def test_rope_bf16_pairs_interpreter(interp):
+    """bf16 interleaved pairs as 32-bit words (unpacked, rotated in fp32, rounded to nearest
+    even by integer arithmetic): bit-equal to the reference's rotation and cast, in place and
+    not; an odd offset (pairs not word-aligned) takes the element path."""
+    mod = interp("norm_rope")
+    g = torch.Generator().manual_seed(6)
+    for t, h, d, off in [(5, 3, 16, 12), (2, 64, 64, 192), (9, 1, 8, 0)]:
+        base = torch.randn(t, h, off + d, generator=g).bfloat16()
+        cos, sin = _angles(t, d // 2, seed=t)
+        x = base[..., off:]
+        want = apply_rope_ref(x, cos, sin, True)
+        assert torch.equal(mod.apply_rope(x, cos, sin, True), want)
+        inplace = base.clone()
+        mod.apply_rope(inplace[..., off:], cos, sin, True, out=inplace[..., off:])
+        assert torch.equal(inplace[..., :off], base[..., :off])
+        assert torch.equal(inplace[..., off:], want)
+    # rounding: values halfway between two bf16 numbers (ties to even) and NaN survive as torch's
+    x = torch.tensor([[1.0, 0.0, float("nan"), 1.0, 3.0, -0.0, 1.0, 1.0]]).bfloat16()
+    cos = torch.tensor([[1.0 + 2**-8, 1.0, 1.0 + 3 * 2**-8, 0.5]])
+    sin = torch.tensor([[0.0, 0.25, 0.0, -0.5]])
+    # a NaN angle whose payload is all ones (a carry out of it would read as a number)
+    cos[0, 3] = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)[0]
+    want = apply_rope_ref(x, cos, sin, True)
+    got = mod.apply_rope(x, cos, sin, True)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    odd = torch.randn(3, 2, 17, generator=g)[..., 1:]  # fp32 with an odd offset: element path
+    cos, sin = _angles(3, 8)
+    torch.testing.assert_close(
+        mod.apply_rope(odd, cos, sin, True), apply_rope_ref(odd, cos, sin, True), **FP32
+    )
+
+
 @pytest.mark.gpu
 def test_kernels_on_gpu():
     """Compiled, bf16: within one bf16 unit of the reference (FMA contraction, sum order)."""
@@ -111,3 +144,10 @@ def test_kernels_on_gpu():
     _check_rope(mod, torch.bfloat16, BF16, "cuda")
     _check_norm(mod, torch.bfloat16, BF16, "cuda")
     _check_rope(mod, torch.float32, FP32, "cuda")
+    # the packed bf16 pairs compiled, in place at the MLA query's rope offset
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(300, 64, 256, generator=g).bfloat16().cuda()
+    cos, sin = (a.cuda() for a in _angles(300, 32))
+    want = apply_rope_ref(x[..., 192:], cos, sin, True)
+    mod.apply_rope(x[..., 192:], cos, sin, True, out=x[..., 192:])
+    torch.testing.assert_close(x[..., 192:].float(), want.float(), **BF16)

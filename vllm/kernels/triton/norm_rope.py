@@ -56,13 +56,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view(x.shape)
 
 
-@triton.jit(do_not_specialize=("n_rows", "h", "sxt", "sxh", "sot", "soh"))
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> the bf16 bit pattern (uint32, low 16 bits), rounded to nearest even as torch's
+    cast does (NaN kept a quiet NaN): integer arithmetic, the same compiled or interpreted."""
+    u = v.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(v != v, 0x7FC0, r).to(tl.uint32)
+
+
+@triton.jit(do_not_specialize=("n_tok", "h", "sxt", "sxh", "sot", "soh"))
 def _rope_kernel(
-    x_ptr,  # [T, H, 2 * HALF], strides (sxt, sxh, 1)
+    x_ptr,  # [T, H, 2 * HALF], strides (sxt, sxh, 1); int32 pairs when PACKED
     o_ptr,  # same shape, strides (sot, soh, 1); may be x
     cos_ptr,  # [T, HALF] fp32 contiguous
     sin_ptr,
-    n_rows,  # T * H
+    n_tok,
     h,
     sxt,
     sxh,
@@ -70,30 +79,52 @@ def _rope_kernel(
     soh,
     HALF: tl.constexpr,
     INTERLEAVE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    PACKED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    """BLOCK_R (token, head) rows a program, each read and written as one contiguous run of
-    2·HALF elements (the interleaved pairs split and joined in registers)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    m = (rows < n_rows)[:, None]
-    t, hh = rows // h, rows % h
+    """A [BLOCK_T tokens, BLOCK_H heads] tile a program: each token's angles loaded once for all
+    its heads, each head's rope dims one contiguous run. PACKED (bf16, interleaved): a pair
+    (x0, x1) is one 32-bit word, unpacked and repacked with shifts (no register shuffles)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    hh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     j = tl.arange(0, HALF)
-    c = tl.load(cos_ptr + t[:, None] * HALF + j[None, :], mask=m, other=0.0)
-    s = tl.load(sin_ptr + t[:, None] * HALF + j[None, :], mask=m, other=0.0)
-    xb = x_ptr + (t * sxt + hh * sxh)[:, None]
-    ob = o_ptr + (t * sot + hh * soh)[:, None]
-    # every element this program writes it has read first (in place is safe: rows are disjoint)
-    if INTERLEAVE:
+    tm = t < n_tok
+    m = tm[:, None, None] & (hh < h)[None, :, None]
+    ang = t[:, None] * HALF + j[None, :]
+    c = tl.load(cos_ptr + ang, mask=tm[:, None], other=0.0)[:, None, :]
+    s = tl.load(sin_ptr + ang, mask=tm[:, None], other=0.0)[:, None, :]
+    xrow = (t * sxt)[:, None, None] + (hh * sxh)[None, :, None]
+    orow = (t * sot)[:, None, None] + (hh * soh)[None, :, None]
+    # every element this program writes it has read first (in place is safe: tiles are disjoint)
+    if PACKED:
+        w = tl.load(x_ptr + xrow + j[None, None, :], mask=m, other=0).to(tl.uint32, bitcast=True)
+        x1 = (w << 16).to(tl.float32, bitcast=True)
+        x2 = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+        o = (_bf16_bits(x2 * c + x1 * s) << 16) | _bf16_bits(x1 * c - x2 * s)
+        tl.store(o_ptr + orow + j[None, None, :], o.to(tl.int32, bitcast=True), mask=m)
+    elif INTERLEAVE:
         d = tl.arange(0, 2 * HALF)
-        x = tl.load(xb + d[None, :], mask=m, other=0.0).to(tl.float32)
-        x1, x2 = tl.split(tl.reshape(x, (BLOCK_R, HALF, 2)))
-        o = tl.reshape(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), (BLOCK_R, 2 * HALF))
-        tl.store(ob + d[None, :], o.to(o_ptr.dtype.element_ty), mask=m)
+        x = tl.load(x_ptr + xrow + d[None, None, :], mask=m, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, HALF, 2)))
+        o = tl.reshape(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), (BLOCK_T, BLOCK_H, 2 * HALF))
+        tl.store(o_ptr + orow + d[None, None, :], o.to(o_ptr.dtype.element_ty), mask=m)
     else:
-        x1 = tl.load(xb + j[None, :], mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(xb + HALF + j[None, :], mask=m, other=0.0).to(tl.float32)
-        tl.store(ob + j[None, :], (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=m)
-        tl.store(ob + HALF + j[None, :], (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=m)
+        jj = j[None, None, :]
+        x1 = tl.load(x_ptr + xrow + jj, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + xrow + HALF + jj, mask=m, other=0.0).to(tl.float32)
+        tl.store(o_ptr + orow + jj, (x1 * c - x2 * s).to(o_ptr.dtype.element_ty), mask=m)
+        tl.store(o_ptr + orow + HALF + jj, (x2 * c + x1 * s).to(o_ptr.dtype.element_ty), mask=m)
+
+
+def _packable(a: torch.Tensor) -> bool:
+    """bf16 pairs viewable as int32 words: even strides and offset (4-byte aligned pairs)."""
+    return (
+        a.dtype == torch.bfloat16
+        and a.storage_offset() % 2 == 0
+        and all(st % 2 == 0 for st in a.stride()[:-1])
+        and a.data_ptr() % 4 == 0
+    )
 
 
 def apply_rope(
@@ -114,23 +145,29 @@ def apply_rope(
         return out
     x3 = x if x.dim() == 3 else x.unsqueeze(1)
     o3 = out if out.dim() == 3 else out.unsqueeze(1)
-    h = x3.shape[1]
-    n = t * h
-    block_r = max(1, min(4096 // d, triton.next_power_of_2(n)))
-    _rope_kernel[(triton.cdiv(n, block_r),)](
+    packed = interleave and out.dtype == x.dtype and _packable(x3) and _packable(o3)
+    if packed:  # strides and the angles' pairs now in 32-bit words
+        x3, o3 = x3.view(torch.int32), o3.view(torch.int32)
+    h, half = x3.shape[1], d // 2
+    block_h = min(triton.next_power_of_2(h), max(1, 4096 // d))
+    block_t = max(1, min(4096 // (d * block_h), triton.next_power_of_2(t)))
+    grid = (triton.cdiv(t, block_t), triton.cdiv(h, block_h))
+    _rope_kernel[grid](
         x3,
         o3,
         cos.float(),
         sin.float(),
-        n,
+        t,
         h,
         x3.stride(0),
         x3.stride(1),
         o3.stride(0),
         o3.stride(1),
-        HALF=d // 2,
+        HALF=half,
         INTERLEAVE=interleave,
-        BLOCK_R=block_r,
-        num_warps=4 if block_r * d >= 2048 else 1,
+        PACKED=packed,
+        BLOCK_T=block_t,
+        BLOCK_H=block_h,
+        num_warps=4 if block_t * block_h * d >= 2048 else 1,
     )
     return out
