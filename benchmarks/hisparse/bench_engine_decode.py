@@ -69,9 +69,19 @@ def run(ckpt, args, hisparse: bool) -> dict:
             times.append(time.perf_counter() - t0)
         # decode steps: intervals between the step outputs of the longer run, past its first
         # two (the prefix hit's recomputed last token, then the first decode step)
-        at = llm.stats_times[since:]
-        steps = sorted(b - a for a, b in zip(at[2:], at[3:], strict=False))
+        at, st = llm.stats_times[since:], llm.stats_history[since:]
+        pure = [s.num_cudagraph_steps - s.num_cudagraph_split_steps for s in st]
+        if any(pure):
+            # graphs: intervals between two decode-only replays (under --async-scheduling a
+            # step's results are read after the next one is launched, so "the first two" would
+            # not reliably drop the prefix hit's prompt step)
+            spans = [(i, at[i] - at[i - 1]) for i in range(1, len(at)) if pure[i] and pure[i - 1]]
+        else:
+            spans = [(i, at[i] - at[i - 1]) for i in range(3, len(at))]
+        steps = sorted(d for _, d in spans)
         step_s = steps[len(steps) // 2]
+        # where the slow steps fell (output index within the run, ms): stalls or transitions
+        slow = [(i, round(d * 1e3, 2)) for i, d in spans if d > 2 * step_s]
         # the hot set's hit rate over the decode run's steps (per-step rates, engine's counters)
         extra = [s.extra or {} for s in llm.stats_history[since:]]
         rates = [e["hisparse_hot_hit_rate"] for e in extra if "hisparse_hot_hit_rate" in e]
@@ -91,6 +101,7 @@ def run(ckpt, args, hisparse: bool) -> dict:
             "decode_step_ms": step_s * 1e3,  # median
             "decode_step_mean_ms": sum(steps) / len(steps) * 1e3,
             "decode_step_max_ms": steps[-1] * 1e3,
+            "slow_steps": slow,  # (output index, ms) of intervals over twice the median
             "decode_steps": len(steps),
             # the difference of the two runs over the extra tokens (prefix hit's cost cancels)
             "decode_step_diff_ms": (times[1] - times[0]) / args.tokens * 1e3,
