@@ -81,7 +81,11 @@ def run(ckpt, args, hisparse: bool) -> dict:
         steps = sorted(d for _, d in spans)
         step_s = steps[len(steps) // 2]
         # where the slow steps fell (output index within the run, ms): stalls or transitions
-        slow = [(i, round(d * 1e3, 2)) for i, d in spans if d > 2 * step_s]
+        slow = [
+            (i, round(d * 1e3, 2), st[i].num_jit_compiles, st[i].num_piecewise_steps)
+            for i, d in spans
+            if d > 2 * step_s
+        ]
         # the hot set's hit rate over the decode run's steps (per-step rates, engine's counters)
         extra = [s.extra or {} for s in llm.stats_history[since:]]
         rates = [e["hisparse_hot_hit_rate"] for e in extra if "hisparse_hot_hit_rate" in e]
@@ -101,7 +105,8 @@ def run(ckpt, args, hisparse: bool) -> dict:
             "decode_step_ms": step_s * 1e3,  # median
             "decode_step_mean_ms": sum(steps) / len(steps) * 1e3,
             "decode_step_max_ms": steps[-1] * 1e3,
-            "slow_steps": slow,  # (output index, ms) of intervals over twice the median
+            # intervals over twice the median: (output index, ms, Triton compiles, piecewise)
+            "slow_steps": slow,
             "decode_steps": len(steps),
             # the difference of the two runs over the extra tokens (prefix hit's cost cancels)
             "decode_step_diff_ms": (times[1] - times[0]) / args.tokens * 1e3,
