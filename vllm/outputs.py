@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 
@@ -34,9 +35,9 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    # a list from LLM.generate (upstream's type); inside the server the prompt's tuple, not copied
-    # for each streamed delta
-    prompt_token_ids: list[int] | tuple[int, ...]
+    # a list from LLM.generate (upstream's type); inside the server the prompt's packed int32
+    # array (``vllm.utils.token_array``), not copied for each streamed delta
+    prompt_token_ids: list[int] | array
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool

@@ -296,17 +296,27 @@ def test_bad_grammar_fails_the_request_only(config):
     assert got == {"ok": [7, 7, 7]}
 
 
-def test_long_prompts_stay_out_of_full_collections():
-    """A request's prompt is kept in a form the garbage collector stops walking after its first
-    young collection (a list of 64K tokens is walked by every full collection: 64 of them cost
-    ~35 ms, a pause inside a serving step); the views the scheduler builds from it are lists."""
+def _walked_by_gc(x) -> int:
+    """How many objects a collection visits through x (a tuple or list: every element)."""
     import gc
 
-    from vllm.core.request import Request
+    return sum(not isinstance(r, type) for r in gc.get_referents(x))
 
+
+def test_long_prompts_stay_out_of_collections():
+    """A request's prompt is kept in a form whose elements no collection visits (a list of 64K
+    tokens is walked by every full collection, a tuple by its first young one: 64 such prompts
+    arriving together cost ~50 ms, a pause inside a serving step); the views the scheduler builds
+    from it are lists. From the front end it arrives as int32 bytes."""
+    from vllm.core.request import Request
+    from vllm.utils import token_array
+
+    assert _walked_by_gc(tuple(range(1000, 2000))) == 1000  # what the check measures
     req = Request(_req("r", 5000, start=10))
-    gc.collect(0)
-    assert not gc.is_tracked(req.prompt_token_ids)
+    assert _walked_by_gc(req.prompt_token_ids) == 0
+    packed = _req("p", 5000, start=10)
+    packed.prompt_token_ids = token_array(packed.prompt_token_ids).tobytes()
+    assert Request(packed).prompt_token_ids == req.prompt_token_ids
     req.output_token_ids += [7, 8]
     assert req.all_token_ids == list(range(10, 5010)) + [7, 8]
     assert req.token_slice(4992, 5002) == list(range(5002, 5010)) + [7, 8]
@@ -314,17 +324,18 @@ def test_long_prompts_stay_out_of_full_collections():
     assert req.token_slice(5000, 5002) == [7, 8]
 
 
-def test_front_end_prompts_stay_out_of_full_collections(config):
+def test_front_end_prompts_stay_out_of_collections(config):
     """The API server keeps each request's prompt for its lifetime (RequestState) too: the input
-    processor hands it over as a tuple, untracked after a young collection; LLM.generate still
-    returns upstream's list (tests/entrypoints/test_llm.py)."""
-    import gc
-
-    from vllm.engine.input_processor import InputProcessor
+    processor packs it as int32 and sends those bytes; LLM.generate still returns upstream's list
+    (tests/entrypoints/test_llm.py). Ids that are not int32 integers are a clear error."""
+    from vllm.engine.input_processor import InputProcessor, ProcessedPrompt
 
     ip = InputProcessor(config, None, 4096)
     for prompt in ({"prompt_token_ids": list(range(3, 1000))}, list(range(3, 1000))):
         p = ip.tokenize(prompt)
-        gc.collect(0)
-        assert p.prompt_token_ids == tuple(range(3, 1000))
-        assert not gc.is_tracked(p.prompt_token_ids)
+        assert list(p.prompt_token_ids) == list(range(3, 1000))
+        assert _walked_by_gc(p.prompt_token_ids) == 0
+    assert list(ProcessedPrompt("x", [5, 6]).prompt_token_ids) == [5, 6]  # the server's lists
+    for bad in ([1.5], ["7"], [2**40]):
+        with pytest.raises(ValueError, match="int32"):
+            ip.tokenize({"prompt_token_ids": bad})

@@ -57,7 +57,9 @@ class SamplingOptions(msgspec.Struct, omit_defaults=True):
 
 class EngineCoreRequest(msgspec.Struct):
     request_id: str
-    prompt_token_ids: list[int]
+    # the front end sends int32 bytes (``token_array(...).tobytes()``: a copy, not 64K ints
+    # encoded and decoded one by one); a list is accepted too
+    prompt_token_ids: bytes | list[int]
     sampling: SamplingOptions
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0

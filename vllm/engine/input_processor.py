@@ -4,6 +4,7 @@ engine would otherwise choke on (context length, KV capacity, vocabulary, parame
 from __future__ import annotations
 
 import random
+from array import array
 from dataclasses import dataclass
 
 from vllm.config import VllmConfig
@@ -11,14 +12,18 @@ from vllm.core.messages import EngineCoreRequest, SamplingOptions
 from vllm.distributed.kv_transfer.nixl_params import source_layout
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizer import Tokenizer
+from vllm.utils import token_array
 
 
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
-    # a tuple of ints: untracked by the garbage collector after its first young pass, so full
-    # collections (frequent once the start-up heap is frozen) never walk a long prompt's tokens
-    prompt_token_ids: tuple[int, ...]
+    # packed int32 (``vllm.utils.token_array``; any sequence of ints is converted): the front
+    # end keeps it for the request's lifetime and no collection walks its elements
+    prompt_token_ids: array
+
+    def __post_init__(self):
+        self.prompt_token_ids = token_array(self.prompt_token_ids)
 
 
 class InputProcessor:
@@ -36,7 +41,7 @@ class InputProcessor:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return self.check_ids(
-                    ProcessedPrompt(prompt.get("prompt"), tuple(prompt["prompt_token_ids"]))
+                    ProcessedPrompt(prompt.get("prompt"), prompt["prompt_token_ids"])
                 )
             prompt = prompt.get("prompt")
         if isinstance(prompt, str):
@@ -44,11 +49,11 @@ class InputProcessor:
                 raise ValueError(
                     "text prompts need a tokenizer; this server runs with --skip-tokenizer-init"
                 )
-            return ProcessedPrompt(prompt, tuple(self.tokenizer.encode(prompt)))
+            return ProcessedPrompt(prompt, self.tokenizer.encode(prompt))
         if isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            return self.check_ids(ProcessedPrompt(None, tuple(prompt)))
+            return self.check_ids(ProcessedPrompt(None, prompt))
         raise ValueError(
             "prompt must be a string, a list of token ids, or {'prompt_token_ids': [...]}"
         )
@@ -126,7 +131,11 @@ class InputProcessor:
                 structured=params.structured_outputs,
             )
             ecr = EngineCoreRequest(
-                rid, p.prompt_token_ids, opts, self.eos_ids, kv_transfer_params=kv_transfer_params
+                rid,
+                p.prompt_token_ids.tobytes(),
+                opts,
+                self.eos_ids,
+                kv_transfer_params=kv_transfer_params,
             )
             out.append((rid, params, ecr))
         return out

@@ -7,6 +7,7 @@ matches, the request is finished here and the caller aborts it in the engine.
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 
 from vllm.core.messages import EngineCoreOutput, TokenLogprobs
@@ -19,7 +20,7 @@ from vllm.tokenizer import IncrementalDetokenizer, Tokenizer
 class RequestState:
     request_id: str
     prompt: str | None
-    prompt_token_ids: tuple[int, ...]  # see ProcessedPrompt
+    prompt_token_ids: array  # see ProcessedPrompt
     params: SamplingParams
     tokenizer: Tokenizer | None
     index: int = 0  # child index for n > 1

@@ -121,7 +121,7 @@ class KVRequest(Protocol):
     the request's ``kv_transfer_params``)."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # packed int32 (an array) in the engine core
     num_computed_tokens: int
     status: RequestStatus
     kv_transfer_params: dict | None

@@ -277,7 +277,11 @@ def build_app(state: ServerState) -> FastAPI:
             return _err(str(e))
         mrl = state.engine.inputs.max_request_tokens
         return JSONResponse(
-            {"tokens": p.prompt_token_ids, "count": len(p.prompt_token_ids), "max_model_len": mrl}
+            {
+                "tokens": p.prompt_token_ids.tolist(),
+                "count": len(p.prompt_token_ids),
+                "max_model_len": mrl,
+            }
         )
 
     @app.get("/v1/models")

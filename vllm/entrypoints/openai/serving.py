@@ -167,7 +167,7 @@ class OpenAIServing:
         sp = self.sampling_params(req, logprobs, bool(req.stream))
         return {
             "request_id": request_id,
-            "token_ids": p.prompt_token_ids,
+            "token_ids": p.prompt_token_ids.tolist(),
             "sampling_params": _sampling_json(sp),
             "model": self.model_name,
             "stream": bool(req.stream),
