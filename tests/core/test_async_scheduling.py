@@ -44,7 +44,7 @@ class Worker:
         start = {r.req_id: r.num_computed_tokens for r in so.new_reqs}
         start |= {c.req_id: c.num_computed_tokens for c in so.cached_reqs}
         for r in so.new_reqs:
-            self.known[r.req_id], self.sampled[r.req_id] = len(r.token_ids), 0
+            self.known[r.req_id], self.sampled[r.req_id] = r.num_tokens, 0
         ro = ModelRunnerOutput(step=so.step, req_ids=[], sampled_token_ids=[])
         for rid, n in so.num_scheduled_tokens.items():
             seq = start[rid] + n

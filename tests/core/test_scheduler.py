@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from vllm.core.block_pool import BlockPool, hash_block
 from vllm.core.messages import EngineCoreRequest, KVCachePlan, ModelRunnerOutput, SamplingOptions
@@ -141,6 +142,28 @@ def test_token_slice_matches_all_token_ids():
     for a in range(0, 15):
         for b in range(a, 15):
             assert r.token_slice(a, b) == full[a:b]
+
+
+def test_new_request_tokens_travel_as_int32_bytes(config):
+    """What a worker is sent for a new request: prompt (+ outputs after a preemption) as int32
+    bytes, decoded by the worker's request state to the same ids."""
+    from array import array
+
+    from vllm.core.request import Request
+    from vllm.worker.gpu.states import RequestStates
+
+    r = Request(_req("a", 10, start=70000))
+    assert array("i", r.all_token_bytes()).tolist() == r.all_token_ids
+    r.output_token_ids += [100, 101]
+    assert array("i", r.all_token_bytes()).tolist() == r.all_token_ids
+    s = Scheduler(config, KVCachePlan(100))
+    s.add_request(_req("b", 20, start=140000))
+    so = s.schedule()
+    (nr,) = so.new_reqs
+    assert isinstance(nr.token_ids, bytes) and nr.num_tokens == 20
+    states = RequestStates(4, 64, torch.device("cpu"), 200000)
+    slot = states.add(nr, [0])
+    assert states.token_ids[slot].tolist() == list(range(140000, 140020))
 
 
 def _feed(s: Scheduler, so) -> list:

@@ -76,6 +76,11 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return [*self.prompt_token_ids, *self.output_token_ids]
 
+    def all_token_bytes(self) -> bytes:
+        """all_token_ids as int32 bytes (what a worker is sent for a new request)."""
+        b = self.prompt_token_ids.tobytes()
+        return b + array("i", self.output_token_ids).tobytes() if self.output_token_ids else b
+
     def token_slice(self, a: int, b: int) -> list[int]:
         """all_token_ids[a:b] without building the whole list (a block's tokens, every 64 steps
         of a long request)."""

@@ -277,7 +277,7 @@ class Scheduler:
                 new_reqs.append(
                     NewRequestData(
                         req.request_id,
-                        req.all_token_ids,
+                        req.all_token_bytes(),
                         req.num_prompt_tokens,
                         self.kv.blocks_of(req),
                         start,

@@ -79,7 +79,12 @@ class RequestStates:
             )
         s = self.free_slots.pop()
         self.slot_of[r.req_id] = s
-        toks = np.asarray(r.token_ids, dtype=np.int64)
+        t = r.token_ids
+        toks = (
+            np.frombuffer(t, dtype=np.int32).astype(np.int64)
+            if isinstance(t, bytes)
+            else np.asarray(t, dtype=np.int64)
+        )
         self.token_ids[s] = toks
         self.num_known[s] = len(toks)
         self.num_prompt[s] = r.num_prompt_tokens
