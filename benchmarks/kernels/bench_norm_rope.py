@@ -32,12 +32,15 @@ from vllm.kernels.norm_rope import (
     rms_norm_cost,
     rms_norm_ref,
 )
+from vllm.model_executor.layers.hadamard import hadamard_transform, hadamard_transform_ref
 
 # (name, heads, head dim, rope dims, rope first); heads 0: a [T, rope] key
 ROPES = (("mla q", 64, 256, 64, False), ("rope key", 0, 576, 64, False),
          ("indexer q", 32, 128, 64, True))  # fmt: skip
 # (name, dim, row stride)
 NORMS = (("hidden", 6144, 6144), ("q lora", 2048, 2624), ("kv lora", 512, 2624))
+# (name, heads): the indexer's query and key, 128 dims a head
+HADAMARDS = (("indexer q", 32), ("indexer k", 1))
 
 
 def _angles(t, half, dev):
@@ -89,7 +92,15 @@ def bench_cuda(ts):
             flops, nbytes = rms_norm_cost(t, dim)
             note = f"max err {err.item():.3g}"
             rows.append(row("rms_norm", f"T={t} {name}", ms, flops, nbytes, "bf16", ref_ms, note))
-        print_rows(rows[-len(ROPES) - len(NORMS) :])
+        for name, heads in HADAMARDS:
+            x = torch.randn(t, heads, 128, device="cuda", dtype=torch.bfloat16)
+            err = (hadamard_transform(x).float() - hadamard_transform_ref(x).float()).abs().max()
+            ms = time_ms_graph(lambda x=x: hadamard_transform(x))
+            ref_ms = time_ms_graph(lambda x=x: hadamard_transform_ref(x))
+            flops, nbytes = 2 * t * heads * 128 * 128, 2 * 2 * t * heads * 128
+            note = f"max diff {err.item():.3g}"
+            rows.append(row("hadamard", f"T={t} {name}", ms, flops, nbytes, "bf16", ref_ms, note))
+        print_rows(rows[-len(ROPES) - len(NORMS) - len(HADAMARDS) :])
     return rows
 
 
