@@ -33,6 +33,7 @@ SWEEP = [
     dict(block_m=64, num_warps=8, num_stages=3, block_n=64),
     dict(block_m=64, num_warps=8, num_stages=4),
     dict(block_m=64, num_warps=4, num_stages=4),
+    dict(block_m=64, num_warps=4, num_stages=2),  # 80 KB of stages: two programs per SM
     dict(block_m=128, num_warps=8, num_stages=3),
     dict(block_m=128, num_warps=8, num_stages=4),
     dict(block_m=128, num_warps=8, num_stages=2),
