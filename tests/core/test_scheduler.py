@@ -362,3 +362,101 @@ def test_front_end_prompts_stay_out_of_collections(config):
     for bad in ([1.5], ["7"], [2**40]):
         with pytest.raises(ValueError, match="int32"):
             ip.tokenize({"prompt_token_ids": bad})
+
+
+class _ListPool:
+    """The pool's contract as the plain structures it replaced: list counts and an OrderedDict
+    of free blocks in eviction order."""
+
+    def __init__(self, n):
+        from collections import OrderedDict
+
+        self.ref = [0] * n
+        self.free = OrderedDict((i, None) for i in range(n))
+
+    def touch(self, blocks):
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.free.pop(b, None)
+            self.ref[b] += 1
+
+    def allocate(self, n):
+        if n > len(self.free):
+            return None
+        out = [self.free.popitem(last=False)[0] for _ in range(n)]
+        for b in out:
+            self.ref[b] = 1
+        return out
+
+    def release(self, blocks):
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            assert self.ref[b] >= 0
+            if self.ref[b] == 0:
+                self.free[b] = None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_pool_matches_the_list_reference(seed):
+    """Random allocations, releases (tails first) and prefix-hit touches, small lists (scalar
+    paths) and long ones (array paths), past several ring compactions: the same blocks handed
+    out, counts and eviction order as the reference."""
+    import random
+
+    rng = random.Random(seed)
+    n = 300
+    pool, ref = BlockPool(n), _ListPool(n)
+    held: list[list[int]] = []  # the lists taken (allocations and touches), to release later
+    freed: list[list[int]] = []  # released lists whose blocks may be free again (touch targets)
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.4:
+            k = rng.choice([0, 1, 3, 8, 9, 40, 150])
+            got, want = pool.allocate(k), ref.allocate(k)
+            assert got == want
+            if got:
+                held.append(got)
+        elif op < 0.75 and held:
+            blocks = held.pop(rng.randrange(len(held)))
+            pool.release(blocks)
+            ref.release(blocks)
+            freed.append(blocks)
+        elif freed:  # a prefix hit: blocks still cached (free or shared) get a reference
+            blocks = rng.choice(freed)
+            blocks = blocks[: rng.randrange(1, len(blocks) + 1)]
+            pool.touch(blocks)
+            ref.touch(blocks)
+            held.append(list(blocks))
+        assert pool.num_free_blocks == len(ref.free)
+    assert pool.ref_cnt.tolist() == ref.ref
+    assert pool.free_blocks() == list(ref.free)
+
+
+def test_block_pool_double_free_is_an_error():
+    pool = BlockPool(40)
+    small, large = pool.allocate(3), pool.allocate(20)
+    pool.release(small)
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.release(small[:1])
+    pool.release(large)
+    with pytest.raises(AssertionError, match="freed twice"):
+        pool.release(large)
+
+
+def test_block_pool_revive_cycles_compact_the_ring():
+    """The same cached prefix hit and freed again many times without an allocation (each cycle
+    leaves dead FIFO entries): the ring compacts and the eviction order stays the reference's."""
+    n = 50
+    pool, ref = BlockPool(n), _ListPool(n)
+    blocks = pool.allocate(n)
+    ref.allocate(n)
+    pool.release(blocks)
+    ref.release(blocks)
+    for i in range(40):  # 40 x 20 dead entries, past the ring's 100 slots several times
+        part = blocks[i % 3 : i % 3 + 20]
+        pool.touch(part)
+        ref.touch(part)
+        pool.release(part)
+        ref.release(part)
+        assert pool.free_blocks() == list(ref.free)
+    assert pool.allocate(n) == ref.allocate(n)
