@@ -12,16 +12,36 @@ the 64 x 64K engine run on an H100: 17 ms against a 4.4 ms median); vectorised, 
 from __future__ import annotations
 
 import hashlib
+from array import array
+from collections.abc import Sequence
 
 import numpy as np
 
+_ROOT = b"\0" * 16  # the first block's parent
 
-def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
-    """Stable across processes (P/D transfers and the offload tier key blocks by it)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0" * 16)
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+
+def hash_block(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """H(parent, the block's token ids as native int32). Stable across processes (P/D transfers
+    and the offload tier key blocks by it); equal to :func:`hash_chain`'s on the same tokens."""
+    h = hashlib.blake2b(parent or _ROOT, digest_size=16)
+    h.update(array("i", tokens).tobytes())
     return h.digest()
+
+
+def hash_chain(parent: bytes | None, tokens: array, block_size: int) -> list[bytes]:
+    """The chained hashes of the full blocks of ``tokens`` (a packed int32 array), hashed from its
+    memory: no per-block list or conversion (a 64K-token prompt's 1,024 blocks cost ~5.5 ms as
+    lists here, ~1 ms this way)."""
+    data = memoryview(tokens.tobytes())
+    step = block_size * tokens.itemsize
+    blake = hashlib.blake2b
+    out = []
+    for lo in range(0, len(data) - step + 1, step):
+        h = blake(parent or _ROOT, digest_size=16)
+        h.update(data[lo : lo + step])
+        parent = h.digest()
+        out.append(parent)
+    return out
 
 
 class BlockPool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from vllm.core.block_pool import BlockPool, hash_block
+from vllm.core.block_pool import BlockPool, hash_block, hash_chain
 from vllm.core.messages import KVPageUpdate
 from vllm.core.request import Request
 from vllm.kv_cache_interface import cdiv
@@ -114,6 +114,12 @@ class KVCacheManager(ABC):
     def _extend_hashes(self, req: Request, num_full: int) -> None:
         """Chain-hash the request's full blocks up to num_full (kept on the request)."""
         bs = self.block_size
+        have = len(req.block_hashes)
+        in_prompt = min(num_full, len(req.prompt_token_ids) // bs)
+        if have < in_prompt:  # the prompt's blocks straight from its packed array
+            parent = req.block_hashes[-1] if have else None
+            part = req.prompt_token_ids[have * bs : in_prompt * bs]
+            req.block_hashes.extend(hash_chain(parent, part, bs))
         while len(req.block_hashes) < num_full:
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else None
