@@ -26,13 +26,13 @@ if not torch.cuda.is_available():  # before Triton is imported: the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms, time_ms_graph
+from vllm.kernels.hadamard import hadamard_transform, hadamard_transform_ref
 from vllm.kernels.norm_rope import (
     apply_rope_cost,
     apply_rope_ref,
     rms_norm_cost,
     rms_norm_ref,
 )
-from vllm.model_executor.layers.hadamard import hadamard_transform, hadamard_transform_ref
 
 # (name, heads, head dim, rope dims, rope first); heads 0: a [T, rope] key
 ROPES = (("mla q", 64, 256, 64, False), ("rope key", 0, 576, 64, False),

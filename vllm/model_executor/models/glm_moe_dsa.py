@@ -22,8 +22,8 @@ from vllm.attention.metadata import MLAMetadata
 from vllm.config.arch import ModelArch
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.kernels.fp8_gemm import FP8_DTYPE
+from vllm.kernels.hadamard import hadamard_transform
 from vllm.kernels.moe import fp8_scale_shapes, fused_experts
-from vllm.model_executor.layers.hadamard import hadamard_transform
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import Linear, fuse_linears, linear_forward, weight_block
 from vllm.model_executor.layers.moe import route_tokens

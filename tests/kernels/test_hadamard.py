@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.model_executor.layers.hadamard import hadamard_transform, hadamard_transform_ref
+from vllm.kernels.hadamard import hadamard_transform, hadamard_transform_ref
 
 
 def _exact(x: torch.Tensor) -> torch.Tensor:
