@@ -460,3 +460,21 @@ def test_block_pool_revive_cycles_compact_the_ring():
         ref.release(part)
         assert pool.free_blocks() == list(ref.free)
     assert pool.allocate(n) == ref.allocate(n)
+
+
+def test_block_pool_lists_with_repeats_match_the_reference():
+    """A list naming a block twice (not something the managers build, but the pool's contract
+    allows it): counted twice, freed once, at the reference's place in the eviction order."""
+    pool, ref = BlockPool(30), _ListPool(30)
+    blocks = pool.allocate(12)
+    assert blocks == ref.allocate(12)
+    twice = blocks + blocks[:5]  # 17 entries: the array path
+    pool.touch(twice)
+    ref.touch(twice)
+    assert pool.ref_cnt.tolist() == ref.ref  # 3 for the first five, 2 for the rest
+    pool.release(blocks)
+    ref.release(blocks)
+    pool.release(twice)  # every block reaches zero, the first five at their second listing
+    ref.release(twice)
+    assert pool.ref_cnt.tolist() == ref.ref and pool.free_blocks() == list(ref.free)
+    assert pool.allocate(30) == ref.allocate(30)

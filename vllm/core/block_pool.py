@@ -44,6 +44,13 @@ def hash_chain(parent: bytes | None, tokens: array, block_size: int) -> list[byt
     return out
 
 
+def _distinct(b: np.ndarray) -> bool:
+    """No block listed twice: fancy-indexed updates are then exact (a request's own blocks always
+    are; ``ufunc.at``, which handles repeats, is slow, very much so before numpy 1.25)."""
+    s = np.sort(b)
+    return not bool((s[1:] == s[:-1]).any())
+
+
 class BlockPool:
     """Reference counts, the free blocks in eviction order, and the prefix cache's hash map.
 
@@ -155,10 +162,14 @@ class BlockPool:
                 self.ref_cnt[b] += 1
             return
         b = np.asarray(blocks, dtype=np.int64)
-        revived = np.unique(b[self.ref_cnt[b] == 0])
+        revived = b[self.ref_cnt[b] == 0]
+        if _distinct(b):
+            self.ref_cnt[b] += 1
+        else:
+            revived = np.unique(revived)
+            np.add.at(self.ref_cnt, b, 1)
         self._entry[revived] = -1
         self._num_free -= len(revived)
-        np.add.at(self.ref_cnt, b, 1)
 
     def allocate(self, n: int) -> list[int] | None:
         if n > self._num_free:
@@ -192,15 +203,18 @@ class BlockPool:
             self._push(np.asarray(zero, dtype=np.int64))
             return
         b = np.asarray(blocks, dtype=np.int64)[::-1]
-        np.subtract.at(self.ref_cnt, b, 1)  # unbuffered: a block listed twice drops twice
+        distinct = _distinct(b)
+        if distinct:
+            self.ref_cnt[b] -= 1
+        else:
+            np.subtract.at(self.ref_cnt, b, 1)  # unbuffered: a block listed twice drops twice
         left = self.ref_cnt[b]
         if bool((left < 0).any()):
             raise AssertionError(f"block freed twice: {b[left < 0][:8].tolist()}")
         zero = b[left == 0]
-        if len(zero) > 1:  # once each, at its first place (listed twice: a duplicate)
-            _, first = np.unique(zero, return_index=True)
-            if len(first) < len(zero):
-                zero = zero[np.sort(first)]
+        if not distinct:  # once each, where its count reached zero: its last place
+            _, first_from_end = np.unique(zero[::-1], return_index=True)
+            zero = zero[np.sort(len(zero) - 1 - first_from_end)]
         self._push(zero)
 
     def cache_block(self, b: int, h: bytes) -> None:

@@ -12,13 +12,12 @@ covers the rows/columns that exist.
 
 CUDA tensors: ``vllm/kernels/triton/fp8_gemm.py`` (per-token-group quant kernel + block-scaled
 GEMM, configs by M from a fixed table, no host sync, CUDA-graph capturable) for M < ``CUBLAS_MIN_M``
-rows; at decode sizes that is one launch, the GEMM quantising x in its K loop (the same bytes as
-the quant kernel) and summing its split-K partials itself in a fixed order. From there,
-cuBLASLt's DeepSeek-style block scaling through ``torch._scaled_mm`` on sm_90
-(:func:`fp8_block_linear_cublas`, same quantiser): on an H200 it was 1.06x Triton's speed at M = 64
-and 1.6-1.9x from M = 256 (69-89 % of the fp8 peak at M >= 4096 but for the narrow kv_a, Triton
-38-47 %), and 0.91x at M = 16 (``docs/design/fp8.md``, measured before the one-launch decode
-path). Elsewhere the references below (a loop over K blocks, memory O(M·N)).
+rows (and for N <= ``NARROW_N`` at 64 rows); at decode sizes the GEMM sums its split-K partials
+itself in a fixed order. From there, cuBLASLt's DeepSeek-style block scaling through
+``torch._scaled_mm`` on sm_90 (:func:`fp8_block_linear_cublas`, same quantiser): on an H200 it was
+1.06x Triton's speed at M = 64 and 1.6-1.9x from M = 256 (69-89 % of the fp8 peak at M >= 4096 but
+for the narrow kv_a, Triton 38-47 %), and 0.91x at M = 16 (``docs/design/fp8.md``, measured before
+the one-launch decode path). Elsewhere the references below (a loop over K blocks, memory O(M·N)).
 """
 
 from __future__ import annotations
@@ -36,6 +35,11 @@ AMAX_FLOOR = 1e-10
 # geomean of triton_ms / cublas_ms over GLM-5.3's linears is 0.91 at M = 16, 1.06 at 64, 1.60 at
 # 256, 1.85 at 4096; docs/design/fp8.md has the per-shape rows)
 CUBLAS_MIN_M = 64
+# ...except narrow outputs at M = 64 (few tiles: the Triton kernel splits K over the GPU): the
+# stacked q_a+kv_a (N = 2624) 14.4 against 21.0 µs (H100, 2026-12-06), q_a 14.4 against 21.3 and
+# kv_a 11.9 against 16.0 (H200, 2026-12-04); q_b (N = 16384) and the wider shapes keep cuBLAS
+NARROW_N = 4096
+NARROW_TRITON_MAX_M = 64
 # cuBLASLt wants the 1x128 activation scales' leading dimension (M, they are M-contiguous) 16-byte
 # aligned, i.e. M % 4 == 0 (M = 1 was refused: CUBLAS_STATUS_NOT_SUPPORTED); the quantiser pads
 # the rows to a multiple of 16, which costs nothing (cuBLAS's row tiles are >= 64) and also meets
@@ -112,7 +116,8 @@ def fp8_block_linear(
     if fast is None:
         return fp8_block_linear_ref(x, weight, weight_scale_inv, block)
     m = x.numel() // max(1, x.shape[-1])
-    if m >= CUBLAS_MIN_M and cublas_supports(x, weight, block):
+    narrow = m <= NARROW_TRITON_MAX_M and weight.shape[0] <= NARROW_N
+    if m >= CUBLAS_MIN_M and not narrow and cublas_supports(x, weight, block):
         return fp8_block_linear_cublas(x, weight, weight_scale_inv)
     return fast.fp8_block_gemm(x, weight, weight_scale_inv, block)
 
