@@ -31,7 +31,7 @@ class CPMetadata:
 class HiSparseMetadata:
     """HiSparse's view of the step (SPEC §6): where each request's pages live."""
 
-    step: int | torch.Tensor  # LRU stamp of this step ([1] on the device in a CUDA graph)
+    step: int | torch.Tensor  # LRU stamp of this step ([1] on the device: the worker's step_t)
     req_slots: list[int]  # persistent slot of each request row (host)
     req_slots_t: torch.Tensor  # [B] the same on the device
     block_table_full: torch.Tensor  # [max_reqs, pages] device block per page (−1: host only)

@@ -264,7 +264,9 @@ class HiSparseWorker(WorkerKVCache, StepHooks):
         idx_bt = self.idx_table[inp.idx_mapping]
         pos = inp.positions.long()
         meta.hisparse = HiSparseMetadata(
-            step=self.step,
+            # the device copy, as captured steps read it: on CUDA the resolver then compiles one
+            # variant, not a second one for eager steps (each ~20-50 s on a fresh Triton cache)
+            step=self.step_t,
             req_slots=inp.idx_np.tolist(),
             req_slots_t=inp.idx_mapping,
             block_table_full=self.block_table,
