@@ -7,7 +7,8 @@ included), cuBLAS's block-scaled GEMM through ``torch._scaled_mm`` (sm_90; quant
 same Triton kernel) and bf16 ``F.linear`` on the dequantised weight (the speed-up column's
 reference). At decode sizes (M <= 64) also the Triton path before issue 35 (quantisation pass,
 GEMM, torch sum of the split-K partials: ``fp8_gemm_triton_old``) and the served config with
-the other quantisation choice (``..._fused`` / ``..._sep``: checks ``FUSED_QUANT_MAX_M``); their
+the other quantisation choice (``..._fused`` / ``..._sep``: checks ``FUSED_QUANT_MAX_M``), and the
+GEMM alone on x quantised beforehand (``fp8_gemm_prequant``: a fused producer's share); their
 bytes are what any path must move (weight and scales, x, y), the same for all, so ``roof`` is
 the share of the copy bandwidth and compares their times; from M = 256 the cost model's bytes
 include the quantisation pass. M <= 256 is timed as CUDA-graph replays (what decode runs; eager
@@ -121,6 +122,12 @@ def bench_m(name, wq, ws, w16, m: int, sweep: bool) -> list[dict]:
     ]
     if decode:
         rows += _decode_rows(x, wq, ws, m, shape, t_ms, bf16_ms)
+        # the GEMM alone on x quantised beforehand: what a producer that quantises x itself (the
+        # RMSNorm before q_a+kv_a, say) would leave of the served path
+        xq = tri.quant_per_token_group(x, 128)
+        p_ms = _time(lambda: tri.fp8_block_gemm(x, wq, ws, x_quant=xq), m)
+        note = f"served/this {t_ms / p_ms:.2f}; GEMM alone, x quantised beforehand"
+        rows.append(row("fp8_gemm_prequant", shape, p_ms, flops, nbytes, "fp8", bf16_ms, note))
     if fp8_gemm.cublas_supports(x, wq, (128, 128)):
         c_bytes = fp8_block_linear_cost(m, n, k)[1]  # it runs the quantisation pass
         try:

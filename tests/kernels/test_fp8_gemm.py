@@ -282,6 +282,23 @@ def test_fused_quant_equals_quant_then_gemm_interpreter(interp, m, n, k, split):
 
 
 @pytest.mark.parametrize("fuse", [True, False])
+def test_prequantised_input_interpreter(interp, fuse):
+    """x_quant (x quantised by its producer): the GEMM alone gives what quantising inside does,
+    whatever the config's quantisation choice; a wrong pair gives another result."""
+    mod = interp("fp8_gemm")
+    m, n, k = 3, 70, 300
+    wq, ws = fp8_weight(n, k, seed=5)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6))
+    cfg = _split(mod, m, n, k, 2, fuse_quant=fuse)
+    want = mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg)
+    xq = mod.quant_per_token_group(x, 128)
+    got = mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg, x_quant=xq)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    other = mod.quant_per_token_group(x * 2, 128)
+    assert not torch.equal(mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg, x_quant=other), want)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("m,n,k", [(1, 70, 1024), (19, 70, 600)])
 def test_split_k_in_kernel_interpreter(interp, m, n, k, fuse):
     """K split 2, 3 or one slice per K block, summed by the tile's last split: the unsplit result

@@ -332,9 +332,12 @@ def fp8_block_gemm(
     weight_scale_inv: torch.Tensor,
     block: tuple[int, int] = (128, 128),
     cfg: dict | None = None,
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`vllm.kernels.fp8_gemm.fp8_block_linear` on the GPU (spec there). ``cfg`` overrides
-    :func:`gemm_config` (tests and the benchmark's sweep)."""
+    :func:`gemm_config` (tests and the benchmark's sweep). ``x_quant``: x already quantised,
+    :func:`quant_per_token_group`'s (xq, scale) of x (by a producer that fused it), so the GEMM
+    runs alone; x then gives only the shape and dtype."""
     check_cuda_or_interpreter(x, weight, weight_scale_inv)
     n, k = weight.shape
     lead = x.shape[:-1]
@@ -347,14 +350,18 @@ def fp8_block_gemm(
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     cfg = cfg or gemm_config(m, n, k, block[1], _num_sms(x.device))
-    return _gemm(x2, weight, weight_scale_inv, block, cfg).reshape(*lead, n)
+    if x_quant is not None:
+        cfg = cfg | dict(fuse_quant=False)
+    return _gemm(x2, weight, weight_scale_inv, block, cfg, x_quant).reshape(*lead, n)
 
 
-def _gemm(x2, weight, weight_scale_inv, block, cfg) -> torch.Tensor:
+def _gemm(x2, weight, weight_scale_inv, block, cfg, x_quant=None) -> torch.Tensor:
     """x2 [M, K] (unit last stride) -> [M, N] in x2.dtype: one launch, or two with the separate
     quantisation pass, or three with torch's sum of the partials (cfg["reduce_in_kernel"] off)."""
     (m, k), n, (bn, bk) = x2.shape, weight.shape[0], block
-    if cfg["fuse_quant"]:
+    if x_quant is not None:
+        a, sa = x_quant
+    elif cfg["fuse_quant"]:
         a, sa = x2, x2  # sa: a placeholder, the kernel quantises a itself
     else:
         a, sa = quant_per_token_group(x2, bk)
