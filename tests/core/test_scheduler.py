@@ -478,3 +478,17 @@ def test_block_pool_lists_with_repeats_match_the_reference():
     ref.release(twice)
     assert pool.ref_cnt.tolist() == ref.ref and pool.free_blocks() == list(ref.free)
     assert pool.allocate(30) == ref.allocate(30)
+
+
+def test_cached_prefix_stops_at_the_first_miss():
+    """A later block still cached after an evicted one is not a hit: the prefix is cut there."""
+    pool = BlockPool(10)
+    hs = [hash_block(None, [i]) for i in range(5)]
+    blocks = pool.allocate(5)
+    for b, h in zip(blocks, hs, strict=True):
+        pool.cache_block(b, h)
+    assert pool.cached_prefix(hs) == blocks
+    missing = hash_block(None, [99])
+    assert pool.cached_prefix([hs[0], missing, hs[2]]) == blocks[:1]
+    assert pool.cached_prefix([missing, *hs]) == [] and pool.cached_prefix([]) == []
+    assert BlockPool(4, enable_caching=False).cached_prefix(hs) == []

@@ -89,6 +89,14 @@ class BlockPool:
     def lookup(self, h: bytes) -> int | None:
         return self.cached.get(h) if self.enable_caching else None
 
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of ``hashes`` (all looked up at C speed, cut
+        at the first miss: a 64K prompt's 1,024 lookups one by one in Python were ~0.5 ms)."""
+        if not self.enable_caching:
+            return []
+        found = list(map(self.cached.get, hashes))
+        return found[: found.index(None)] if None in found else found
+
     def free_blocks(self) -> list[int]:
         """The free blocks in eviction order (first = evicted first)."""
         idx = np.arange(self._head, self._tail, dtype=np.int64)

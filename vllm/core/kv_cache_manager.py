@@ -153,12 +153,7 @@ class DeviceKVCacheManager(KVCacheManager):
         if not self.pool.enable_caching or not req.use_prefix_cache:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hits = []
-        for h in self._hashes(req, max_blocks):
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            hits.append(b)
+        hits = self.pool.cached_prefix(self._hashes(req, max_blocks))
         return hits, len(hits) * self.block_size
 
     def allocate_slots(

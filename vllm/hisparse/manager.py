@@ -94,12 +94,7 @@ class HiSparseKVManager(KVCacheManager):
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         if not self.host.enable_caching or not req.use_prefix_cache:
             return [], 0
-        hits = []
-        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
-            b = self.host.lookup(h)
-            if b is None:
-                break
-            hits.append(b)
+        hits = self.host.cached_prefix(self._hashes(req, (req.num_tokens - 1) // self.block_size))
         return hits, len(hits) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------------
