@@ -48,10 +48,10 @@ def test_chunks_reach_the_dense_tail_and_the_sparse_path():
     assert warm_up_chunks(2048, 2048, 1) == [(0, 1)]
 
 
-def _runner(path, blocks=40, budget=96):
+def _runner(path, blocks=40, budget=96, max_num_seqs=4):
     cfg = EngineArgs(
         model=path,
-        max_num_seqs=4,
+        max_num_seqs=max_num_seqs,
         max_model_len=512,
         max_num_batched_tokens=budget,
         num_gpu_blocks_override=blocks,
@@ -132,6 +132,23 @@ def test_warm_up_fits_a_small_cache(tiny_ckpt):
     lengths = runner.warm_up()
     assert lengths[-1] == 2 * bs - 1
     assert runner.states.slot_of == {}
+
+
+def test_warm_up_with_one_sequence(tiny_ckpt):
+    """--max-num-seqs 1: one request slot, so no mixed step (it needs two requests at once; it
+    raised "no free request slot"); the rest runs, nothing is left behind, and the runner answers
+    as a cold one."""
+    prompt = [[(7 * i) % 200 + 5 for i in range(40)]]
+    cold = _generate(_runner(tiny_ckpt, max_num_seqs=1), prompt)
+    warm = _runner(tiny_ckpt, max_num_seqs=1)
+    steps = []
+    execute = warm.execute
+    warm.execute = lambda so: steps.append(so) or execute(so)
+    assert warm.warm_up() == warm_up_lengths(96)
+    assert all(len(so.new_reqs) + len(so.cached_reqs) <= 1 for so in steps)
+    assert not any(r.req_id == "__warmup_mixed" for so in steps for r in so.new_reqs)
+    assert warm.states.slot_of == {}
+    assert _generate(warm, prompt) == cold
 
 
 def _hisparse_runner(path, blocks=14):

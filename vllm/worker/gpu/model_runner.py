@@ -277,11 +277,12 @@ class ModelRunner:
             )
             prev = [r.req_id]
         # a mixed step: the last request decodes its next token beside a new prompt chunk, on
-        # the blocks after its own (when the cache holds both)
+        # the blocks after its own (when the cache holds both, and the engine runs two requests
+        # at once: with max_num_seqs 1 no step ever mixes)
         n_last = lengths[-1]
         start = cdiv(n_last + 1, sbs)
         n = min(cap - 1, pages * sbs - start * sbs - 1)
-        if n > 0:
+        if n > 0 and self.config.scheduler_config.max_num_seqs >= 2:
             # sampled, not greedy: the Gumbel-max kernel compiles here, not in the first
             # request with a temperature
             r = request("__warmup_mixed", n, start, sampled)
