@@ -92,6 +92,17 @@ def bench_cuda(ts):
             flops, nbytes = rms_norm_cost(t, dim)
             note = f"max err {err.item():.3g}"
             rows.append(row("rms_norm", f"T={t} {name}", ms, flops, nbytes, "bf16", ref_ms, note))
+        from vllm.kernels.triton.fp8_gemm import quant_per_token_group
+        from vllm.kernels.triton.norm_rope import rms_norm_quant
+
+        x = torch.randn(t, 6144, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(6144, device="cuda", dtype=torch.bfloat16) + 0.5
+        ms = time_ms_graph(lambda x=x, w=w: rms_norm_quant(x, w, 1e-5))
+        ref_ms = time_ms_graph(lambda x=x, w=w: quant_per_token_group(rms_norm(x, w, 1e-5), 128))
+        flops, nbytes = rms_norm_cost(t, 6144)
+        nbytes += t * 6144 + t * 48 * 4  # the e4m3 copy and its scales
+        note = "against rms_norm then quant_per_token_group"
+        rows.append(row("rms_norm_quant", f"T={t} hidden", ms, flops, nbytes, "bf16", ref_ms, note))
         for name, heads in HADAMARDS:
             x = torch.randn(t, heads, 128, device="cuda", dtype=torch.bfloat16)
             err = (hadamard_transform(x).float() - hadamard_transform_ref(x).float()).abs().max()
@@ -100,7 +111,7 @@ def bench_cuda(ts):
             flops, nbytes = 2 * t * heads * 128 * 128, 2 * 2 * t * heads * 128
             note = f"max diff {err.item():.3g}"
             rows.append(row("hadamard", f"T={t} {name}", ms, flops, nbytes, "bf16", ref_ms, note))
-        print_rows(rows[-len(ROPES) - len(NORMS) - len(HADAMARDS) :])
+        print_rows(rows[-len(ROPES) - len(NORMS) - len(HADAMARDS) - 1 :])
     return rows
 
 

@@ -531,3 +531,36 @@ def test_tp_shard_starting_inside_a_block(tmp_path):
         assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() * 2**-12).all()
     want, got = dense_experts(ex, "w2_weight")[:, :, 96:], dense_experts(ex1, "w2_weight")
     assert ((got - want).abs() <= want.abs() * 2**-4 + want.abs().max() * 2**-12).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_norm_quantises_for_fp8_qkv_a_on_cuda(tmp_path, monkeypatch):
+    """At decode sizes on CUDA the FP8 slice's input norm also quantises its output for the
+    stacked q_a+kv_a GEMM: every projection the layer makes equals, bit for bit, the path where
+    the GEMM quantises x itself (the same e4m3 bytes and scales), and the path is taken."""
+    from vllm.kernels import norm_rope
+    from vllm.model_executor.models import glm_moe_dsa
+    from vllm.model_executor.tiny import write_slice_checkpoint
+
+    model = build_model(write_slice_checkpoint(str(tmp_path / "fp8"), fp8=True, seed=3),
+                        dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    layer = model.model.layers[0]
+    assert layer.self_attn.fused_qkv_a is not None and layer.self_attn.fused_qkv_a[1] is not None
+    for m in (1, 16, 64):
+        x = torch.randn(
+            m, layer.input_layernorm.weight.shape[0], device="cuda", dtype=torch.bfloat16
+        )
+        pos = torch.arange(m, device="cuda")
+        calls = []
+        real = norm_rope.rms_norm_quant
+        monkeypatch.setattr(
+            glm_moe_dsa, "rms_norm_quant", lambda *a, c=calls, f=real: c.append(1) or f(*a)
+        )
+        fused = layer.pre_attention(x, pos)
+        assert calls, m
+        monkeypatch.setattr(glm_moe_dsa, "takes_x_quant", lambda *a: False)
+        plain = layer.pre_attention(x, pos)
+        monkeypatch.undo()
+        for name in ("q_nope", "q_pe", "kv_c", "k_pe"):
+            assert torch.equal(getattr(fused, name), getattr(plain, name)), (m, name)

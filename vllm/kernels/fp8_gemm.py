@@ -104,22 +104,36 @@ def fp8_block_linear(
     weight: torch.Tensor,
     weight_scale_inv: torch.Tensor,
     block: tuple[int, int] = (128, 128),
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """y = x · Wᵀ with W = weight · scale block-wise (module docstring for the exact sum).
 
     x [..., K] bf16/fp16/fp32; weight e4m3 [N, K]; weight_scale_inv fp32 [ceil(N/bn), ceil(K/bk)]
     with block = (bn, bk). Activations are quantised per token per group of bk along K.
-    Returns [..., N] in x.dtype (accumulated in fp32, rounded once at the end)."""
+    Returns [..., N] in x.dtype (accumulated in fp32, rounded once at the end). ``x_quant``: x's
+    quantisation done by its producer (:func:`takes_x_quant` says when the GEMM uses it; else x
+    is quantised here, the same bytes)."""
     _check(x, weight, weight_scale_inv, block)
     bk = block[1]
     fast = kernel_module("triton.fp8_gemm", x, bk >= 16 and bk & (bk - 1) == 0)
     if fast is None:
         return fp8_block_linear_ref(x, weight, weight_scale_inv, block)
     m = x.numel() // max(1, x.shape[-1])
-    narrow = m <= NARROW_TRITON_MAX_M and weight.shape[0] <= NARROW_N
-    if m >= CUBLAS_MIN_M and not narrow and cublas_supports(x, weight, block):
+    if not _triton_rows(m, weight.shape[0]) and cublas_supports(x, weight, block):
         return fp8_block_linear_cublas(x, weight, weight_scale_inv)
-    return fast.fp8_block_gemm(x, weight, weight_scale_inv, block)
+    return fast.fp8_block_gemm(x, weight, weight_scale_inv, block, x_quant=x_quant)
+
+
+def _triton_rows(m: int, n: int) -> bool:
+    narrow = m <= NARROW_TRITON_MAX_M and n <= NARROW_N
+    return m < CUBLAS_MIN_M or narrow
+
+
+def takes_x_quant(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether :func:`fp8_block_linear` on CUDA runs the Triton GEMM for this call, which reads a
+    producer's quantisation of x (``x_quant``) instead of quantising x itself."""
+    m = x.numel() // max(1, x.shape[-1])
+    return x.is_cuda and (_triton_rows(m, weight.shape[0]) or not cublas_supports(x, weight, block))
 
 
 def cublas_supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:

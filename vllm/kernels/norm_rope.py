@@ -31,6 +31,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
 
 
+def rms_norm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 128
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`rms_norm`, and where the Triton kernel runs, its output also quantised per token
+    per group of ``group`` (``quant_per_token_group``'s e4m3 bytes and scales) in the same pass,
+    for an FP8 GEMM that reads it next (``x_quant``); elsewhere (y, None)."""
+    d = x.shape[-1]
+    ok = x.stride(-1) == 1 and x.dim() >= 1 and d >= group and group & (group - 1) == 0
+    fast = kernel_module("triton.norm_rope", x, ok)
+    if fast is None:
+        return rms_norm(x, weight, eps), None
+    y, q, s = fast.rms_norm_quant(x, weight, eps, group)
+    return y, (q, s)
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -11,6 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.kernels.fp8_gemm import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from vllm.kernels.triton.fp8_gemm import _quant_groups
+from vllm.kernels.triton.utils import interpreting
+
 
 @triton.jit(do_not_specialize=("sx",))
 def _rms_norm_kernel(
@@ -54,6 +58,71 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             num_warps=max(1, min(8, block // 256)),
         )
     return out.view(x.shape)
+
+
+@triton.jit
+def _rms_norm_quant_kernel(
+    x_ptr,  # [N, D], row stride sx
+    w_ptr,  # [D]
+    o_ptr,  # [N, D] contiguous
+    q_ptr,  # uint8 view of e4m3 [N_pad, D] contiguous
+    s_ptr,  # fp32 [N_pad, ng], strides (stride_sm, stride_sg)
+    sx,
+    eps,
+    n_rows,  # rows of x; rows n_rows..N_pad-1 of q and s are an all-zero row's
+    stride_sm,
+    stride_sg,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    cm = cols < D
+    live = r < n_rows
+    x = tl.load(x_ptr + r * sx + cols, mask=cm & live, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # the same two roundings as rms_norm
+    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    out = (y * w).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + r * D + cols, out, mask=cm & live)
+    # the rounded output quantised per group of GROUP columns, as quant_per_token_group would
+    # quantise it after a round trip through memory (zeros past D do not move a group's amax)
+    g = tl.reshape(out.to(tl.float32), (BLOCK_D // GROUP, GROUP))
+    q, scale = _quant_groups(g, FLOOR, QMAX, SOFT_FP8)
+    gcols = tl.reshape(cols, (BLOCK_D // GROUP, GROUP))
+    tl.store(q_ptr + r * D + gcols, q, mask=gcols < D)
+    gi = tl.arange(0, BLOCK_D // GROUP)
+    tl.store(s_ptr + r * stride_sm + gi * stride_sg, scale, mask=gi * GROUP < D)
+
+
+def rms_norm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 128, row_multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` and :func:`~vllm.kernels.triton.fp8_gemm.quant_per_token_group` of its
+    output in one pass: (y [..., D], yq e4m3 [N_pad, D], scale fp32 [N_pad, ceil(D/group)] as an
+    N-contiguous view), the same bits as the two calls; D >= group, group a power of two."""
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = x2.shape[0]
+    n_pad = -(-n // row_multiple) * row_multiple
+    ng = triton.cdiv(d, group)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    q = torch.empty(n_pad, d, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(ng, n_pad, dtype=torch.float32, device=x.device).t()
+    if n_pad:
+        block = max(triton.next_power_of_2(d), group)
+        _rms_norm_quant_kernel[(n_pad,)](
+            x2, weight, out, q.view(torch.uint8), s, x2.stride(0), eps, n, s.stride(0),
+            s.stride(1), D=d, BLOCK_D=block, GROUP=group, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX,
+            SOFT_FP8=interpreting(), num_warps=max(1, min(8, block // 256)),
+        )  # fmt: skip
+    return out.view(x.shape), q, s
 
 
 @triton.jit

@@ -228,9 +228,14 @@ def fuse_linears(parts: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 def linear_forward(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int]
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    block: tuple[int, int],
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """x Wᵀ for a weight in the model dtype (``scale`` None) or e4m3 with block scales."""
+    """x Wᵀ for a weight in the model dtype (``scale`` None) or e4m3 with block scales
+    (``x_quant``: x already quantised by its producer, see ``fp8_block_linear``)."""
     if scale is not None:
-        return fp8_block_linear(x, weight, scale, block)
+        return fp8_block_linear(x, weight, scale, block, x_quant)
     return nn.functional.linear(x, weight.to(x.dtype) if weight.dtype != x.dtype else weight)

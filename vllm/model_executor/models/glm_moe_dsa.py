@@ -21,9 +21,10 @@ from vllm.attention.layer import IndexerInputs, SparseMLAAttention
 from vllm.attention.metadata import MLAMetadata
 from vllm.config.arch import ModelArch
 from vllm.distributed.parallel_state import ParallelContext
-from vllm.kernels.fp8_gemm import FP8_DTYPE
+from vllm.kernels.fp8_gemm import FP8_DTYPE, takes_x_quant
 from vllm.kernels.hadamard import hadamard_transform
 from vllm.kernels.moe import fp8_scale_shapes, fused_experts
+from vllm.kernels.norm_rope import rms_norm_quant
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import Linear, fuse_linears, linear_forward, weight_block
 from vllm.model_executor.layers.moe import route_tokens
@@ -176,13 +177,14 @@ class MLAAttention(nn.Module):
         if fused is not None:
             self.fused_qkv_a = (*fused, self.q_a_proj.block)
 
-    def project(self, x, positions) -> AttentionInputs:
+    def project(self, x, positions, x_quant=None) -> AttentionInputs:
         """Everything before the attention kernels: the q/kv LoRA projections and norms, RoPE,
-        and the indexer's projections (no metadata, no KV cache: a piece of a piecewise graph)."""
+        and the indexer's projections (no metadata, no KV cache: a piece of a piecewise graph).
+        ``x_quant``: x quantised by the norm before it, for the FP8 q_a+kv_a GEMM."""
         t = x.shape[0]
         cos, sin = rope_cos_sin(positions, self.rope, self.theta)
         if self.fused_qkv_a is not None:
-            qkv = linear_forward(x, *self.fused_qkv_a)
+            qkv = linear_forward(x, *self.fused_qkv_a, x_quant=x_quant)
             c_q, kv = qkv.split([self.q_lora_rank, self.kv_a_width], -1)
         else:
             c_q, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
@@ -380,7 +382,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
     def pre_attention(self, x, positions) -> AttentionInputs:
-        return self.self_attn.project(self.input_layernorm(x), positions)
+        attn, norm = self.self_attn, self.input_layernorm
+        fused = attn.fused_qkv_a
+        if fused is not None and fused[1] is not None and takes_x_quant(x, fused[0], fused[2]):
+            # decode sizes under FP8: the norm also quantises its output for the q_a+kv_a GEMM
+            # (one launch fewer; the same e4m3 bytes as the GEMM's own quantisation)
+            y, x_quant = rms_norm_quant(x, norm.weight, norm.eps, fused[2][1])
+            return attn.project(y, positions, x_quant)
+        return attn.project(norm(x), positions)
 
     def post_attention(self, x, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``x`` and the attention output [T, H, v]."""
