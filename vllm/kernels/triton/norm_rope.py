@@ -73,29 +73,29 @@ def _rms_norm_quant_kernel(
     stride_sm,
     stride_sg,
     D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # groups per row, a power of two >= ceil(D / GROUP)
     GROUP: tl.constexpr,
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
     SOFT_FP8: tl.constexpr,
 ):
+    # the row as a [groups, GROUP] tile from the start: the norm sums the whole tile, the
+    # quantisation reduces along axis 1 (a reshape of a 1-D row costs a shared-memory shuffle)
     r = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_G)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     cm = cols < D
     live = r < n_rows
     x = tl.load(x_ptr + r * sx + cols, mask=cm & live, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / D + eps)
     y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # the same two roundings as rms_norm
     w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     out = (y * w).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + r * D + cols, out, mask=cm & live)
     # the rounded output quantised per group of GROUP columns, as quant_per_token_group would
     # quantise it after a round trip through memory (zeros past D do not move a group's amax)
-    g = tl.reshape(out.to(tl.float32), (BLOCK_D // GROUP, GROUP))
-    q, scale = _quant_groups(g, FLOOR, QMAX, SOFT_FP8)
-    gcols = tl.reshape(cols, (BLOCK_D // GROUP, GROUP))
-    tl.store(q_ptr + r * D + gcols, q, mask=gcols < D)
-    gi = tl.arange(0, BLOCK_D // GROUP)
+    q, scale = _quant_groups(out.to(tl.float32), FLOOR, QMAX, SOFT_FP8)
+    tl.store(q_ptr + r * D + cols, q, mask=cm)
+    gi = tl.arange(0, BLOCK_G)
     tl.store(s_ptr + r * stride_sm + gi * stride_sg, scale, mask=gi * GROUP < D)
 
 
@@ -116,11 +116,11 @@ def rms_norm_quant(
     q = torch.empty(n_pad, d, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(ng, n_pad, dtype=torch.float32, device=x.device).t()
     if n_pad:
-        block = max(triton.next_power_of_2(d), group)
+        block_g = triton.next_power_of_2(ng)
         _rms_norm_quant_kernel[(n_pad,)](
             x2, weight, out, q.view(torch.uint8), s, x2.stride(0), eps, n, s.stride(0),
-            s.stride(1), D=d, BLOCK_D=block, GROUP=group, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX,
-            SOFT_FP8=interpreting(), num_warps=max(1, min(8, block // 256)),
+            s.stride(1), D=d, BLOCK_G=block_g, GROUP=group, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX,
+            SOFT_FP8=interpreting(), num_warps=max(1, min(8, block_g * group // 256)),
         )  # fmt: skip
     return out.view(x.shape), q, s
 
