@@ -5,7 +5,7 @@ for the rope the concatenation that put the rotated half back into its head).
 Rows: the MLA query's rope half (64 heads × 256, rope dims last), the shared rope key (a [T, 64]
 slice of the fused kv projection), the indexer query (32 heads × 128, rope dims first), and
 RMSNorm over the hidden state (6,144), the q LoRA (2,048) and the kv LoRA (512, a row-strided
-split of the fused projection), at T = 64 and 256 (decode steps) and 8,192 (a prefill step).
+split of the fused projection), at T = 1, 64 and 256 (decode steps) and 8,192 (a prefill step).
 Kernels are timed as CUDA-graph replays, the torch chains eagerly; TB/s counts each op's bytes
 (``*_cost``) against the copy bandwidth measured in the same process.
 
@@ -103,6 +103,10 @@ def bench_cuda(ts):
         nbytes += t * 6144 + t * 48 * 4  # the e4m3 copy and its scales
         note = "against rms_norm then quant_per_token_group"
         rows.append(row("rms_norm_quant", f"T={t} hidden", ms, flops, nbytes, "bf16", ref_ms, note))
+        for sg in (2, 4, 16, 64):  # groups per program against the served QUANT_SPLIT_G
+            ms = time_ms_graph(lambda x=x, w=w, sg=sg: rms_norm_quant(x, w, 1e-5, split_g=sg))
+            rows.append(row("rms_norm_quant", f"T={t} hidden split {sg}", ms, flops, nbytes,
+                            "bf16", ref_ms, note))  # fmt: skip
         for name, heads in HADAMARDS:
             x = torch.randn(t, heads, 128, device="cuda", dtype=torch.bfloat16)
             err = (hadamard_transform(x).float() - hadamard_transform_ref(x).float()).abs().max()
@@ -141,7 +145,7 @@ def main():
     if not torch.cuda.is_available():
         bench_cpu()
         return
-    rows = bench_cuda((64, 8192) if args.quick else (64, 256, 8192))
+    rows = bench_cuda((1, 64, 8192) if args.quick else (1, 64, 256, 8192))
     print("\n# summary")
     print_rows(rows)
     dump_json(rows, args.json)

@@ -153,17 +153,21 @@ def test_kernels_on_gpu():
     torch.testing.assert_close(x[..., 192:].float(), want.float(), **BF16)
 
 
-@pytest.mark.parametrize("n,d,row_multiple", [(3, 256, 1), (5, 300, 16), (1, 128, 1)])
-def test_rms_norm_quant_interpreter(interp, n, d, row_multiple):
+@pytest.mark.parametrize(
+    "n,d,row_multiple,split_g",
+    [(3, 256, 1, None), (5, 300, 16, None), (1, 128, 1, None), (4, 1000, 8, 2), (2, 640, 1, 1)],
+)
+def test_rms_norm_quant_interpreter(interp, n, d, row_multiple, split_g):
     """RMSNorm fused with the per-token-group quantisation of its output: the same norm output
     and the same e4m3 bytes and scales as the two kernels one after the other (a partial last
-    group at D = 300; rows padded to 16 as cuBLAS's path pads them)."""
+    group at D = 300 and 1,000; rows padded as cuBLAS's path pads them; a row's groups split over
+    programs, the last chunk partial at D = 1,000 in chunks of 2)."""
     nr = interp("norm_rope")
     fq = interp("fp8_gemm")
     g = torch.Generator().manual_seed(n + d)
     x = torch.randn(n, d, generator=g) * 3
     w = torch.rand(d, generator=g) + 0.5
-    y, q, s = nr.rms_norm_quant(x, w, 1e-6, 128, row_multiple)
+    y, q, s = nr.rms_norm_quant(x, w, 1e-6, 128, row_multiple, split_g)
     y2 = nr.rms_norm(x, w, 1e-6)
     q2, s2 = fq.quant_per_token_group(y2, 128, row_multiple)
     assert torch.equal(y, y2)
@@ -173,15 +177,24 @@ def test_rms_norm_quant_interpreter(interp, n, d, row_multiple):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,d,row_multiple", [(1, 6144, 1), (64, 6144, 1), (37, 7168, 16)])
-def test_rms_norm_quant_gpu(n, d, row_multiple):
+@pytest.mark.parametrize(
+    "n,d,row_multiple,split_g",
+    [
+        (1, 6144, 1, None),
+        (64, 6144, 1, None),
+        (37, 7168, 16, 2),
+        (64, 6144, 1, 64),
+        (9, 2048, 1, 4),
+    ],
+)
+def test_rms_norm_quant_gpu(n, d, row_multiple, split_g):
     """Compiled, bf16: the fused norm + quantisation gives the two kernels' bits."""
     from vllm.kernels.triton import fp8_gemm as fq
     from vllm.kernels.triton import norm_rope as nr
 
     x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16) * 3
     w = (torch.rand(d, device="cuda") + 0.5).to(torch.bfloat16)
-    y, q, s = nr.rms_norm_quant(x, w, 1e-6, 128, row_multiple)
+    y, q, s = nr.rms_norm_quant(x, w, 1e-6, 128, row_multiple, split_g)
     y2 = nr.rms_norm(x, w, 1e-6)
     q2, s2 = fq.quant_per_token_group(y2, 128, row_multiple)
     assert torch.equal(y, y2)

@@ -16,6 +16,27 @@ from vllm.kernels.triton.fp8_gemm import _quant_groups
 from vllm.kernels.triton.utils import interpreting
 
 
+@triton.jit
+def _row_tile(x_ptr, w_ptr, r, sx, inv, g0, D: tl.constexpr, BLOCK_G: tl.constexpr,
+              GROUP: tl.constexpr):  # fmt: skip
+    """Columns [g0·GROUP, (g0 + BLOCK_G)·GROUP) of row r as a [BLOCK_G, GROUP] tile, normalised
+    (``inv`` = 1 / rms) with the reference's two roundings: (column offsets, fp32 output)."""
+    cols = (g0 + tl.arange(0, BLOCK_G))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(x_ptr + r * sx + cols, mask=cols < D, other=0.0).to(tl.float32)
+    y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype, then
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)  # the weight's product
+    return cols, y * w
+
+
+@triton.jit
+def _inv_rms(x_ptr, r, sx, eps, D: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
+    """1 / sqrt(mean(x_r²) + eps) over the whole row as one [BLOCK_G, GROUP] tile: both norm
+    kernels reduce the same tile with the same warps, hence the same fp32 sum."""
+    cols = tl.arange(0, BLOCK_G)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(x_ptr + r * sx + cols, mask=cols < D, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / D + eps)
+
+
 @triton.jit(do_not_specialize=("sx",))
 def _rms_norm_kernel(
     x_ptr,  # [N, D], row stride sx
@@ -24,18 +45,21 @@ def _rms_norm_kernel(
     sx,
     eps,
     D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # the row as a [BLOCK_G, GROUP] tile (norm_tile)
+    GROUP: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    cm = cols < D
-    x = tl.load(x_ptr + r * sx + cols, mask=cm, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    # rounded to x's dtype, then the weight's product rounded to the output's (the reference's
-    # two roundings)
-    y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-    tl.store(o_ptr + r * D + cols, (y * w).to(o_ptr.dtype.element_ty), mask=cm)
+    inv = _inv_rms(x_ptr, r, sx, eps, D, BLOCK_G, GROUP)
+    cols, out = _row_tile(x_ptr, w_ptr, r, sx, inv, 0, D, BLOCK_G, GROUP)
+    tl.store(o_ptr + r * D + cols, out.to(o_ptr.dtype.element_ty), mask=cols < D)
+
+
+def norm_tile(d: int) -> tuple[int, int, int]:
+    """(BLOCK_G, GROUP, num_warps): a row of D as a [BLOCK_G, GROUP] tile (GROUP = 128 columns,
+    the FP8 quantisation group, for D >= 128), the layout both norm kernels reduce."""
+    group = min(128, triton.next_power_of_2(d))
+    block_g = triton.next_power_of_2(triton.cdiv(d, group))
+    return block_g, group, max(1, min(8, block_g * group // 256))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,21 +70,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     n = x2.shape[0]
     if n:
-        block = triton.next_power_of_2(d)
+        block_g, group, warps = norm_tile(d)
         _rms_norm_kernel[(n,)](
-            x2,
-            weight,
-            out,
-            x2.stride(0),
-            eps,
-            D=d,
-            BLOCK_D=block,
-            num_warps=max(1, min(8, block // 256)),
-        )
+            x2, weight, out, x2.stride(0), eps, D=d, BLOCK_G=block_g, GROUP=group,
+            num_warps=warps,
+        )  # fmt: skip
     return out.view(x.shape)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("sx",))
 def _rms_norm_quant_kernel(
     x_ptr,  # [N, D], row stride sx
     w_ptr,  # [D]
@@ -73,39 +91,51 @@ def _rms_norm_quant_kernel(
     stride_sm,
     stride_sg,
     D: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # groups per row, a power of two >= ceil(D / GROUP)
-    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # the row as a [BLOCK_G, GROUP] tile for the sum (norm_tile)
+    GROUP: tl.constexpr,  # = the quantisation group
+    SPLIT_G: tl.constexpr,  # groups written and quantised by each program
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
     SOFT_FP8: tl.constexpr,
 ):
-    # the row as a [groups, GROUP] tile from the start: the norm sums the whole tile, the
-    # quantisation reduces along axis 1 (a reshape of a 1-D row costs a shared-memory shuffle)
+    # program (row, chunk): each sums the whole row (the tile and warps of _rms_norm_kernel, so
+    # the same 1 / rms; the re-reads of a row hit L2), then writes and quantises its SPLIT_G
+    # groups as quant_per_token_group would after a round trip of the output through memory
+    # (zeros past D do not move a group's amax; padding rows are all zero)
     r = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_G)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    cm = cols < D
+    g0 = tl.program_id(1) * SPLIT_G
     live = r < n_rows
-    x = tl.load(x_ptr + r * sx + cols, mask=cm & live, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / D + eps)
-    y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # the same two roundings as rms_norm
-    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-    out = (y * w).to(o_ptr.dtype.element_ty)
-    tl.store(o_ptr + r * D + cols, out, mask=cm & live)
-    # the rounded output quantised per group of GROUP columns, as quant_per_token_group would
-    # quantise it after a round trip through memory (zeros past D do not move a group's amax)
+    rr = tl.where(live, r, 0)
+    inv = _inv_rms(x_ptr, rr, sx, eps, D, BLOCK_G, GROUP)
+    cols, out = _row_tile(x_ptr, w_ptr, rr, sx, inv, g0, D, SPLIT_G, GROUP)
+    out = tl.where(live, out, 0.0).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + r * D + cols, out, mask=(cols < D) & live)
     q, scale = _quant_groups(out.to(tl.float32), FLOOR, QMAX, SOFT_FP8)
-    tl.store(q_ptr + r * D + cols, q, mask=cm)
-    gi = tl.arange(0, BLOCK_G)
+    tl.store(q_ptr + r * D + cols, q, mask=cols < D)
+    gi = g0 + tl.arange(0, SPLIT_G)
     tl.store(s_ptr + r * stride_sm + gi * stride_sg, scale, mask=gi * GROUP < D)
 
 
+# groups each program of rms_norm_quant writes and quantises: a 6,144-wide row in 6 programs
+QUANT_SPLIT_G = 8
+
+
 def rms_norm_quant(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 128, row_multiple: int = 1
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    group: int = 128,
+    row_multiple: int = 1,
+    split_g: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`rms_norm` and :func:`~vllm.kernels.triton.fp8_gemm.quant_per_token_group` of its
-    output in one pass: (y [..., D], yq e4m3 [N_pad, D], scale fp32 [N_pad, ceil(D/group)] as an
-    N-contiguous view), the same bits as the two calls; D >= group, group a power of two."""
+    output in one launch: (y [..., D], yq e4m3 [N_pad, D], scale fp32 [N_pad, ceil(D/group)] as
+    an N-contiguous view), the same bits as the two calls; D >= group = 128. ``split_g``: groups
+    per program (default :data:`QUANT_SPLIT_G`; the benchmark compares others)."""
     d = x.shape[-1]
+    block_g, tile_group, warps = norm_tile(d)
+    if group != tile_group:
+        raise ValueError(f"rms_norm_quant: group {group} at D {d}; the norm's tile is {tile_group}")
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -116,11 +146,11 @@ def rms_norm_quant(
     q = torch.empty(n_pad, d, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(ng, n_pad, dtype=torch.float32, device=x.device).t()
     if n_pad:
-        block_g = triton.next_power_of_2(ng)
-        _rms_norm_quant_kernel[(n_pad,)](
+        split = min(triton.next_power_of_2(split_g or QUANT_SPLIT_G), block_g)
+        _rms_norm_quant_kernel[(n_pad, triton.cdiv(ng, split))](
             x2, weight, out, q.view(torch.uint8), s, x2.stride(0), eps, n, s.stride(0),
-            s.stride(1), D=d, BLOCK_G=block_g, GROUP=group, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX,
-            SOFT_FP8=interpreting(), num_warps=max(1, min(8, block_g * group // 256)),
+            s.stride(1), D=d, BLOCK_G=block_g, GROUP=group, SPLIT_G=split, FLOOR=AMAX_FLOOR,
+            QMAX=FP8_MAX, SOFT_FP8=interpreting(), num_warps=warps,
         )  # fmt: skip
     return out.view(x.shape), q, s
 
