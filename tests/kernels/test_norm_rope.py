@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.kernels.norm_rope import apply_rope, apply_rope_ref, rms_norm, rms_norm_ref
+from vllm.kernels.norm_rope import (
+    QUANT_MAX_ROWS,
+    apply_rope,
+    apply_rope_ref,
+    rms_norm,
+    rms_norm_quant,
+    rms_norm_ref,
+)
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 BF16 = dict(rtol=2**-7, atol=1e-3)  # one bf16 unit in the last place
@@ -174,6 +181,30 @@ def test_rms_norm_quant_interpreter(interp, n, d, row_multiple, split_g):
     assert q.shape == q2.shape and s.shape == s2.shape and s.stride() == s2.stride()
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
     assert torch.equal(s, s2)
+
+
+def test_rms_norm_quant_dispatch(interp, monkeypatch):
+    """The op fuses the quantisation only at decode sizes (up to QUANT_MAX_ROWS rows) with groups
+    of 128: the interpreter's kernel stands in for CUDA's there, and gives the quantiser's bytes;
+    with more rows, another group, or CPU tensors it is rms_norm alone (the GEMM quantises)."""
+    from vllm.kernels import norm_rope as op
+
+    nr, fq = interp("norm_rope"), interp("fp8_gemm")
+    g = torch.Generator().manual_seed(3)
+    w = torch.rand(256, generator=g) + 0.5
+    x = torch.randn(4, 256, generator=g)
+    y, xq = rms_norm_quant(x, w, 1e-6)  # CPU tensors: no kernel
+    assert xq is None and torch.equal(y, rms_norm_ref(x, w, 1e-6))
+    monkeypatch.setattr(op, "kernel_module", lambda name, t, ok=True: nr if ok else None)
+    for rows, group, fused in ((1, 128, True), (QUANT_MAX_ROWS, 128, True),
+                               (QUANT_MAX_ROWS + 1, 128, False), (4, 64, False)):  # fmt: skip
+        x = torch.randn(rows, 256, generator=g)
+        y, xq = rms_norm_quant(x, w, 1e-6, group)
+        assert (xq is not None) == fused, (rows, group)
+        if fused:
+            q2, s2 = fq.quant_per_token_group(y, 128)
+            assert torch.equal(xq[0].view(torch.uint8), q2.view(torch.uint8))
+            assert torch.equal(xq[1], s2)
 
 
 @pytest.mark.gpu

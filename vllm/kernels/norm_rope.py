@@ -31,14 +31,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, weight, eps)
 
 
+# rows up to which rms_norm_quant fuses the quantisation (decode sizes): every program of the
+# fused kernel re-sums its row, which loses to the two kernels at prefill sizes
+QUANT_MAX_ROWS = 64
+
+
 def rms_norm_quant(
     x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 128
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """:func:`rms_norm`, and where the Triton kernel runs, its output also quantised per token
-    per group of ``group`` (``quant_per_token_group``'s e4m3 bytes and scales) in the same pass,
-    for an FP8 GEMM that reads it next (``x_quant``); elsewhere (y, None)."""
+    """:func:`rms_norm`, and where the Triton kernel runs (up to :data:`QUANT_MAX_ROWS` rows,
+    groups of 128), its output also quantised per token per group (``quant_per_token_group``'s
+    e4m3 bytes and scales) in the same launch, for an FP8 GEMM that reads it next
+    (``x_quant``); elsewhere (y, None)."""
     d = x.shape[-1]
-    ok = x.stride(-1) == 1 and x.dim() >= 1 and d >= group and group & (group - 1) == 0
+    rows = x.numel() // max(1, d)
+    ok = x.stride(-1) == 1 and x.dim() >= 1 and d >= group == 128 and rows <= QUANT_MAX_ROWS
     fast = kernel_module("triton.norm_rope", x, ok)
     if fast is None:
         return rms_norm(x, weight, eps), None

@@ -116,8 +116,13 @@ def _rms_norm_quant_kernel(
     tl.store(s_ptr + r * stride_sm + gi * stride_sg, scale, mask=gi * GROUP < D)
 
 
-# groups each program of rms_norm_quant writes and quantises: a 6,144-wide row in 6 programs
-QUANT_SPLIT_G = 8
+# groups each program of rms_norm_quant writes and quantises: a 6,144-wide row in 3 programs.
+# H100, graph replays (bench_norm_rope.py, 2026-12-06), D = 6,144, against rms_norm then
+# quant_per_token_group: T = 1 3.0 µs with 2-16 groups a program (the two kernels ~4.2), 7 with
+# 64; T = 64 5.0 µs with 16 (~5.4), 6.0 with 8, 9-15 with 2-4. Every program re-sums its whole
+# row, so at prefill sizes the fused kernel loses (T = 8K: 0.16-1.6 ms against ~0.14): the
+# decoder layer uses it at decode sizes only.
+QUANT_SPLIT_G = 16
 
 
 def rms_norm_quant(
