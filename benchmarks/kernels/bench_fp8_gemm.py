@@ -8,7 +8,9 @@ same Triton kernel) and bf16 ``F.linear`` on the dequantised weight (the speed-u
 reference). At decode sizes (M <= 64) also the Triton path before issue 35 (quantisation pass,
 GEMM, torch sum of the split-K partials: ``fp8_gemm_triton_old``) and the served config with
 the other quantisation choice (``..._fused`` / ``..._sep``: checks ``FUSED_QUANT_MAX_M``), and the
-GEMM alone on x quantised beforehand (``fp8_gemm_prequant``: a fused producer's share); their
+GEMM alone on x quantised beforehand (``fp8_gemm_prequant``: a fused producer's share), and both
+on a weight rotated over copies that exceed the L2 twice (``..._cold``: as a model's layers read
+their weights; one weight of a few MB replayed can be served from L2); their
 bytes are what any path must move (weight and scales, x, y), the same for all, so ``roof`` is
 the share of the copy bandwidth and compares their times; from M = 256 the cost model's bytes
 include the quantisation pass. M <= 256 is timed as CUDA-graph replays (what decode runs; eager
@@ -106,6 +108,28 @@ def _decode_rows(x, wq, ws, m, shape, t_ms, bf16_ms) -> list[dict]:
     return rows
 
 
+def _cold_rows(x, wq, ws, xq, shape, t_ms, flops, nbytes, bf16_ms) -> list[dict]:
+    """Decode sizes with the weight cold: each captured call on another copy of it, the copies
+    together over twice the L2 (a model's layers each read their own weight; replaying one
+    weight of a few MB can serve it from L2 and read high). Served path and GEMM alone."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = max(2, math.ceil(2 * l2 / (wq.numel() + ws.numel() * 4)))
+    ws_all = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies - 1)]
+    launches = max(20, copies)
+    rows = []
+    for op, xquant in (("fp8_gemm_cold", None), ("fp8_gemm_prequant_cold", xq)):
+        turn = iter(range(1 << 30))
+
+        def call(xquant=xquant, turn=turn):
+            w, s = ws_all[next(turn) % copies]
+            tri.fp8_block_gemm(x, w, s, x_quant=xquant)
+
+        ms = time_ms_graph(call, launches=launches)
+        note = f"served/this {t_ms / ms:.2f}; weight rotated over {copies} copies (> 2x L2)"
+        rows.append(row(op, shape, ms, flops, nbytes, "fp8", bf16_ms, note))
+    return rows
+
+
 def bench_m(name, wq, ws, w16, m: int, sweep: bool) -> list[dict]:
     n, k = wq.shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -128,6 +152,7 @@ def bench_m(name, wq, ws, w16, m: int, sweep: bool) -> list[dict]:
         p_ms = _time(lambda: tri.fp8_block_gemm(x, wq, ws, x_quant=xq), m)
         note = f"served/this {t_ms / p_ms:.2f}; GEMM alone, x quantised beforehand"
         rows.append(row("fp8_gemm_prequant", shape, p_ms, flops, nbytes, "fp8", bf16_ms, note))
+        rows += _cold_rows(x, wq, ws, xq, shape, t_ms, flops, nbytes, bf16_ms)
     if fp8_gemm.cublas_supports(x, wq, (128, 128)):
         c_bytes = fp8_block_linear_cost(m, n, k)[1]  # it runs the quantisation pass
         try:
