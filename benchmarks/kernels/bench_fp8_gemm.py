@@ -10,8 +10,9 @@ GEMM, torch sum of the split-K partials: ``fp8_gemm_triton_old``) and the served
 the other quantisation choice (``..._fused`` / ``..._sep``: checks ``FUSED_QUANT_MAX_M``), and the
 GEMM alone on x quantised beforehand (``fp8_gemm_prequant``: a fused producer's share), and both
 on a weight rotated over copies that exceed the L2 twice (``..._cold``: as a model's layers read
-their weights; one weight of a few MB replayed can be served from L2); their
-bytes are what any path must move (weight and scales, x, y), the same for all, so ``roof`` is
+their weights; one weight of a few MB replayed can be served from L2) beside a copy of the
+same bytes, launched the same way (``copy_same_bytes_cold``: what one launch of that size
+reaches); their bytes are what any path must move (weight and scales, x, y), the same for all, so ``roof`` is
 the share of the copy bandwidth and compares their times; from M = 256 the cost model's bytes
 include the quantisation pass. M <= 256 is timed as CUDA-graph replays (what decode runs; eager
 times there are the host's launch cost), larger M eagerly. Peaks (copy bandwidth, bf16 and fp8
@@ -111,7 +112,8 @@ def _decode_rows(x, wq, ws, m, shape, t_ms, bf16_ms) -> list[dict]:
 def _cold_rows(x, wq, ws, xq, shape, t_ms, flops, nbytes, bf16_ms) -> list[dict]:
     """Decode sizes with the weight cold: each captured call on another copy of it, the copies
     together over twice the L2 (a model's layers each read their own weight; replaying one
-    weight of a few MB can serve it from L2 and read high). Served path and GEMM alone."""
+    weight of a few MB can serve it from L2 and read high). Served path, GEMM alone, and a copy
+    moving the same bytes."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     copies = max(2, math.ceil(2 * l2 / (wq.numel() + ws.numel() * 4)))
     ws_all = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies - 1)]
@@ -127,6 +129,18 @@ def _cold_rows(x, wq, ws, xq, shape, t_ms, flops, nbytes, bf16_ms) -> list[dict]
         ms = time_ms_graph(call, launches=launches)
         note = f"served/this {t_ms / ms:.2f}; weight rotated over {copies} copies (> 2x L2)"
         rows.append(row(op, shape, ms, flops, nbytes, "fp8", bf16_ms, note))
+    # a copy moving the same bytes (half read from the rotated copies, half written), launched
+    # and replayed the same way: what one launch of a few MB reaches at all (H100: 77 % of the
+    # large copy at 16 MB, 39 % at 3.6 MB). Not a ceiling for the large shapes: reads and writes
+    # share the bus, and the GEMMs, which only read, beat it from ~70 MB
+    half = nbytes // 2
+    srcs = [w.view(-1).view(torch.uint8)[:half] for w, _ in ws_all]
+    dst = torch.empty(half, dtype=torch.uint8, device=wq.device)
+    turn = iter(range(1 << 30))
+    c_ms = time_ms_graph(lambda: dst.copy_(srcs[next(turn) % copies]), launches=launches)
+    of_copy = ", ".join(f"{r['op']} {c_ms / r['ms']:.1%}" for r in rows)
+    note = f"same bytes copied, cold; GEMM time / this: {of_copy}"
+    rows.append(row("copy_same_bytes_cold", shape, c_ms, 0, nbytes, "fp8", bf16_ms, note))
     return rows
 
 
