@@ -12,9 +12,9 @@ GEMM alone on x quantised beforehand (``fp8_gemm_prequant``: a fused producer's 
 on a weight rotated over copies that exceed the L2 twice (``..._cold``: as a model's layers read
 their weights; one weight of a few MB replayed can be served from L2) beside a copy of the
 same bytes, launched the same way (``copy_same_bytes_cold``: what one launch of that size
-reaches); their bytes are what any path must move (weight and scales, x, y), the same for all, so ``roof`` is
-the share of the copy bandwidth and compares their times; from M = 256 the cost model's bytes
-include the quantisation pass. M <= 256 is timed as CUDA-graph replays (what decode runs; eager
+reaches); their bytes are what any path must move (weight and scales, x, y), the same for all,
+so ``roof`` is the share of the copy bandwidth and compares their times; from M = 256 the cost
+model's bytes include the quantisation pass. M <= 256 is timed as CUDA-graph replays (what decode runs; eager
 times there are the host's launch cost), larger M eagerly. Peaks (copy bandwidth, bf16 and fp8
 matmul) measured in this process. ``--sweep`` also times other Triton tiles per shape and prints
 the best per shape and M. The last table says, per M, how cuBLAS compares with Triton over the
