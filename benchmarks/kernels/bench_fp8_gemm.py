@@ -1,24 +1,24 @@
 """FP8 block-scaled linear (w8a8, 128x128 weight blocks, activations per token-group of 128) at
-GLM-5.3's linears (``GLM_LINEARS`` of tests/kernels/test_fp8_gemm.py, with the fused q_a+kv_a),
-M from decode to prefill.
+GLM-5.3's linears (``GLM_LINEARS`` of tests/kernels/test_fp8_gemm.py, with the fused q_a+kv_a), M
+from decode to prefill.
 
-Per shape: the Triton kernel as served (``vllm/kernels/triton/fp8_gemm.py``, quantisation
-included), cuBLAS's block-scaled GEMM through ``torch._scaled_mm`` (sm_90; quantisation by the
-same Triton kernel) and bf16 ``F.linear`` on the dequantised weight (the speed-up column's
-reference). At decode sizes (M <= 64) also the Triton path before issue 35 (quantisation pass,
-GEMM, torch sum of the split-K partials: ``fp8_gemm_triton_old``) and the served config with
-the other quantisation choice (``..._fused`` / ``..._sep``: checks ``FUSED_QUANT_MAX_M``), and the
-GEMM alone on x quantised beforehand (``fp8_gemm_prequant``: a fused producer's share), and both
-on a weight rotated over copies that exceed the L2 twice (``..._cold``: as a model's layers read
-their weights; one weight of a few MB replayed can be served from L2) beside a copy of the
-same bytes, launched the same way (``copy_same_bytes_cold``: what one launch of that size
-reaches); their bytes are what any path must move (weight and scales, x, y), the same for all,
-so ``roof`` is the share of the copy bandwidth and compares their times; from M = 256 the cost
-model's bytes include the quantisation pass. M <= 256 is timed as CUDA-graph replays (what decode runs; eager
-times there are the host's launch cost), larger M eagerly. Peaks (copy bandwidth, bf16 and fp8
-matmul) measured in this process. ``--sweep`` also times other Triton tiles per shape and prints
-the best per shape and M. The last table says, per M, how cuBLAS compares with Triton over the
-shapes: it decides ``CUBLAS_MIN_M`` in ``vllm/kernels/fp8_gemm.py``.
+Per shape: the Triton kernel as served (``vllm/kernels/triton/fp8_gemm.py``, quantisation included),
+cuBLAS's block-scaled GEMM through ``torch._scaled_mm`` (sm_90; quantisation by the same Triton
+kernel) and bf16 ``F.linear`` on the dequantised weight (the speed-up column's reference). At decode
+sizes (M <= 64) also the Triton path before issue 35 (quantisation pass, GEMM, torch sum of the
+split-K partials: ``fp8_gemm_triton_old``) and the served config with the other quantisation choice
+(``..._fused`` / ``..._sep``: checks ``FUSED_QUANT_MAX_M``), and the GEMM alone on x quantised
+beforehand (``fp8_gemm_prequant``: a fused producer's share), and both on a weight rotated over
+copies that exceed the L2 twice (``..._cold``: as a model's layers read their weights; one weight of
+a few MB replayed can be served from L2) beside a copy of the same bytes, launched the same way
+(``copy_same_bytes_cold``: what one launch of that size reaches); their bytes are what any path must
+move (weight and scales, x, y), the same for all, so ``roof`` is the share of the copy bandwidth and
+compares their times; from M = 256 the cost model's bytes include the quantisation pass. M <= 256 is
+timed as CUDA-graph replays (what decode runs; eager times there are the host's launch cost), larger
+M eagerly. Peaks (copy bandwidth, bf16 and fp8 matmul) measured in this process. ``--sweep`` also
+times other Triton tiles per shape and prints the best per shape and M. The last table says, per M,
+how cuBLAS compares with Triton over the shapes: it decides ``CUBLAS_MIN_M`` in
+``vllm/kernels/fp8_gemm.py``.
 """
 
 from __future__ import annotations
