@@ -168,11 +168,14 @@ def test_rms_norm_quant_interpreter(interp, n, d, row_multiple, split_g):
     """RMSNorm fused with the per-token-group quantisation of its output: the same norm output
     and the same e4m3 bytes and scales as the two kernels one after the other (a partial last
     group at D = 300 and 1,000; rows padded as cuBLAS's path pads them; a row's groups split over
-    programs, the last chunk partial at D = 1,000 in chunks of 2)."""
+    programs, the last chunk partial at D = 1,000 in chunks of 2; odd row counts on a row-strided
+    view)."""
     nr = interp("norm_rope")
     fq = interp("fp8_gemm")
     g = torch.Generator().manual_seed(n + d)
-    x = torch.randn(n, d, generator=g) * 3
+    x = (torch.randn(n, d + 64, generator=g) * 3)[:, :d]
+    if n % 2 == 0:  # odd n: the row-strided view, as the q_a part of the q_a+kv_a output
+        x = x.contiguous()
     w = torch.rand(d, generator=g) + 0.5
     y, q, s = nr.rms_norm_quant(x, w, 1e-6, 128, row_multiple, split_g)
     y2 = nr.rms_norm(x, w, 1e-6)

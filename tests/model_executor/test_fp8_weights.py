@@ -144,7 +144,7 @@ def _activation_quant(model):
     for n, m in model.named_modules():
         if isinstance(m, Linear) and not n.endswith(FULL_PRECISION):
             saved[n] = m.forward
-            m.forward = lambda x, m=m: nn.functional.linear(_fake_quant(x), m.weight)
+            m.forward = lambda x, x_quant=None, m=m: nn.functional.linear(_fake_quant(x), m.weight)
     # q_a and kv_a through their own (patched) Linears, not the stacked GEMM (same weights)
     stacked = {m: m.fused_qkv_a for m in model.modules() if isinstance(m, glm_moe_dsa.MLAAttention)}
     for m in stacked:
@@ -537,9 +537,10 @@ def test_tp_shard_starting_inside_a_block(tmp_path):
 @pytest.mark.timeout(600)
 def test_norm_quantises_for_fp8_qkv_a_on_cuda(tmp_path, monkeypatch):
     """At decode sizes on CUDA the FP8 slice's input norm also quantises its output for the
-    stacked q_a+kv_a GEMM: every projection the layer makes equals, bit for bit, the path where
-    the GEMM quantises x itself (the same e4m3 bytes and scales), and the path is taken."""
-    from vllm.kernels import norm_rope
+    stacked q_a+kv_a GEMM, and the q_a norm for q_b while q_b runs the Triton GEMM (below
+    CUBLAS_MIN_M rows): every projection the layer makes equals, bit for bit, the path where the
+    GEMMs quantise x themselves (the same e4m3 bytes and scales), and the path is taken."""
+    from vllm.kernels import fp8_gemm, norm_rope
     from vllm.model_executor.models import glm_moe_dsa
     from vllm.model_executor.tiny import write_slice_checkpoint
 
@@ -558,7 +559,7 @@ def test_norm_quantises_for_fp8_qkv_a_on_cuda(tmp_path, monkeypatch):
             glm_moe_dsa, "rms_norm_quant", lambda *a, c=calls, f=real: c.append(1) or f(*a)
         )
         fused = layer.pre_attention(x, pos)
-        assert calls, m
+        assert len(calls) == (2 if m < fp8_gemm.CUBLAS_MIN_M else 1), (m, calls)
         monkeypatch.setattr(glm_moe_dsa, "takes_x_quant", lambda *a: False)
         plain = layer.pre_attention(x, pos)
         monkeypatch.undo()

@@ -191,8 +191,12 @@ class Linear(nn.Module):
             return dequant_block_fp8(self.weight, self.weight_scale_inv, self.block, dtype)
         return self.weight.to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_forward(x, self.weight, self.weight_scale_inv, self.block)
+    def forward(
+        self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """``x_quant``: x already quantised by its producer (FP8 weights; see
+        :func:`vllm.kernels.fp8_gemm.fp8_block_linear`)."""
+        return linear_forward(x, self.weight, self.weight_scale_inv, self.block, x_quant)
 
 
 def fuse_linears(parts: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -188,8 +188,11 @@ class MLAAttention(nn.Module):
             c_q, kv = qkv.split([self.q_lora_rank, self.kv_a_width], -1)
         else:
             c_q, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
-        c_q = self.q_a_layernorm(c_q)
-        q = self.q_b_proj(c_q).view(t, self.num_heads, self.nope + self.rope)
+        qb = self.q_b_proj
+        c_q, c_q_quant = norm_for_gemm(
+            self.q_a_layernorm, c_q, qb.weight, qb.weight_scale_inv, qb.block
+        )
+        q = qb(c_q, c_q_quant).view(t, self.num_heads, self.nope + self.rope)
         # the rope dims rotated in place: q_nope and q_pe stay the two halves of one [T, H, nope +
         # rope] tensor, which the dense prefill form takes as its query without a concatenation
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
@@ -208,6 +211,22 @@ class MLAAttention(nn.Module):
         a = self.project(x, positions)
         out, topk = self.attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, prev_topk, meta)
         return self.output(out), topk
+
+
+def norm_for_gemm(
+    norm: RMSNorm,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    block: tuple[int, int],
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """``norm(x)`` for the linear (weight, scale, block) that reads it next, and where that is an
+    FP8 GEMM reading a producer's quantisation (decode sizes, ``takes_x_quant``), x's e4m3 bytes
+    and scales from the same launch (one launch fewer; the GEMM's own quantisation's bytes):
+    (y, x_quant or None)."""
+    if scale is not None and takes_x_quant(x, weight, block):
+        return rms_norm_quant(x, norm.weight, norm.eps, block[1])
+    return norm(x), None
 
 
 class MLP(nn.Module):
@@ -383,11 +402,8 @@ class DecoderLayer(nn.Module):
 
     def pre_attention(self, x, positions) -> AttentionInputs:
         attn, norm = self.self_attn, self.input_layernorm
-        fused = attn.fused_qkv_a
-        if fused is not None and fused[1] is not None and takes_x_quant(x, fused[0], fused[2]):
-            # decode sizes under FP8: the norm also quantises its output for the q_a+kv_a GEMM
-            # (one launch fewer; the same e4m3 bytes as the GEMM's own quantisation)
-            y, x_quant = rms_norm_quant(x, norm.weight, norm.eps, fused[2][1])
+        if attn.fused_qkv_a is not None:
+            y, x_quant = norm_for_gemm(norm, x, *attn.fused_qkv_a)
             return attn.project(y, positions, x_quant)
         return attn.project(norm(x), positions)
 
