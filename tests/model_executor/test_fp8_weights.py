@@ -145,18 +145,24 @@ def _activation_quant(model):
         if isinstance(m, Linear) and not n.endswith(FULL_PRECISION):
             saved[n] = m.forward
             m.forward = lambda x, x_quant=None, m=m: nn.functional.linear(_fake_quant(x), m.weight)
-    # q_a and kv_a through their own (patched) Linears, not the stacked GEMM (same weights)
-    stacked = {m: m.fused_qkv_a for m in model.modules() if isinstance(m, glm_moe_dsa.MLAAttention)}
-    for m in stacked:
-        m.fused_qkv_a = None
+    # q_a and kv_a, gate and up through their own (patched) Linears, not the stacked GEMMs (same
+    # weights)
+    stacked = {
+        (m, attr): getattr(m, attr)
+        for m in model.modules()
+        for attr in ("fused_qkv_a", "gate_up")
+        if hasattr(m, attr)
+    }
+    for m, attr in stacked:
+        setattr(m, attr, None)
     fused = glm_moe_dsa.fused_experts
     glm_moe_dsa.fused_experts = _experts_fake_quant
     try:
         yield
     finally:
         glm_moe_dsa.fused_experts = fused
-        for m, f in stacked.items():
-            m.fused_qkv_a = f
+        for (m, attr), f in stacked.items():
+            setattr(m, attr, f)
         modules = dict(model.named_modules())
         for n, f in saved.items():
             modules[n].forward = f
@@ -539,7 +545,8 @@ def test_norm_quantises_for_fp8_qkv_a_on_cuda(tmp_path, monkeypatch):
     """At decode sizes on CUDA the FP8 slice's input norm also quantises its output for the
     stacked q_a+kv_a GEMM, and the q_a norm for q_b while q_b runs the Triton GEMM (below
     CUBLAS_MIN_M rows): every projection the layer makes equals, bit for bit, the path where the
-    GEMMs quantise x themselves (the same e4m3 bytes and scales), and the path is taken."""
+    GEMMs quantise x themselves (the same e4m3 bytes and scales), and the path is taken; the same
+    for the post-attention norm and the MLP's stacked gate/up GEMM."""
     from vllm.kernels import fp8_gemm, norm_rope
     from vllm.model_executor.models import glm_moe_dsa
     from vllm.model_executor.tiny import write_slice_checkpoint
@@ -565,3 +572,23 @@ def test_norm_quantises_for_fp8_qkv_a_on_cuda(tmp_path, monkeypatch):
         monkeypatch.undo()
         for name in ("q_nope", "q_pe", "kv_c", "k_pe"):
             assert torch.equal(getattr(fused, name), getattr(plain, name)), (m, name)
+    # the post-attention norm for the MLP's stacked gate/up GEMM (a dense layer's MLP, an MoE
+    # layer's shared expert): quantises where that GEMM reads a producer's quantisation
+    for layer in (model.model.layers[0], model.model.layers[-1]):
+        attn, gemm = layer.self_attn, layer.mlp.input_gemm()
+        assert gemm is not None and gemm[1] is not None
+        for m in (1, 16, 64):
+            x = torch.randn(m, attn.o_proj.out_features, device="cuda", dtype=torch.bfloat16)
+            out = torch.randn(m, attn.num_heads, attn.v, device="cuda", dtype=torch.bfloat16)
+            calls = []
+            real = norm_rope.rms_norm_quant
+            monkeypatch.setattr(
+                glm_moe_dsa, "rms_norm_quant", lambda *a, c=calls, f=real: c.append(1) or f(*a)
+            )
+            fused = layer.post_attention(x, out)
+            want = fp8_gemm.takes_x_quant(x, gemm[0], gemm[2])
+            assert len(calls) == int(want), (layer.is_moe, m, calls)
+            monkeypatch.setattr(glm_moe_dsa, "takes_x_quant", lambda *a: False)
+            plain = layer.post_attention(x, out)
+            monkeypatch.undo()
+            assert torch.equal(fused, plain), (layer.is_moe, m)

@@ -1,6 +1,7 @@
-"""q_a_proj and kv_a_proj_with_mqa run as one stacked GEMM after loading (`fuse_linears`): the
-same outputs as the two Linears, their parameters views of the stacked weight (names and bytes
-unchanged), and no stacking where FP8 scale tiles would straddle the two."""
+"""q_a_proj and kv_a_proj_with_mqa, and each MLP's gate_proj and up_proj, run as one stacked GEMM
+after loading (`fuse_linears`): the same outputs as the separate Linears, their parameters views of
+the stacked weight (names and bytes unchanged), and no stacking where FP8 scale tiles would
+straddle two parts or the parts are not one rank's column shards."""
 
 from __future__ import annotations
 
@@ -68,3 +69,32 @@ def test_model_stacks_and_keeps_its_parameters(tiny_ckpt):
         w = m.fused_qkv_a[0]
         assert m.q_a_proj.weight.data_ptr() == w.data_ptr()
         assert m.kv_a_proj_with_mqa.weight.data_ptr() == w[m.q_lora_rank :].data_ptr()
+
+
+def test_column_shards_of_one_rank_stack():
+    """Column shards (each this rank's rows of its own weight) stack like unsharded parts; row
+    shards, or parts of different ranks, do not."""
+
+    def part(shard, rank):
+        return Linear(64, 256, shard=shard, tp_rank=rank, tp_size=2, dtype=torch.float32)
+
+    assert fuse_linears([part("col", 1), part("col", 1)]) is not None
+    assert fuse_linears([part("col", 0), part("col", 1)]) is None
+    assert fuse_linears([part("row", 1), part("row", 1)]) is None
+    assert fuse_linears([part("col", 1), part(None, 0)]) is None
+
+
+def test_model_stacks_gate_up(tiny_ckpt):
+    """Every MLP (dense layers and shared experts) holds gate and up as views of one stacked
+    weight, and its output equals the two separate GEMMs'."""
+    model = build_model(tiny_ckpt)
+    mlps = [m for m in model.modules() if isinstance(m, glm_moe_dsa.MLP)]
+    assert mlps and all(m.gate_up is not None for m in mlps)
+    gen = torch.Generator().manual_seed(2)
+    for m in mlps:
+        w = m.gate_up[0]
+        assert m.gate_proj.weight.data_ptr() == w.data_ptr()
+        assert m.up_proj.weight.data_ptr() == w[m.gate_proj.out_features :].data_ptr()
+        x = torch.randn(3, m.gate_proj.in_features, generator=gen).to(w.dtype)
+        sep = m.down_proj(torch.nn.functional.silu(m.gate_proj(x)) * m.up_proj(x))
+        torch.testing.assert_close(m(x), sep, rtol=1e-2, atol=1e-3)

@@ -203,16 +203,18 @@ def fuse_linears(parts: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None
     """Stack the weights (and FP8 scales) of Linears that project the same input along the output
     rows, for one GEMM (and under FP8 one activation quantisation) instead of several; the parts'
     parameters become views of the stacked tensors, so the model's parameters keep their names
-    and bytes. Returns (weight, weight_scale_inv or None) for :func:`linear_forward` with the
-    parts' block, or None where they cannot be stacked: different inputs, dtypes, devices or TP
-    shards, or FP8 scale tiles that would straddle two parts (every part but the last must end on
-    a block row)."""
+    and bytes (the loader copies each part's shard into its view). Returns (weight,
+    weight_scale_inv or None) for :func:`linear_forward` with the parts' block, or None where they
+    cannot be stacked: different inputs, dtypes, devices or TP shards (column shards of one rank
+    stack: each is this rank's rows of its own weight), or FP8 scale tiles that would straddle two
+    parts (every part but the last must end on a block row)."""
     first = parts[0]
     same = all(
         p.in_features == first.in_features
         and p.weight.dtype == first.weight.dtype
         and p.weight.device == first.weight.device
-        and p.shard is None
+        and p.shard in (None, "col")
+        and (p.shard, p.tp_rank, p.tp_size) == (first.shard, first.tp_rank, first.tp_size)
         and p.block == first.block
         for p in parts
     )

@@ -251,9 +251,23 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, shard="col" if shard else None, **kw)
         self.up_proj = Linear(hidden, inter, shard="col" if shard else None, **kw)
         self.down_proj = Linear(inter, hidden, shard="row" if shard else None, **kw)
+        # gate and up read the same x: one GEMM (upstream's gate_up_proj), and under FP8 one
+        # quantisation of x
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        self.gate_up = None if fused is None else (*fused, self.gate_proj.block)
 
-    def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def input_gemm(self) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]]:
+        """(weight, scale, block) of the GEMM that reads x first (for ``norm_for_gemm``)."""
+        g = self.gate_proj
+        return self.gate_up or (g.weight, g.weight_scale_inv, g.block)
+
+    def forward(self, x, x_quant=None):
+        """``x_quant``: x quantised by the norm before it (``norm_for_gemm``)."""
+        if self.gate_up is not None:
+            gate, up = linear_forward(x, *self.gate_up, x_quant=x_quant).chunk(2, -1)
+        else:
+            gate, up = self.gate_proj(x, x_quant), self.up_proj(x, x_quant)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -367,10 +381,19 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x):
+    def input_gemm(self) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int]] | None:
+        """The shared expert's first GEMM (``MLP.input_gemm``), None without one."""
+        return None if self.shared_experts is None else self.shared_experts.input_gemm()
+
+    def forward(self, x, x_quant=None):
+        """``x_quant``: x quantised by the norm before it, for the shared expert."""
         weights, ids = self.gate(x)
         routed = self.experts(x, weights, ids)
-        shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        shared = (
+            self.shared_experts(x, x_quant)
+            if self.shared_experts is not None
+            else torch.zeros_like(x)
+        )
         if self.experts.ep is not None:
             return routed + self.tp.all_reduce(shared)
         return self.tp.all_reduce(routed + shared)
@@ -410,7 +433,11 @@ class DecoderLayer(nn.Module):
     def post_attention(self, x, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``x`` and the attention output [T, H, v]."""
         x = x + self.self_attn.output(attn_out)
-        h = self.mlp(self.post_attention_layernorm(x))
+        gemm = self.mlp.input_gemm()
+        if gemm is None:
+            h = self.mlp(self.post_attention_layernorm(x))
+        else:
+            h = self.mlp(*norm_for_gemm(self.post_attention_layernorm, x, *gemm))
         return x + (h if self.is_moe else self.tp.all_reduce(h))
 
     def forward(self, x, positions, meta, prev_topk):
