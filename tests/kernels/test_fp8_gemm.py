@@ -40,10 +40,13 @@ GLM_LINEARS = [
     ("q_b", 16384, 2048),
     ("kv_a", 576, 6144),
     ("o_proj", 6144, 16384),
-    ("mlp_gate|up", 12288, 6144),  # each of gate and up
+    ("mlp_gate|up", 12288, 6144),  # gate or up alone (served stacked: mlp_gate+up)
     ("mlp_down", 6144, 12288),
     ("lm_head", 154880, 6144),
     ("q_a+kv_a", 2048 + 576, 6144),  # one GEMM for both (same input; upstream's fused_qkv_a_proj)
+    ("mlp_gate+up", 2 * 12288, 6144),  # the dense MLP's gate and up stacked, as served
+    ("shared_gate+up", 2 * 2048, 6144),  # the MoE layers' shared expert, stacked
+    ("shared_down", 6144, 2048),
 ]
 
 
