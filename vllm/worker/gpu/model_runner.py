@@ -1040,7 +1040,7 @@ def activation_bytes(
     inter = max(a.intermediate_size, a.moe_intermediate_size * max(1, a.n_shared_experts))
     per_tok = (
         a.hidden_size * (4 * el + 2 * 4 + el)  # residual/x/normed/out; fp32 expert sum and y
-        + 3 * max(inter // tp, a.moe_intermediate_size) * el  # gate, up, act
+        + 4 * max(inter // tp, a.moe_intermediate_size) * el  # gate+up (one GEMM), act, product
         + heads * (2 * a.qk_head_dim + a.v_head_dim) * el  # q, its split, attention output
         + 3 * a.index_topk * 4  # top-k and its selection temporaries
         + a.index_n_heads * a.index_head_dim * (el + 1 + 4)  # indexer q, FP8 q, fp32 copy
