@@ -11,7 +11,8 @@ split-K partials: ``fp8_gemm_triton_old``) and the served config with the other 
 beforehand (``fp8_gemm_prequant``: a fused producer's share), and both on a weight rotated over
 copies that exceed the L2 twice (``..._cold``: as a model's layers read their weights; one weight of
 a few MB replayed can be served from L2) beside a copy of the same bytes, launched the same way
-(``copy_same_bytes_cold``: what one launch of that size reaches); their bytes are what any path must
+(``copy_same_bytes_cold``: what one launch of that size reaches), and cuBLAS on the same rotation
+(``fp8_gemm_cublas_cold``); their bytes are what any path must
 move (weight and scales, x, y), the same for all, so ``roof`` is the share of the copy bandwidth and
 compares their times; from M = 256 the cost model's bytes include the quantisation pass. M <= 256 is
 timed as CUDA-graph replays (what decode runs; eager times there are the host's launch cost), larger
@@ -129,6 +130,20 @@ def _cold_rows(x, wq, ws, xq, shape, t_ms, flops, nbytes, bf16_ms) -> list[dict]
         ms = time_ms_graph(call, launches=launches)
         note = f"served/this {t_ms / ms:.2f}; weight rotated over {copies} copies (> 2x L2)"
         rows.append(row(op, shape, ms, flops, nbytes, "fp8", bf16_ms, note))
+    if fp8_gemm.cublas_supports(x, wq, (128, 128)):
+        # cuBLAS on the same rotation (it quantises x itself: the served path from CUBLAS_MIN_M)
+        turn = iter(range(1 << 30))
+
+        def call_cublas(turn=turn):
+            w, s = ws_all[next(turn) % copies]
+            fp8_gemm.fp8_block_linear_cublas(x, w, s)
+
+        try:
+            ms = time_ms_graph(call_cublas, launches=launches)
+            note = f"served/this {t_ms / ms:.2f}; weight rotated over {copies} copies (> 2x L2)"
+            rows.append(row("fp8_gemm_cublas_cold", shape, ms, flops, nbytes, "fp8", bf16_ms, note))
+        except RuntimeError as e:
+            print(f"# cublas cold {shape}: {str(e).splitlines()[0][:160]}")
     # a copy moving the same bytes (half read from the rotated copies, half written), launched
     # and replayed the same way: what one launch of a few MB reaches at all (H100: 77 % of the
     # large copy at 16 MB, 39 % at 3.6 MB). Not a ceiling for the large shapes: reads and writes
