@@ -17,7 +17,8 @@ move (weight and scales, x, y), the same for all, so ``roof`` is the share of th
 compares their times; from M = 256 the cost model's bytes include the quantisation pass. M <= 256 is
 timed as CUDA-graph replays (what decode runs; eager times there are the host's launch cost), larger
 M eagerly. Peaks (copy bandwidth, bf16 and fp8 matmul) measured in this process. ``--sweep`` also
-times other Triton tiles per shape and prints the best per shape and M. The last table says, per M,
+times other Triton tiles per shape (at decode sizes cold, on x quantised beforehand) and prints the
+best per shape and M. The last table says, per M,
 how cuBLAS compares with Triton over the shapes: it decides ``CUBLAS_MIN_M`` in
 ``vllm/kernels/fp8_gemm.py``.
 """
@@ -110,36 +111,38 @@ def _decode_rows(x, wq, ws, m, shape, t_ms, bf16_ms) -> list[dict]:
     return rows
 
 
-def _cold_rows(x, wq, ws, xq, shape, t_ms, flops, nbytes, bf16_ms) -> list[dict]:
+def _rotation(wq, ws) -> tuple[list, int]:
+    """Copies of the weight (and scales) together over twice the L2, and the launches per
+    captured graph (at least one per copy)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = max(2, math.ceil(2 * l2 / (wq.numel() + ws.numel() * 4)))
+    return [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies - 1)], max(20, copies)
+
+
+def _time_cold(fn, ws_all, launches) -> float:
+    """``fn(w, s)`` timed with each captured call on the next copy of the weight."""
+    turn = iter(range(1 << 30))
+    return time_ms_graph(lambda: fn(*ws_all[next(turn) % len(ws_all)]), launches=launches)
+
+
+def _cold_rows(x, ws_all, launches, xq, shape, t_ms, flops, nbytes, bf16_ms) -> list[dict]:
     """Decode sizes with the weight cold: each captured call on another copy of it, the copies
     together over twice the L2 (a model's layers each read their own weight; replaying one
     weight of a few MB can serve it from L2 and read high). Served path, GEMM alone, and a copy
     moving the same bytes."""
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    copies = max(2, math.ceil(2 * l2 / (wq.numel() + ws.numel() * 4)))
-    ws_all = [(wq, ws)] + [(wq.clone(), ws.clone()) for _ in range(copies - 1)]
-    launches = max(20, copies)
+    wq = ws_all[0][0]
+    copies = len(ws_all)
     rows = []
     for op, xquant in (("fp8_gemm_cold", None), ("fp8_gemm_prequant_cold", xq)):
-        turn = iter(range(1 << 30))
-
-        def call(xquant=xquant, turn=turn):
-            w, s = ws_all[next(turn) % copies]
-            tri.fp8_block_gemm(x, w, s, x_quant=xquant)
-
-        ms = time_ms_graph(call, launches=launches)
+        ms = _time_cold(lambda w, s, xquant=xquant: tri.fp8_block_gemm(x, w, s, x_quant=xquant),
+                        ws_all, launches)  # fmt: skip
         note = f"served/this {t_ms / ms:.2f}; weight rotated over {copies} copies (> 2x L2)"
         rows.append(row(op, shape, ms, flops, nbytes, "fp8", bf16_ms, note))
     if fp8_gemm.cublas_supports(x, wq, (128, 128)):
         # cuBLAS on the same rotation (it quantises x itself: the served path from CUBLAS_MIN_M)
-        turn = iter(range(1 << 30))
-
-        def call_cublas(turn=turn):
-            w, s = ws_all[next(turn) % copies]
-            fp8_gemm.fp8_block_linear_cublas(x, w, s)
-
         try:
-            ms = time_ms_graph(call_cublas, launches=launches)
+            ms = _time_cold(lambda w, s: fp8_gemm.fp8_block_linear_cublas(x, w, s), ws_all,
+                            launches)  # fmt: skip
             note = f"served/this {t_ms / ms:.2f}; weight rotated over {copies} copies (> 2x L2)"
             rows.append(row("fp8_gemm_cublas_cold", shape, ms, flops, nbytes, "fp8", bf16_ms, note))
         except RuntimeError as e:
@@ -181,7 +184,8 @@ def bench_m(name, wq, ws, w16, m: int, sweep: bool) -> list[dict]:
         p_ms = _time(lambda: tri.fp8_block_gemm(x, wq, ws, x_quant=xq), m)
         note = f"served/this {t_ms / p_ms:.2f}; GEMM alone, x quantised beforehand"
         rows.append(row("fp8_gemm_prequant", shape, p_ms, flops, nbytes, "fp8", bf16_ms, note))
-        rows += _cold_rows(x, wq, ws, xq, shape, t_ms, flops, nbytes, bf16_ms)
+        ws_all, launches = _rotation(wq, ws)
+        rows += _cold_rows(x, ws_all, launches, xq, shape, t_ms, flops, nbytes, bf16_ms)
     if fp8_gemm.cublas_supports(x, wq, (128, 128)):
         c_bytes = fp8_block_linear_cost(m, n, k)[1]  # it runs the quantisation pass
         try:
@@ -192,13 +196,22 @@ def bench_m(name, wq, ws, w16, m: int, sweep: bool) -> list[dict]:
             print(f"# cublas {shape}: {str(e).splitlines()[0][:160]}")
     nb16 = n * k * 2 + m * k * 2 + m * n * 2
     rows.append(row("bf16_linear", shape, bf16_ms, 2 * m * n * k, nb16, "bf16", bf16_ms))
+    # at decode sizes the sweep times the GEMM alone (x quantised beforehand) on the cold
+    # rotation, against the table's config the same way (fp8_gemm_prequant_cold); larger M as served
+    ref_ms = next((r["ms"] for r in rows if r["op"] == "fp8_gemm_prequant_cold"), t_ms)
     for c in _sweep_cfgs(m, n, k) if sweep else []:
         try:
-            s_ms = _time(lambda c=c: tri.fp8_block_gemm(x, wq, ws, (128, 128), c), m)
+            if decode:
+                s_ms = _time_cold(
+                    lambda w, s, c=c: tri.fp8_block_gemm(x, w, s, (128, 128), c, x_quant=xq),
+                    ws_all, launches,
+                )  # fmt: skip
+            else:
+                s_ms = _time(lambda c=c: tri.fp8_block_gemm(x, wq, ws, (128, 128), c), m)
         except triton.runtime.errors.OutOfResources as e:  # a tile past this GPU's shared memory
             print(f"# sweep {shape} {_tiles(c)}: {str(e).splitlines()[0][:120]}")
             continue
-        note = f"table {t_ms:.4f} ms; {_tiles(c)}; {resource_report('fp8_gemm')}"
+        note = f"table {ref_ms:.4f} ms; {_tiles(c)}; {resource_report('fp8_gemm')}"
         rows.append(
             row("fp8_gemm_sweep", shape, s_ms, flops, nbytes, "fp8", bf16_ms, note)
             | dict(cfg=_tiles(c))
@@ -235,6 +248,10 @@ def _m_of(shape: str) -> int:
     return int(shape.split("M=")[1].split()[0])
 
 
+def _nk_of(shape: str) -> tuple[int, int]:
+    return int(shape.split("N=")[1].split()[0]), int(shape.split("K=")[1].split()[0])
+
+
 def decode_table(rows: list[dict]) -> None:
     """Old (quant + GEMM + torch sum) against new (as served) per shape and M: µs and % of the
     copy bandwidth on the bytes any path moves."""
@@ -258,14 +275,18 @@ def decode_table(rows: list[dict]) -> None:
 
 
 def best_tiles(rows: list[dict]) -> None:
-    """--sweep: per shape and M, the fastest Triton config (table or swept)."""
+    """--sweep: per shape and M, the fastest Triton config (table or swept); at decode sizes on
+    cold weights and x quantised beforehand."""
     best, table = {}, {}
-    for r in rows:
-        if r["op"] == "fp8_gemm_triton":
-            table[r["shape"]] = r
-        if r["op"] in ("fp8_gemm_triton", "fp8_gemm_sweep"):
-            if r["shape"] not in best or r["ms"] < best[r["shape"]]["ms"]:
-                best[r["shape"]] = r
+    for r in rows:  # decode sizes: the table's config cold on prequantised x, as the sweep ran
+        if r["op"] == "fp8_gemm_prequant_cold" or (
+            r["op"] == "fp8_gemm_triton" and _m_of(r["shape"]) > DECODE_MAX_M
+        ):
+            table[r["shape"]] = r | dict(cfg=_tiles(tri.gemm_config(
+                _m_of(r["shape"]), *_nk_of(r["shape"]), 128, _num_sms())))  # fmt: skip
+    for r in list(table.values()) + [r for r in rows if r["op"] == "fp8_gemm_sweep"]:
+        if r["shape"] not in best or r["ms"] < best[r["shape"]]["ms"]:
+            best[r["shape"]] = r
     print("# best Triton tile per shape and M (swept; table = gemm_config)")
     for shape, r in best.items():
         t = table[shape]
