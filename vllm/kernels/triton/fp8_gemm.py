@@ -116,7 +116,7 @@ def quant_per_token_group(
 def _a_tile(
     a_ptrs,  # [BLOCK_M, BLOCK_K] into x (QUANT_A) or into e4m3 xq
     as_ptrs,  # [BLOCK_M] into xq's scales (not QUANT_A)
-    mask,  # [BLOCK_M, BLOCK_K]
+    mask,  # [BLOCK_M, BLOCK_K], or [BLOCK_M, 1] when K needs no mask
     mmask,  # [BLOCK_M]
     QUANT_A: tl.constexpr,
     SOFT_FP8: tl.constexpr,
@@ -177,7 +177,6 @@ def _block_gemm_kernel(
     M,
     N,
     K,
-    group_n,
     k_blocks_per_split,
     stride_am,
     stride_asm,
@@ -196,6 +195,8 @@ def _block_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # = the scale group along K
     GROUP_M: tl.constexpr,  # row tiles per L2 group (prefill: weight tiles reused from L2)
+    GROUP_N: tl.constexpr,  # the weight scales' block along N
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask (every GLM-5.3 linear)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -218,13 +219,18 @@ def _block_gemm_kernel(
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + (kb0 * BLOCK_K + offs_k)[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + (kb0 * BLOCK_K + offs_k)[:, None]
     as_ptrs = as_ptr + offs_m * stride_asm + kb0 * stride_ask  # [BLOCK_M]
-    ws_ptrs = ws_ptr + (offs_n // group_n) * stride_wsn + kb0 * stride_wsk  # [BLOCK_N]
+    ws_ptrs = ws_ptr + (offs_n // GROUP_N) * stride_wsn + kb0 * stride_wsk  # [BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(kb0, kb1):
-        kmask = offs_k < K - kb * BLOCK_K
-        a, sa = _a_tile(a_ptrs, as_ptrs, mmask[:, None] & kmask[None, :], mmask,
-                        QUANT_A, UPCAST, FLOOR, QMAX)  # fmt: skip
-        w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if EVEN_K:
+            amask = mmask[:, None]
+            wmask = nmask[None, :]
+        else:
+            kmask = offs_k < K - kb * BLOCK_K
+            amask = mmask[:, None] & kmask[None, :]
+            wmask = kmask[:, None] & nmask[None, :]
+        a, sa = _a_tile(a_ptrs, as_ptrs, amask, mmask, QUANT_A, UPCAST, FLOOR, QMAX)
+        w = tl.load(w_ptrs, mask=wmask, other=0.0)
         sw = tl.load(ws_ptrs, mask=nmask, other=0.0)
         if UPCAST:
             part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
@@ -372,12 +378,12 @@ def _gemm(x2, weight, weight_scale_inv, block, cfg, x_quant=None) -> torch.Tenso
     cnt = _split_counters(x2.device, tiles) if split > 1 and reduce else out
     compiled = _block_gemm_kernel[(tiles, split)](
         a, sa, weight, weight_scale_inv, out, out if part is None else part, cnt,
-        m, n, k, bn, cfg["k_blocks_per_split"], a.stride(0), sa.stride(0), sa.stride(1),
+        m, n, k, cfg["k_blocks_per_split"], a.stride(0), sa.stride(0), sa.stride(1),
         weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1), out.stride(-2),
         UPCAST=_UPCAST, QUANT_A=cfg["fuse_quant"], PARTIALS=split > 1, REDUCE=reduce,
         FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        BLOCK_K=bk, GROUP_M=cfg["group_m"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        BLOCK_K=bk, GROUP_M=cfg["group_m"], GROUP_N=bn, EVEN_K=k % bk == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     record("fp8_gemm", compiled)
     return part.sum(0).to(x2.dtype) if split > 1 and not reduce else out
