@@ -441,17 +441,14 @@ def test_cublas_block_scaled_gpu(m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [8, 64, 72])
 def test_public_gpu_dispatch_and_graph_capture(m, monkeypatch):
-    """CUDA calls take a kernel (never the reference): Triton below CUBLAS_MIN_M rows and for a
-    narrow N at 64 rows, cuBLAS from there on sm_90 (72 rows: padded to 80); both replay inside
-    a CUDA graph."""
+    """CUDA calls take a kernel (never the reference): Triton up to TRITON_MAX_M rows, cuBLAS
+    above on sm_90 (72 rows: padded to 80); both replay inside a CUDA graph."""
     wq, ws = fp8_weight(2048, 6144, device="cuda")
     x = torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16)
     real, calls = fp8_gemm.fp8_block_linear_cublas, []
     monkeypatch.setattr(fp8_gemm, "fp8_block_linear_cublas", lambda *a: calls.append(1) or real(*a))
     eager = fp8_block_linear(x, wq, ws)
-    narrow = m <= fp8_gemm.NARROW_TRITON_MAX_M and wq.shape[0] <= fp8_gemm.NARROW_N
-    want = m >= fp8_gemm.CUBLAS_MIN_M and not narrow
-    want = want and fp8_gemm.cublas_supports(x, wq, (128, 128))
+    want = m > fp8_gemm.TRITON_MAX_M and fp8_gemm.cublas_supports(x, wq, (128, 128))
     assert bool(calls) == want
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

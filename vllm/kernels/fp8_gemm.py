@@ -11,13 +11,13 @@ the kernels). N and K need not be multiples of the block: the last tile is parti
 covers the rows/columns that exist.
 
 CUDA tensors: ``vllm/kernels/triton/fp8_gemm.py`` (per-token-group quant kernel + block-scaled
-GEMM, configs by M from a fixed table, no host sync, CUDA-graph capturable) for M < ``CUBLAS_MIN_M``
-rows (and for N <= ``NARROW_N`` at 64 rows); at decode sizes the GEMM sums its split-K partials
-itself in a fixed order. From there, cuBLASLt's DeepSeek-style block scaling through
-``torch._scaled_mm`` on sm_90 (:func:`fp8_block_linear_cublas`, same quantiser): on an H200 it was
-1.06x Triton's speed at M = 64 and 1.6-1.9x from M = 256 (69-89 % of the fp8 peak at M >= 4096 but
-for the narrow kv_a, Triton 38-47 %), and 0.91x at M = 16 (``docs/design/fp8.md``, measured before
-the one-launch decode path). Elsewhere the references below (a loop over K blocks, memory O(M·N)).
+GEMM, configs by M from a fixed table, no host sync, CUDA-graph capturable) up to
+``TRITON_MAX_M`` rows; at decode sizes the GEMM sums its split-K partials itself in a fixed order.
+Above, cuBLASLt's DeepSeek-style block scaling through ``torch._scaled_mm`` on sm_90
+(:func:`fp8_block_linear_cublas`, same quantiser): 1.6-1.9x Triton's speed from M = 256 on an
+H200 (69-89 % of the fp8 peak at M >= 4096 but for the narrow kv_a, Triton 38-47 %), slower at
+decode sizes (``docs/design/fp8.md``). Elsewhere the references below (a loop over K blocks,
+memory O(M·N)).
 """
 
 from __future__ import annotations
@@ -31,15 +31,12 @@ FP8_MAX = 448.0
 # amax floor of a quantisation group (upstream vLLM's eps): an all-zero group gets scale
 # 1e-10 / 448 and quantises to zeros instead of dividing by zero
 AMAX_FLOOR = 1e-10
-# rows from which CUDA calls take cuBLAS's block-scaled GEMM (H200, bench_fp8_gemm.py: the
-# geomean of triton_ms / cublas_ms over GLM-5.3's linears is 0.91 at M = 16, 1.06 at 64, 1.60 at
-# 256, 1.85 at 4096; docs/design/fp8.md has the per-shape rows)
-CUBLAS_MIN_M = 64
-# ...except narrow outputs at M = 64 (few tiles: the Triton kernel splits K over the GPU): the
-# stacked q_a+kv_a (N = 2624) 14.4 against 21.0 µs (H100, 2026-12-06), q_a 14.4 against 21.3 and
-# kv_a 11.9 against 16.0 (H200, 2026-12-04); q_b (N = 16384) and the wider shapes keep cuBLAS
-NARROW_N = 4096
-NARROW_TRITON_MAX_M = 64
+# rows up to which CUDA calls take the Triton kernel, cuBLAS's block-scaled GEMM above: cold
+# (weights rotated past the L2, x quantised by its producer), H100, 2026-12-07, at M = 64 the
+# Triton 64 x 64 tile with 3 stages against cuBLAS: o_proj 48.6 / 51.0 µs, mlp down 39.6 / 41.0,
+# stacked gate/up 59.5 / 65.2, q_b 16.4 / 19.0, q_a + kv_a 14.4 / 21.0 (bench_fp8_gemm.py --sweep;
+# docs/design/fp8.md); cuBLAS is 1.6x faster from M = 256
+TRITON_MAX_M = 64
 # cuBLASLt wants the 1x128 activation scales' leading dimension (M, they are M-contiguous) 16-byte
 # aligned, i.e. M % 4 == 0 (M = 1 was refused: CUBLAS_STATUS_NOT_SUPPORTED); the quantiser pads
 # the rows to a multiple of 16, which costs nothing (cuBLAS's row tiles are >= 64) and also meets
@@ -119,21 +116,16 @@ def fp8_block_linear(
     if fast is None:
         return fp8_block_linear_ref(x, weight, weight_scale_inv, block)
     m = x.numel() // max(1, x.shape[-1])
-    if not _triton_rows(m, weight.shape[0]) and cublas_supports(x, weight, block):
+    if m > TRITON_MAX_M and cublas_supports(x, weight, block):
         return fp8_block_linear_cublas(x, weight, weight_scale_inv)
     return fast.fp8_block_gemm(x, weight, weight_scale_inv, block, x_quant=x_quant)
-
-
-def _triton_rows(m: int, n: int) -> bool:
-    narrow = m <= NARROW_TRITON_MAX_M and n <= NARROW_N
-    return m < CUBLAS_MIN_M or narrow
 
 
 def takes_x_quant(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether :func:`fp8_block_linear` on CUDA runs the Triton GEMM for this call, which reads a
     producer's quantisation of x (``x_quant``) instead of quantising x itself."""
     m = x.numel() // max(1, x.shape[-1])
-    return x.is_cuda and (_triton_rows(m, weight.shape[0]) or not cublas_supports(x, weight, block))
+    return x.is_cuda and (m <= TRITON_MAX_M or not cublas_supports(x, weight, block))
 
 
 def cublas_supports(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
