@@ -19,7 +19,7 @@ timed as CUDA-graph replays (what decode runs; eager times there are the host's 
 M eagerly. Peaks (copy bandwidth, bf16 and fp8 matmul) measured in this process. ``--sweep`` also
 times other Triton tiles per shape (at decode sizes cold, on x quantised beforehand) and prints the
 best per shape and M. The last table says, per M,
-how cuBLAS compares with Triton over the shapes: it decides ``CUBLAS_MIN_M`` in
+how cuBLAS compares with Triton over the shapes: it decides ``TRITON_MAX_M`` in
 ``vllm/kernels/fp8_gemm.py``.
 """
 
@@ -139,7 +139,7 @@ def _cold_rows(x, ws_all, launches, xq, shape, t_ms, flops, nbytes, bf16_ms) -> 
         note = f"served/this {t_ms / ms:.2f}; weight rotated over {copies} copies (> 2x L2)"
         rows.append(row(op, shape, ms, flops, nbytes, "fp8", bf16_ms, note))
     if fp8_gemm.cublas_supports(x, wq, (128, 128)):
-        # cuBLAS on the same rotation (it quantises x itself: the served path from CUBLAS_MIN_M)
+        # cuBLAS on the same rotation (it quantises x itself: the served path above TRITON_MAX_M rows)
         try:
             ms = _time_cold(lambda w, s: fp8_gemm.fp8_block_linear_cublas(x, w, s), ws_all,
                             launches)  # fmt: skip
