@@ -34,8 +34,8 @@ AMAX_FLOOR = 1e-10
 # rows up to which CUDA calls take the Triton kernel, cuBLAS's block-scaled GEMM above: cold
 # (weights rotated past the L2, x quantised by its producer), H100, 2026-12-07, at M = 64 the
 # Triton 64 x 64 tile with 3 stages against cuBLAS: o_proj 48.6 / 51.0 µs, mlp down 39.6 / 41.0,
-# stacked gate/up 59.5 / 65.2, q_b 16.4 / 19.0, q_a + kv_a 14.4 / 21.0 (bench_fp8_gemm.py --sweep;
-# docs/design/fp8.md); cuBLAS is 1.6x faster from M = 256
+# stacked gate/up 59.5 / 65.2, q_b 16.4 / 19.0 (bench_fp8_gemm.py --sweep; docs/design/fp8.md);
+# q_a + kv_a with 4 stages 14.4 / 21.0 (2026-12-06). cuBLAS is 1.6x faster from M = 256
 TRITON_MAX_M = 64
 # cuBLASLt wants the 1x128 activation scales' leading dimension (M, they are M-contiguous) 16-byte
 # aligned, i.e. M % 4 == 0 (M = 1 was refused: CUBLAS_STATUS_NOT_SUPPORTED); the quantiser pads
