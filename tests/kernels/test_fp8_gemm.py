@@ -525,3 +525,41 @@ def test_decode_path_graph_capture(warm, monkeypatch):
         graph.replay()
         torch.testing.assert_close(out, tri.fp8_block_gemm(x, wq, ws), rtol=0, atol=0)
     assert not tri._COUNTERS[x.device].any()
+
+
+def _pdl_chain(tri, x0, weights, pdl: bool):
+    """x0 -> torch op -> quantiser + GEMM -> GEMM quantising its input itself (reads the previous
+    GEMM's output directly) -> quantiser + GEMM: each kernel reads what the one before it wrote."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    y = x0 * 2
+    for i, (wq, ws) in enumerate(weights):
+        n, k = wq.shape
+        cfg = tri.gemm_config(y.shape[0], n, k, 128, sms) | dict(pdl=pdl, fuse_quant=i == 1)
+        y = tri.fp8_block_gemm(y[:, :k], wq, ws, (128, 128), cfg)
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_pdl_chain_same_bits_eager_and_graph(m):
+    """Programmatic dependent launch changes when kernels start, never what they compute: a chain
+    of dependent quantiser and GEMM launches (split K summed in the kernel at decode sizes) gives
+    the bits of the same chain launched plainly, eagerly and replayed from a CUDA graph with new
+    inputs; the split-K counters are zero afterwards."""
+    from vllm.kernels.triton import fp8_gemm as tri
+
+    if not tri.pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90 (and VLLM_FP8_GEMM_PDL unset)")
+    shapes = [(2624, 6144), (6144, 2048), (1024, 6144)]  # q_a+kv_a-like, then narrower K
+    weights = [fp8_weight(n, k, device="cuda", seed=i) for i, (n, k) in enumerate(shapes)]
+    x0 = torch.randn(m, 6144, device="cuda", dtype=torch.bfloat16)
+    want = _pdl_chain(tri, x0, weights, pdl=False)
+    assert torch.equal(_pdl_chain(tri, x0, weights, pdl=True), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _pdl_chain(tri, x0, weights, pdl=True)
+    for _ in range(3):
+        x0.copy_(torch.randn_like(x0))
+        graph.replay()
+        assert torch.equal(out, _pdl_chain(tri, x0, weights, pdl=False))
+    assert not tri._COUNTERS[x0.device].any()
