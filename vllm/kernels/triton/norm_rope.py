@@ -10,10 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from vllm.kernels.fp8_gemm import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
-from vllm.kernels.triton.fp8_gemm import _launch_pdl, _quant_groups, pdl_supported
+from vllm.kernels.triton.fp8_gemm import _quant_groups
 from vllm.kernels.triton.utils import interpreting
 
 
@@ -98,11 +97,7 @@ def _rms_norm_quant_kernel(
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
     SOFT_FP8: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent (as the FP8 GEMM it feeds)
 ):
-    if PDL:
-        gdc_launch_dependents()  # the GEMM after it may start prefetching its weight
-        gdc_wait()  # x is the previous kernel's output
     # program (row, chunk): each sums the whole row (the tile and warps of _rms_norm_kernel, so
     # the same 1 / rms; the re-reads of a row hit L2), then writes and quantises its SPLIT_G
     # groups as quant_per_token_group would after a round trip of the output through memory
@@ -157,11 +152,10 @@ def rms_norm_quant(
     s = torch.empty(ng, n_pad, dtype=torch.float32, device=x.device).t()
     if n_pad:
         split = min(triton.next_power_of_2(split_g or QUANT_SPLIT_G), block_g)
-        pdl = pdl_supported(x.device)
         _rms_norm_quant_kernel[(n_pad, triton.cdiv(ng, split))](
             x2, weight, out, q.view(torch.uint8), s, x2.stride(0), eps, n, s.stride(0),
             s.stride(1), D=d, BLOCK_G=block_g, GROUP=group, SPLIT_G=split, FLOOR=AMAX_FLOOR,
-            QMAX=FP8_MAX, SOFT_FP8=interpreting(), PDL=pdl, num_warps=warps, **_launch_pdl(pdl),
+            QMAX=FP8_MAX, SOFT_FP8=interpreting(), num_warps=warps,
         )  # fmt: skip
     return out.view(x.shape), q, s
 
