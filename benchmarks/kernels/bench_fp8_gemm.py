@@ -12,9 +12,7 @@ beforehand (``fp8_gemm_prequant``: a fused producer's share), and both on a weig
 copies that exceed the L2 twice (``..._cold``: as a model's layers read their weights; one weight of
 a few MB replayed can be served from L2) beside a copy of the same bytes, launched the same way
 (``copy_same_bytes_cold``: what one launch of that size reaches), and cuBLAS on the same rotation
-(``fp8_gemm_cublas_cold``), and the two Triton paths launched plainly (``..._cold_plain``: without
-programmatic dependent launch, which lets each launch of the chain prefetch its weight during the
-previous one's tail); their bytes are what any path must
+(``fp8_gemm_cublas_cold``); their bytes are what any path must
 move (weight and scales, x, y), the same for all, so ``roof`` is the share of the copy bandwidth and
 compares their times; from M = 256 the cost model's bytes include the quantisation pass. M <= 256 is
 timed as CUDA-graph replays (what decode runs; eager times there are the host's launch cost), larger
@@ -135,17 +133,9 @@ def _cold_rows(x, ws_all, launches, xq, shape, t_ms, flops, nbytes, bf16_ms) -> 
     wq = ws_all[0][0]
     copies = len(ws_all)
     rows = []
-    m, k = x.shape
-    plain = tri.gemm_config(m, wq.shape[0], k, 128, _num_sms()) | dict(pdl=False)
-    # as served (programmatic dependent launches where the GPU has them), then launched plainly
-    for op, xquant, cfg in (
-        ("fp8_gemm_cold", None, None), ("fp8_gemm_prequant_cold", xq, None),
-        ("fp8_gemm_cold_plain", None, plain), ("fp8_gemm_prequant_cold_plain", xq, plain),
-    ):  # fmt: skip
-        ms = _time_cold(
-            lambda w, s, xquant=xquant, cfg=cfg: tri.fp8_block_gemm(x, w, s, (128, 128), cfg, xquant),
-            ws_all, launches,
-        )  # fmt: skip
+    for op, xquant in (("fp8_gemm_cold", None), ("fp8_gemm_prequant_cold", xq)):
+        ms = _time_cold(lambda w, s, xquant=xquant: tri.fp8_block_gemm(x, w, s, x_quant=xquant),
+                        ws_all, launches)  # fmt: skip
         note = f"served/this {t_ms / ms:.2f}; weight rotated over {copies} copies (> 2x L2)"
         rows.append(row(op, shape, ms, flops, nbytes, "fp8", bf16_ms, note))
     if fp8_gemm.cublas_supports(x, wq, (128, 128)):
@@ -284,24 +274,6 @@ def decode_table(rows: list[dict]) -> None:
         )
 
 
-def cold_table(rows: list[dict]) -> None:
-    """Decode sizes, cold: each launch of a captured chain on the next copy of the weight, as
-    served (programmatic dependent launch) and launched plainly; µs and % of the copy bandwidth."""
-    by = {}
-    for r in rows:
-        if "_cold" in r["op"]:
-            by.setdefault(r["shape"], {})[r["op"]] = r
-    ops = ("fp8_gemm_cold", "fp8_gemm_cold_plain", "fp8_gemm_prequant_cold",
-           "fp8_gemm_prequant_cold_plain", "fp8_gemm_cublas_cold")  # fmt: skip
-    print("# cold decode (µs, % of copy): served | plain | GEMM alone served | plain | cuBLAS")
-    for shape, t in by.items():
-        cells = "".join(
-            f"{t[o]['ms'] * 1e3:>8.1f}{t[o]['roofline']:>7.1%}" if o in t else f"{'-':>15}"
-            for o in ops
-        )
-        print(f"# {shape:<36}{cells}")
-
-
 def best_tiles(rows: list[dict]) -> None:
     """--sweep: per shape and M, the fastest Triton config (table or swept); at decode sizes on
     cold weights and x quantised beforehand."""
@@ -359,7 +331,6 @@ def main() -> None:
         torch.cuda.empty_cache()
     print_rows(rows)
     decode_table(rows)
-    cold_table(rows)
     if args.sweep:
         best_tiles(rows)
     decision(rows)

@@ -34,12 +34,10 @@ arithmetic, so there the encoder is the exact integer one and operands are fp32 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from vllm.kernels.fp8_gemm import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from vllm.kernels.triton.utils import check_cuda_or_interpreter, e4m3_bits, interpreting, record
@@ -77,11 +75,7 @@ def _group_quant_kernel(
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
     SOFT_FP8: tl.constexpr,  # interpreter: exact integer e4m3 encoder
-    PDL: tl.constexpr,  # launched as a programmatic dependent (see _block_gemm_kernel)
 ):
-    if PDL:
-        gdc_launch_dependents()  # the GEMM after it may start prefetching its weight
-        gdc_wait()  # x is the previous kernel's output
     row = tl.program_id(0).to(tl.int64)
     offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BLOCK_G]
     cols = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [BLOCK_G, GROUP]
@@ -93,12 +87,11 @@ def _group_quant_kernel(
 
 
 def quant_per_token_group(
-    x: torch.Tensor, group: int = 128, row_multiple: int = 1, pdl: bool | None = None
+    x: torch.Tensor, group: int = 128, row_multiple: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (xq e4m3 [M_pad, K], scale fp32 [M_pad, ceil(K/group)] as an M-contiguous view)
     with M_pad = M rounded up to ``row_multiple``; the padding rows are an all-zero row's (xq 0,
     scale AMAX_FLOOR / 448), for callers whose GEMM needs aligned rows (cuBLAS's 1x128 scales).
-    ``pdl``: launch as a programmatic dependent (default: :func:`pdl_supported`).
 
     Spec: :func:`vllm.kernels.fp8_gemm.per_token_group_quant_fp8`; ``group`` a power of two."""
     check_cuda_or_interpreter(x)
@@ -112,11 +105,9 @@ def quant_per_token_group(
         return q, s
     block_g = min(8, triton.next_power_of_2(ng))
     grid = (m_pad, triton.cdiv(ng, block_g))
-    pdl = pdl_supported(x.device) if pdl is None else pdl
     _group_quant_kernel[grid](
         x, q.view(torch.uint8), s, m, k, ng, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-        GROUP=group, BLOCK_G=block_g, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, SOFT_FP8=_UPCAST, PDL=pdl,
-        num_warps=4, **_launch_pdl(pdl),
+        GROUP=group, BLOCK_G=block_g, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, SOFT_FP8=_UPCAST, num_warps=4,
     )  # fmt: skip
     return q, s
 
@@ -175,16 +166,6 @@ def _store_tile(
 
 
 @triton.jit
-def _prefetch_l2(ptrs, nbytes):
-    """Ask L2 for ``nbytes`` (a multiple of 16) from each of ``ptrs`` (16-byte aligned), without
-    waiting: sm_90's bulk prefetch, one instruction per row."""
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;", "=r,l,r",
-        [ptrs, tl.full(ptrs.shape, 0, tl.int32) + nbytes], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _block_gemm_kernel(
     a_ptr,  # QUANT_A: x [M, K] bf16/fp16/fp32; else e4m3 xq [M, K]; strides (stride_am, 1)
     as_ptr,  # fp32 [M, ceil(K/BLOCK_K)], strides (stride_asm, stride_ask); unread when QUANT_A
@@ -197,7 +178,6 @@ def _block_gemm_kernel(
     N,
     K,
     k_blocks_per_split,
-    prefetch_blocks,  # PDL: K blocks of its weight slice each program asks L2 for before waiting
     stride_am,
     stride_asm,
     stride_ask,
@@ -217,7 +197,6 @@ def _block_gemm_kernel(
     GROUP_M: tl.constexpr,  # row tiles per L2 group (prefill: weight tiles reused from L2)
     GROUP_N: tl.constexpr,  # the weight scales' block along N
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask (every GLM-5.3 linear)
-    PDL: tl.constexpr,  # launched as a programmatic dependent of the previous kernel
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -241,17 +220,6 @@ def _block_gemm_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn + (kb0 * BLOCK_K + offs_k)[:, None]
     as_ptrs = as_ptr + offs_m * stride_asm + kb0 * stride_ask  # [BLOCK_M]
     ws_ptrs = ws_ptr + (offs_n // GROUP_N) * stride_wsn + kb0 * stride_wsk  # [BLOCK_N]
-    if PDL:
-        # Launched while the previous kernel still runs: read nothing it may write (x, its
-        # scales) and write nothing before the wait. The weight is constant, so its first K
-        # blocks can already stream from HBM into L2 (each row of the slice is contiguous).
-        if EVEN_K:
-            nbytes = tl.minimum(kb1 - kb0, prefetch_blocks) * BLOCK_K
-            if nbytes > 0:
-                rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + kb0 * BLOCK_K
-                _prefetch_l2(rows, nbytes)
-        gdc_launch_dependents()
-        gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(kb0, kb1):
         if EVEN_K:
@@ -278,29 +246,6 @@ def _block_gemm_kernel(
     p_ptrs = part_ptr + om * N + offs_n[None, :]  # [BLOCK_M, BLOCK_N], slice 0
     _store_tile(acc, o_ptrs, p_ptrs, cnt_ptr, mmask[:, None] & nmask[None, :], M * N,
                 PARTIALS, REDUCE)  # fmt: skip
-
-
-# Programmatic dependent launch (sm_90+): the quantiser and the GEMM are launched so that they may
-# start while the kernel before them still runs; each waits for it (griddepcontrol.wait) before
-# reading anything it may have written, and lets the kernel after it launch at once. The GEMM
-# first asks L2 for the first PDL_PREFETCH_BLOCKS K blocks of its weight slice (the weight is
-# constant), so a decode GEMM's pipeline fill and its launch overlap the previous kernel's tail.
-# Kernels that do not take part (torch's) order as usual: a dependent launches only once every
-# program of the kernel before it has exited or signalled. VLLM_FP8_GEMM_PDL=0 turns it off.
-PDL = os.environ.get("VLLM_FP8_GEMM_PDL", "1") != "0"
-PDL_PREFETCH_BLOCKS = 4
-
-
-@functools.lru_cache(maxsize=8)
-def pdl_supported(device: torch.device) -> bool:
-    """Whether the kernels here launch as programmatic dependents on ``device`` (:data:`PDL`)."""
-    if not PDL or _UPCAST or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _launch_pdl(pdl: bool) -> dict:
-    return {"launch_pdl": True} if pdl else {}
 
 
 @functools.lru_cache(maxsize=8)
@@ -372,8 +317,7 @@ def gemm_config(
     """The fixed config for an [M, K] x [N, K]ᵀ call: tile sizes from :data:`TILES` (or ``tile``
     = (block_m, block_n, num_warps, num_stages), the benchmark's sweep), the K split that fills
     the GPU when the output has few tiles (decode sizes; narrow N such as kv_a's 576), reduced
-    inside the kernel, whether the kernel quantises x itself (:data:`FUSED_QUANT_MAX_M`), and
-    its programmatic dependent launch (``pdl``, None: :func:`pdl_supported`; ``prefetch_blocks``).
+    inside the kernel, and whether the kernel quantises x itself (:data:`FUSED_QUANT_MAX_M`).
     ``reduce_in_kernel=False`` (partials summed by torch, as before issue 35) and ``fuse_quant``
     against the table are for the tests and the benchmark's comparison."""
     block_m, block_n, warps, stages = tile or next(t[1:] for t in TILES if m <= t[0])
@@ -386,8 +330,7 @@ def gemm_config(
     return dict(
         block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
         split_k=triton.cdiv(nkb, per_split), k_blocks_per_split=per_split, group_m=8,
-        fuse_quant=m <= FUSED_QUANT_MAX_M, reduce_in_kernel=True, pdl=None,
-        prefetch_blocks=PDL_PREFETCH_BLOCKS,
+        fuse_quant=m <= FUSED_QUANT_MAX_M, reduce_in_kernel=True,
     )  # fmt: skip
 
 
@@ -424,16 +367,12 @@ def _gemm(x2, weight, weight_scale_inv, block, cfg, x_quant=None) -> torch.Tenso
     """x2 [M, K] (unit last stride) -> [M, N] in x2.dtype: one launch, or two with the separate
     quantisation pass, or three with torch's sum of the partials (cfg["reduce_in_kernel"] off)."""
     (m, k), n, (bn, bk) = x2.shape, weight.shape[0], block
-    pdl = cfg.get("pdl")
-    pdl = pdl_supported(x2.device) if pdl is None else pdl
-    # the bulk prefetch takes 16-byte aligned rows
-    pf = cfg.get("prefetch_blocks", 0) if weight.data_ptr() % 16 == 0 else 0
     if x_quant is not None:
         a, sa = x_quant
     elif cfg["fuse_quant"]:
         a, sa = x2, x2  # sa: a placeholder, the kernel quantises a itself
     else:
-        a, sa = quant_per_token_group(x2, bk, pdl=pdl)
+        a, sa = quant_per_token_group(x2, bk)
     split, reduce = cfg["split_k"], cfg["reduce_in_kernel"]
     tiles = triton.cdiv(m, cfg["block_m"]) * triton.cdiv(n, cfg["block_n"])
     part = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else None
@@ -441,12 +380,12 @@ def _gemm(x2, weight, weight_scale_inv, block, cfg, x_quant=None) -> torch.Tenso
     cnt = _split_counters(x2.device, tiles) if split > 1 and reduce else out
     compiled = _block_gemm_kernel[(tiles, split)](
         a, sa, weight, weight_scale_inv, out, out if part is None else part, cnt,
-        m, n, k, cfg["k_blocks_per_split"], pf, a.stride(0), sa.stride(0), sa.stride(1),
+        m, n, k, cfg["k_blocks_per_split"], a.stride(0), sa.stride(0), sa.stride(1),
         weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1), out.stride(-2),
         UPCAST=_UPCAST, QUANT_A=cfg["fuse_quant"], PARTIALS=split > 1, REDUCE=reduce,
         FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        BLOCK_K=bk, GROUP_M=cfg["group_m"], GROUP_N=bn, EVEN_K=k % bk == 0, PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_launch_pdl(pdl),
+        BLOCK_K=bk, GROUP_M=cfg["group_m"], GROUP_N=bn, EVEN_K=k % bk == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     record("fp8_gemm", compiled)
     return part.sum(0).to(x2.dtype) if split > 1 and not reduce else out
