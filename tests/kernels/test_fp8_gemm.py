@@ -356,6 +356,14 @@ def test_gemm_config_table():
     assert gemm_config(16, 12288, 6144, 128, 132)["split_k"] == 2
     assert gemm_config(64, 16384, 2048, 128, 132)["split_k"] == 1
     assert gemm_config(64, 2624, 6144, 128, 132)["split_k"] == 6
+    # 17-32 rows: 32-row tiles, but an unsplit grid of them (q_b's 256, the stacked gate/up's
+    # 384) takes the 64-row tile; gate or up alone (192 tiles) splits K and keeps 32 rows
+    assert gemm_config(32, 6144, 16384, 128, 132)["block_m"] == 32
+    assert gemm_config(17, 12288, 6144, 128, 132)["block_m"] == 32
+    for n in (16384, 24576):
+        assert gemm_config(32, n, 2048, 128, 132)["block_m"] == 64
+        assert gemm_config(32, n, 2048, 128, 132)["split_k"] == 1
+        assert gemm_config(16, n, 2048, 128, 132)["block_m"] == 16
     # decode: the quantiser, then one GEMM that sums its own splits (quantising inside the GEMM
     # lost on the H200: FUSED_QUANT_MAX_M)
     assert not c["fuse_quant"] and c["reduce_in_kernel"]

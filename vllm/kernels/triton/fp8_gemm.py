@@ -258,10 +258,14 @@ def _num_sms(device: torch.device) -> int:
 # Tiles by M (starting points after upstream vLLM's H200 block-FP8 tables, swept by
 # benchmarks/kernels/bench_fp8_gemm.py --sweep): (max M, block_m, block_n, num_warps, num_stages).
 # 64 rows: 3 stages beat 4 and 6 cold on every wide shape (H100, 2026-12-07: o_proj 48.6 against
-# 55.7 µs, mlp down 39.6 / 43.5, q_b 16.4 / 18.3, stacked gate/up 59.5 / 61.6)
+# 55.7 µs, mlp down 39.6 / 43.5, q_b 16.4 / 18.3, stacked gate/up 59.5 / 61.6). 32 rows: 3 stages
+# as fast as 4 or faster on every shape, cold (H100, 2026-12-07: o_proj 42.4 against 43.7 µs, down
+# 33.9 / 34.4, q_a + kv_a 11.5 / 11.7); but a grid of 32-row tiles that needs no K split (a full
+# second wave: q_b's 256 tiles, the stacked gate/up's 384) runs faster on the 64-row tile, half
+# its rows empty (wgmma; q_b 15.8 against 18.4 µs, stacked gate/up 56.3 against 62.2): WIDE_TILE_ROWS
 TILES = [
     (16, 16, 64, 4, 4),
-    (32, 32, 64, 4, 4),
+    (32, 32, 64, 4, 3),
     (64, 64, 64, 4, 3),
     (256, 64, 128, 4, 4),
     (1 << 62, 128, 128, 8, 3),
@@ -278,6 +282,8 @@ TILES = [
 # 9.5 / 10.1 / 14.4 -> 10.1 / 10.7 / 20.3 and q_a 8.8 / 9.3 / 14.1 -> 9.3 / 9.8 / 15.3, hence the
 # depth rule, which leaves those at their old split; q_b (256 tiles, ~2 waves) slower split.
 SPLIT_PROGRAMS_PER_SM = 2
+# rows (exclusive, inclusive) where an unsplit grid of the table's tile takes the 64-row tile
+WIDE_TILE_ROWS = (16, 32)
 SPLIT_DEEP_PROGRAMS_PER_SM = 4
 SPLIT_MAX_WAVES = 1.5
 # Rows up to which the GEMM quantises x itself in its K loop (one launch instead of two): 0, off.
@@ -321,8 +327,12 @@ def gemm_config(
     ``reduce_in_kernel=False`` (partials summed by torch, as before issue 35) and ``fuse_quant``
     against the table are for the tests and the benchmark's comparison."""
     block_m, block_n, warps, stages = tile or next(t[1:] for t in TILES if m <= t[0])
-    nkb = triton.cdiv(k, block_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if tile is None and WIDE_TILE_ROWS[0] < m <= WIDE_TILE_ROWS[1]:
+        if tiles >= SPLIT_MAX_WAVES * num_sms:  # unsplit: the 64-row tile (TILES' comment)
+            block_m, block_n, warps, stages = next(t[1:] for t in TILES if t[0] >= 64)
+            tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    nkb = triton.cdiv(k, block_k)
     split = max(1, min(nkb // 4, SPLIT_PROGRAMS_PER_SM * num_sms // tiles))
     if tiles < SPLIT_MAX_WAVES * num_sms:
         split = max(split, min(nkb // 16, SPLIT_DEEP_PROGRAMS_PER_SM * num_sms // tiles))
