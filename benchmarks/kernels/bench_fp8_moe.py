@@ -83,13 +83,6 @@ def bench(t: int, e_loc: int, sweep: bool, experts) -> list[dict]:
     m_ms = timer(lambda: fp8.experts_grouped_fp8(*args, table | {"even": False}))
     note = f"table/this {ms / m_ms:.3f}; {resource_report('moe_fp8_gate_up')}"
     rows.append(row("moe_fp8_masked", shape, m_ms, flops, nbytes, "fp8", bf16_ms, note))
-    # the per-pair partial sums stored in bf16 (half the [P, H] traffic; upstream's choice)
-    b_args = (*args, table | {"part_dtype": torch.bfloat16})
-    b_ms = timer(lambda: fp8.experts_grouped_fp8(*b_args))
-    ref = fp8.experts_grouped_fp8(*args, table).float()
-    err = (fp8.experts_grouped_fp8(*b_args).float() - ref).norm() / ref.norm()
-    note = f"table/this {ms / b_ms:.3f}; rel. error against fp32 partials {err:.2e}"
-    rows.append(row("moe_fp8_bf16_part", shape, b_ms, flops, nbytes, "fp8", bf16_ms, note))
     keys = ("block_m", "num_warps", "num_stages", "block_n")
     same = lambda c: all(c.get(k) == table.get(k) for k in keys)
     for cfg in SWEEP if sweep else []:
