@@ -101,7 +101,6 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # = GROUP: one quantisation group of the intermediate
     BLOCK_K: tl.constexpr,  # = GROUP: one scale group of H
-    EVEN: tl.constexpr,  # H and I multiples of the tiles: loads without masks (rows clamped)
 ):
     pid_m, pid_n = grouped_pids(num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -110,8 +109,7 @@ def _gate_up_kernel(
     pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
     pmask = pair < num_pairs
     pair = pair.to(tl.int64)
-    # empty slots read pair 0's row (never stored), so the K loop needs no row mask
-    tok = tl.where(pmask, pair, 0) // TOP_K
+    tok = pair // TOP_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] intermediate columns
     nmask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -125,16 +123,11 @@ def _gate_up_kernel(
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
-        if EVEN:
-            a = tl.load(a_ptrs)
-            wg = tl.load(g_ptrs)
-            wu = tl.load(u_ptrs)
-        else:
-            kmask = offs_k < H - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        sa = tl.load(as_ptrs)[:, None]
+        kmask = offs_k < H - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
+        wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        sa = tl.load(as_ptrs, mask=pmask, other=0.0)[:, None]
         gate += _dot(a, wg, UPCAST) * (sa * tl.load(gs_ptr))
         up += _dot(a, wu, UPCAST) * (sa * tl.load(us_ptr))
         a_ptrs += BLOCK_K
@@ -179,7 +172,6 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # divides 128: one weight scale row per tile
     BLOCK_K: tl.constexpr,  # = GROUP
-    EVEN: tl.constexpr,  # I and H multiples of the tiles: loads without masks (rows clamped)
 ):
     pid_m, pid_n = grouped_pids(num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -188,25 +180,20 @@ def _down_kernel(
     pair = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
     pmask = pair < num_pairs
     pair = pair.to(tl.int64)
-    row = tl.where(pmask, pair, 0)  # empty slots read pair 0's row (never stored)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] hidden columns
     nmask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
     e64 = expert.to(tl.int64)
-    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+    a_ptrs = a_ptr + pair[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
-    as_ptrs = as_ptr + row * stride_asm
+    as_ptrs = as_ptr + pair * stride_asm
     ws_ptr = ws_ptr + e64 * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, tl.cdiv(inter, BLOCK_K)):
-        if EVEN:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            kmask = offs_k < inter - kb * BLOCK_K
-            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        sa = tl.load(as_ptrs)[:, None]
+        kmask = offs_k < inter - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        sa = tl.load(as_ptrs, mask=pmask, other=0.0)[:, None]
         acc += _dot(a, w, UPCAST) * (sa * tl.load(ws_ptr))
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -268,8 +255,6 @@ def experts_grouped_fp8(
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need a contiguous last dim")
     xq, sx = quant_per_token_group(x, GROUP)  # [T, H] e4m3, [T, gh]
-    # every GLM-5.3 size: no masks in the K loops (cfg "even" False: the masked form, for the benchmark)
-    even = cfg.get("even", True) and h % GROUP == 0 and inter % GROUP == 0
     hq = torch.empty(p, inter, dtype=FP8_DTYPE, device=x.device)  # invalid rows unset
     hs = torch.empty(gi, p, dtype=torch.float32, device=x.device).t()  # [P, gi]
     compiled = _gate_up_kernel[(nb * gi,)](
@@ -278,8 +263,7 @@ def experts_grouped_fp8(
         gi, xq.stride(0), sx.stride(0), sx.stride(1), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), hq.stride(0),
         hs.stride(0), hs.stride(1),
-        TOP_K=top_k, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=GROUP,
-        BLOCK_K=GROUP, EVEN=even, **opts,
+        TOP_K=top_k, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=GROUP, BLOCK_K=GROUP, **opts,
     )  # fmt: skip
     record("moe_fp8_gate_up", compiled)
     out = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]; invalid rows unset
@@ -289,8 +273,7 @@ def experts_grouped_fp8(
         hq, hs, w2, w2_scale, out, sorted_pairs, block_expert, route_w, p, nb, h, inter,
         hq.stride(0), hs.stride(0), hs.stride(1), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), out.stride(0),
-        UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=GROUP,
-        EVEN=even and h % block_n == 0, **opts,
+        UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=GROUP, **opts,
     )  # fmt: skip
     record("moe_fp8_down", compiled)
     return combine_pairs(out, ids, expert_offset, e_loc, x.dtype)
