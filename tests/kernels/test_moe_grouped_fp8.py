@@ -116,7 +116,7 @@ def test_ref_checks():
         (17, 4, 2, 4, 12, 16, (5,)),  # EP slice: offset 4, others' experts; an empty expert
     ],
 )
-@pytest.mark.parametrize("h,i", [(160, 96), (64, 200)])
+@pytest.mark.parametrize("h,i", [(160, 96), (64, 200), (256, 128)])  # the last: EVEN
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the NaN rows' quantisation, never read
 def test_grouped_fp8_interpreter(interp, t, e_loc, k, offset, e_total, block_m, skip, h, i):
     mod = interp("moe_grouped_fp8")
@@ -197,6 +197,12 @@ def test_grouped_fp8_gpu(t, e_loc, k, h, i, offset, e_total, dtype, tol):
     assert got.dtype == dtype
     assert _rel(got, ref) < tol
     assert torch.equal(mod.experts_grouped_fp8(x, *rest), got)  # deterministic
+    # no K masks (sizes multiples of 128) against the masked form: the same bits
+    cfg = mod._config(t * k, e_loc, e_total)
+    for bm in {cfg["block_m"], 16, 128}:
+        c = cfg | {"block_m": bm}
+        even = mod.experts_grouped_fp8(x, *rest, c)
+        assert torch.equal(even, mod.experts_grouped_fp8(x, *rest, c | {"even": False}))
 
 
 @pytest.mark.gpu

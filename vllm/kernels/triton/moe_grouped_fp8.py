@@ -101,6 +101,7 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # = GROUP: one quantisation group of the intermediate
     BLOCK_K: tl.constexpr,  # = GROUP: one scale group of H
+    EVEN: tl.constexpr,  # H and I multiples of 128: no K or column masks (rows stay masked)
 ):
     pid_m, pid_n = grouped_pids(num_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -123,10 +124,15 @@ def _gate_up_kernel(
     gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, tl.cdiv(H, BLOCK_K)):
-        kmask = offs_k < H - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
-        wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if EVEN:
+            a = tl.load(a_ptrs, mask=pmask[:, None], other=0.0)
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+        else:
+            kmask = offs_k < H - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
         sa = tl.load(as_ptrs, mask=pmask, other=0.0)[:, None]
         gate += _dot(a, wg, UPCAST) * (sa * tl.load(gs_ptr))
         up += _dot(a, wu, UPCAST) * (sa * tl.load(us_ptr))
@@ -172,6 +178,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # divides 128: one weight scale row per tile
     BLOCK_K: tl.constexpr,  # = GROUP
+    EVEN: tl.constexpr,  # I and H multiples of the tiles: no K or column masks (rows stay masked)
 ):
     pid_m, pid_n = grouped_pids(num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -190,9 +197,13 @@ def _down_kernel(
     ws_ptr = ws_ptr + e64 * stride_wse + (pid_n * BLOCK_N // 128) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, tl.cdiv(inter, BLOCK_K)):
-        kmask = offs_k < inter - kb * BLOCK_K
-        a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if EVEN:
+            a = tl.load(a_ptrs, mask=pmask[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            kmask = offs_k < inter - kb * BLOCK_K
+            a = tl.load(a_ptrs, mask=pmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
         sa = tl.load(as_ptrs, mask=pmask, other=0.0)[:, None]
         acc += _dot(a, w, UPCAST) * (sa * tl.load(ws_ptr))
         a_ptrs += BLOCK_K
@@ -255,6 +266,8 @@ def experts_grouped_fp8(
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need a contiguous last dim")
     xq, sx = quant_per_token_group(x, GROUP)  # [T, H] e4m3, [T, gh]
+    # every GLM-5.3 size: no K masks (cfg "even" False: the masked form, for the benchmark)
+    even = cfg.get("even", True) and h % GROUP == 0 and inter % GROUP == 0
     hq = torch.empty(p, inter, dtype=FP8_DTYPE, device=x.device)  # invalid rows unset
     hs = torch.empty(gi, p, dtype=torch.float32, device=x.device).t()  # [P, gi]
     compiled = _gate_up_kernel[(nb * gi,)](
@@ -263,7 +276,8 @@ def experts_grouped_fp8(
         gi, xq.stride(0), sx.stride(0), sx.stride(1), w13.stride(0), w13.stride(1),
         w13_scale.stride(0), w13_scale.stride(1), w13_scale.stride(2), hq.stride(0),
         hs.stride(0), hs.stride(1),
-        TOP_K=top_k, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=GROUP, BLOCK_K=GROUP, **opts,
+        TOP_K=top_k, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=GROUP,
+        BLOCK_K=GROUP, EVEN=even, **opts,
     )  # fmt: skip
     record("moe_fp8_gate_up", compiled)
     out = torch.empty(p, h, dtype=torch.float32, device=x.device)  # [P, H]; invalid rows unset
@@ -273,7 +287,8 @@ def experts_grouped_fp8(
         hq, hs, w2, w2_scale, out, sorted_pairs, block_expert, route_w, p, nb, h, inter,
         hq.stride(0), hs.stride(0), hs.stride(1), w2.stride(0), w2.stride(1),
         w2_scale.stride(0), w2_scale.stride(1), w2_scale.stride(2), out.stride(0),
-        UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=GROUP, **opts,
+        UPCAST=_UPCAST, BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=GROUP,
+        EVEN=even and h % block_n == 0, **opts,
     )  # fmt: skip
     record("moe_fp8_down", compiled)
     return combine_pairs(out, ids, expert_offset, e_loc, x.dtype)
