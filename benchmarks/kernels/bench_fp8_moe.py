@@ -79,10 +79,12 @@ def bench(t: int, e_loc: int, sweep: bool, experts) -> list[dict]:
     res = f"{resource_report('moe_fp8_gate_up')} | {resource_report('moe_fp8_down')}"
     note = f"bf16 {bf16_ms:.3f} ms; block_m {table['block_m']} w{table['num_warps']}; {res}"
     rows.append(row("moe_fp8_grouped", shape, ms, flops, nbytes, "fp8", bf16_ms, note))
-    # the same tiles with the K loops' masks (the kernels before EVEN), in the same process
-    m_ms = timer(lambda: fp8.experts_grouped_fp8(*args, table | {"even": False}))
+    # the same tiles with the other choice of K-loop masks (EVEN_MAX_BLOCK_M), in the same process
+    even = table["block_m"] <= fp8.EVEN_MAX_BLOCK_M
+    m_ms = timer(lambda: fp8.experts_grouped_fp8(*args, table | {"even": not even}))
     note = f"table/this {ms / m_ms:.3f}; {resource_report('moe_fp8_gate_up')}"
-    rows.append(row("moe_fp8_masked", shape, m_ms, flops, nbytes, "fp8", bf16_ms, note))
+    op = "moe_fp8_masked" if even else "moe_fp8_unmasked"
+    rows.append(row(op, shape, m_ms, flops, nbytes, "fp8", bf16_ms, note))
     keys = ("block_m", "num_warps", "num_stages", "block_n")
     same = lambda c: all(c.get(k) == table.get(k) for k in keys)
     for cfg in SWEEP if sweep else []:
