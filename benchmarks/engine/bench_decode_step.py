@@ -103,7 +103,10 @@ def decode_run(
     precompile: bool = True,
     load_format: str = "auto",
     pipelined: bool = False,
+    top_n: int | None = 8,
 ) -> dict:
+    """One decode run; ``top_n``: how many kernels (by device time) the result lists, all of
+    them if None."""
     per_req_blocks = -(-(context + steps + 8) // 64)
     blocks = batch * per_req_blocks + 1
     cfg = EngineArgs(
@@ -188,9 +191,9 @@ def decode_run(
             prof.__exit__(None, None, None)
             ka = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
             prof_ms = sum(e.self_device_time_total for e in ka) / 1e3 / window
-            top = sorted(ka, key=lambda e: -e.self_device_time_total)[:8]
+            top = sorted(ka, key=lambda e: -e.self_device_time_total)[:top_n]
             top_kernels = [
-                (e.key[:60], round(e.self_device_time_total / 1e3 / window, 3), e.count // window)
+                (e.key[:80], round(e.self_device_time_total / 1e3 / window, 4), e.count // window)
                 for e in top
             ]
     if held is not None:
@@ -240,10 +243,24 @@ def project(args) -> int:
         for c in map(int, args.context.split(",")):
             t = {}
             for n, path in paths.items():
-                r = decode_run(path, b, c, args.steps, True, args.top_p, True, "dummy")
+                r = decode_run(path, b, c, args.steps, True, args.top_p, True, "dummy", top_n=None)
                 r.pop("tokens")
                 t[n] = r
                 print("row:", json.dumps({"layers": n, **r}), flush=True)
+            # per layer, by kernel: the two depths' device times differenced
+            ks = []
+            for n in (lo, hi):
+                acc: dict[str, float] = {}
+                for k, ms, _ in t[n]["top_kernels_ms_per_step"]:
+                    acc[k] = acc.get(k, 0.0) + ms
+                ks.append(acc)
+            diff = sorted(
+                ((k, (ks[1][k] - ks[0].get(k, 0.0)) / (hi - lo)) for k in ks[1]),
+                key=lambda kv: -kv[1],
+            )
+            print(f"B={b} C={c}: device ms per layer by kernel (the {hi} - {lo} layer difference)")
+            for k, ms in diff[: args.kernels]:
+                print(f"  {ms * 1e3:8.1f} us  {k}")
             per_layer = (t[hi]["step_ms_median"] - t[lo]["step_ms_median"]) / (hi - lo)
             fixed = t[lo]["step_ms_median"] - lo * per_layer
             full = fixed + 78 * per_layer
@@ -290,6 +307,9 @@ def main() -> int:
         "4 and 8 layers with graphs, the per-layer slope scaled to 78 layers",
     )
     ap.add_argument("--project-layers", default="4,8", help="with --project: the two depths")
+    ap.add_argument(
+        "--kernels", type=int, default=25, help="with --project: kernels listed per layer"
+    )
     ap.add_argument(
         "--modes",
         default="eager,graph,pipe",

@@ -147,6 +147,20 @@ def test_grouped_fp8_interpreter_no_tokens(interp):
     assert mod.experts_grouped_fp8(x, q13, q2, ids, w, off, s13, s2).shape == (0, 64)
 
 
+def test_grouped_fp8_interpreter_reads_producer_quant(interp):
+    """x_quant from the producer (here the quantiser itself, in a row-padded buffer as the
+    fused norm may give): the same bits as quantising x inside; a wrong shape is refused."""
+    mod = interp("moe_grouped_fp8")
+    quant = interp("fp8_gemm").quant_per_token_group
+    x, q13, q2, ids, w, off, s13, s2 = _case(10, 4, 2, 128, 128, 0, 4, seed=3)
+    want = mod.experts_grouped_fp8(x, q13, q2, ids, w, off, s13, s2)
+    xq, sx = quant(x, 128, 16)  # 16 rows: the first 10 are x's
+    got = mod.experts_grouped_fp8(x, q13, q2, ids, w, off, s13, s2, x_quant=(xq[:10], sx[:10]))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="x_quant"):
+        mod.experts_grouped_fp8(x, q13, q2, ids, w, off, s13, s2, x_quant=(xq, sx))
+
+
 def test_grouped_fp8_interpreter_bf16_table_config(interp):
     """bf16 activations with the shipped row-tile table (no cfg): only the output's rounding."""
     mod = interp("moe_grouped_fp8")

@@ -65,8 +65,8 @@ def test_model_logits_with_dense_experts(tiny_ckpt, monkeypatch):
     ref = prompt_logits(model, ids, "auto", chunk=32, decode_from=60)
     used = []
 
-    def dense(*a, w13_scale=None, w2_scale=None, num_experts=None):  # no scales: full precision
-        assert w13_scale is None and w2_scale is None
+    def dense(*a, w13_scale=None, w2_scale=None, num_experts=None, x_quant=None):
+        assert w13_scale is None and w2_scale is None and x_quant is None  # full precision
         used.append(a[0].shape[0])
         return moe.experts_dense(*a)
 

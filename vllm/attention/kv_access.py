@@ -81,7 +81,8 @@ class KVAccess(ABC):
         self, attn: SparseMLAAttention, meta: MLAMetadata, q_abs: torch.Tensor, topk_pos
     ) -> torch.Tensor:
         """Attention [T_dec, H, R] of the absorbed queries q_abs [T_dec, H, R + rope] over their
-        selected positions topk_pos [T_dec, index_topk] (−1 = none)."""
+        selected positions topk_pos [T_dec, index_topk] (−1 = none), in fp32 or in q_abs's dtype
+        (the caller rounds it to the model dtype for W_UV either way)."""
 
 
 def gather_new_rows(
@@ -115,17 +116,17 @@ def local_decode_topk(
     attn: SparseMLAAttention, meta: MLAMetadata, iq: IndexerQuery, block_table: torch.Tensor
 ) -> torch.Tensor:
     """Top-k of this rank's decode tokens against indexer keys paged by ``block_table``."""
-    tok = meta.decode_tokens
+    rows = meta.decode_rows
     # each token's own causal context: a request verifying drafts has several decode tokens
-    ctx = meta.positions[tok] + 1
+    ctx = rows(meta.positions) + 1
     logits = indexer_logits_paged(
-        iq.q[tok],
-        iq.scale[tok],
-        iq.w[tok],
+        rows(iq.q),
+        rows(iq.scale),
+        rows(iq.w),
         attn.indexer_cache,
         meta.layout,
         block_table,
-        meta.token_req[tok],
+        rows(meta.token_req),
         ctx,
         meta.decode_ctx_bound(),
     )
@@ -156,7 +157,9 @@ class LocalKVAccess(KVAccess):
         return local_decode_topk(attn, meta, iq, meta.block_table)
 
     def decode_attend(self, attn, meta, q_abs, topk_pos):
-        tok = meta.decode_tokens
-        slots = meta.slots_for(meta.token_req[tok].unsqueeze(1).expand_as(topk_pos), topk_pos)
-        out, _ = sparse_mla_decode(q_abs, attn.kv_cache, slots, meta.layout, attn.scale)
+        slots = meta.decode_slots(topk_pos)
+        # in q's dtype: the kernel's fp32 rows rounded once, as the caller would round them
+        out, _ = sparse_mla_decode(
+            q_abs, attn.kv_cache, slots, meta.layout, attn.scale, out_dtype=q_abs.dtype
+        )
         return out

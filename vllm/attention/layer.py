@@ -129,32 +129,49 @@ class SparseMLAAttention(nn.Module):
         # in q's dtype: each row is computed in fp32 and rounded once, as a whole-batch fp32 buffer
         # cast at the end would be, without holding T × H × 512 fp32 values
         shape = (q_nope.shape[0], self.num_heads, self.v_dim)
+        # every row is written below when every row decodes: no zero fill (nor -1 fill of the
+        # top-k a full layer computes)
+        every = meta.decode_is_all
         if out is None:
-            out = torch.zeros(shape, dtype=q_nope.dtype, device=q_nope.device)
+            new = torch.empty if every else torch.zeros
+            out = new(shape, dtype=q_nope.dtype, device=q_nope.device)
         else:
             if out.shape != shape or out.dtype != q_nope.dtype:
                 raise ValueError(f"out {tuple(out.shape)} {out.dtype}: {shape} {q_nope.dtype}")
-            out.zero_()
+            if not every:
+                out.zero_()
         topk = prev_topk
         if topk is None:
-            topk = torch.full(
-                (q_nope.shape[0], meta.index_topk), -1, dtype=torch.int32, device=q_nope.device
-            )
+            shape = (q_nope.shape[0], meta.index_topk)
+            if every and iq is not None:
+                topk = torch.empty(shape, dtype=torch.int32, device=q_nope.device)
+            else:
+                topk = torch.full(shape, -1, dtype=torch.int32, device=q_nope.device)
         self._prefill(meta, q_nope, q_pe, iq, topk, out)
         self._decode(meta, q_nope, q_pe, iq, topk, out)
         return out, topk
 
     def _absorb(self, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
         """MQA query [T, H, kv_lora_rank + rope] in W_UK's dtype: q_nope absorbed through W_UK,
-        then q_pe. The attention kernels take bf16 queries (their MMAs round fp32 ones anyway)."""
+        then q_pe. The attention kernels take bf16 queries (their MMAs round fp32 ones anyway).
+        The batched GEMM writes its head-major product straight into the query's first R
+        columns (no concatenation reading it back)."""
         w = self.w_uk
-        return torch.cat(
-            [torch.einsum("thn,hnr->thr", q_nope.to(w.dtype), w), q_pe.to(w.dtype)], -1
-        )
+        t, r = q_nope.shape[0], self.kv_lora_rank
+        q = torch.empty((t, self.num_heads, r + q_pe.shape[-1]), dtype=w.dtype, device=w.device)
+        torch.bmm(q_nope.to(w.dtype).transpose(0, 1), w, out=q[..., :r].transpose(0, 1))
+        q[..., r:] = q_pe
+        return q
 
-    def _unabsorb(self, o: torch.Tensor) -> torch.Tensor:
-        """Attention output over the latent rows [T, H, R] -> [T, H, v] through W_UV."""
-        return torch.einsum("thr,hvr->thv", o.to(self.w_uv.dtype), self.w_uv)
+    def _unabsorb(self, o: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output over the latent rows [T, H, R] -> [T, H, v] through W_UV, written
+        into ``out`` (a [T, H, v] tensor of W_UV's dtype) when given."""
+        w = self.w_uv
+        o = o.to(w.dtype).transpose(0, 1)  # [H, T, R]
+        if out is None:
+            return torch.bmm(o, w.transpose(1, 2)).transpose(0, 1)
+        torch.bmm(o, w.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def _needs_scoring(self, meta: MLAMetadata, pos: torch.Tensor) -> torch.Tensor:
         return pos + 1 > meta.index_topk
@@ -241,16 +258,23 @@ class SparseMLAAttention(nn.Module):
         tok = meta.decode_tokens
         if tok is None:  # no request on the decode path (a global fact: no rank calls below)
             return
+        every, rows = meta.decode_is_all, meta.decode_rows
         # under DCP the gathered queries of other ranks are scored too: always call (collective)
         if iq is not None:
-            pos = meta.positions[tok]
+            pos = rows(meta.positions)
             sel = self._all_positions(meta, pos)
             scored = self.kv_access.decode_topk(self, meta, iq)
-            sel = torch.where(self._needs_scoring(meta, pos).unsqueeze(1), scored, sel)
-            topk[tok] = sel
-        q_abs = self._absorb(q_nope[tok], q_pe[tok])
-        o = self.kv_access.decode_attend(self, meta, q_abs, topk[tok])
-        out[tok] = self._unabsorb(o).to(out.dtype)
+            needs = self._needs_scoring(meta, pos).unsqueeze(1)
+            if every:
+                torch.where(needs, scored.to(topk.dtype), sel, out=topk)
+            else:
+                topk[tok] = torch.where(needs, scored, sel)
+        q_abs = self._absorb(rows(q_nope), rows(q_pe))
+        o = self.kv_access.decode_attend(self, meta, q_abs, rows(topk))
+        if every and out.dtype == self.w_uv.dtype:
+            self._unabsorb(o, out)
+        else:
+            out[tok] = self._unabsorb(o).to(out.dtype)
 
     def _dense_attend(self, q_nope, q_pe, rows, pos, tail: bool = False):
         """MHA form over the full context rows [S, R + rope]: K/V expanded per head through

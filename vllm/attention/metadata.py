@@ -8,10 +8,12 @@ Features add their own typed part (`cp`, `hisparse`), None when the feature is o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
 
+from vllm.kernels.kv_cache import cache_slots
 from vllm.kv_cache_interface import KVCacheLayout
 
 
@@ -68,6 +70,10 @@ class MLAMetadata:
     # ---- features (None: off) -------------------------------------------------------------------
     cp: CPMetadata | None = None
     hisparse: HiSparseMetadata | None = None
+    # the decode slots of the last top-k tensor seen (``decode_slots``): (topk, slots)
+    _decode_slots: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +82,34 @@ class MLAMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @cached_property
+    def decode_is_all(self) -> bool:
+        """Every query row of this rank is a decode token, in order (``decode_tokens`` is
+        arange(T): no request prefills this step, as in every CUDA-graph replay): per-token
+        tensors are then used as they are, without a gather or a scatter."""
+        return (
+            self.decode_tokens is not None
+            and not any(self.is_prefill_cpu)
+            and self.decode_tokens.shape[0] == self.positions.shape[0]
+        )
+
+    def decode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[decode_tokens]`` of a per-token tensor x [T, ...]: x itself when every row
+        decodes (:attr:`decode_is_all`)."""
+        return x if self.decode_is_all else x[self.decode_tokens]
+
+    def decode_slots(self, topk_pos: torch.Tensor) -> torch.Tensor:
+        """int32 cache slots [T_dec, K] of the decode tokens' selected positions topk_pos
+        [T_dec, K] (what the attention kernels take), −1 where none or not on this rank.
+        Computed once per top-k tensor: the shared layers of an IndexShare group pass their
+        full layer's tensor on unchanged, and reuse its slots."""
+        hit = self._decode_slots
+        if hit is not None and hit[0] is topk_pos:
+            return hit[1]
+        slots = self.slots_for(self.decode_rows(self.token_req), topk_pos, torch.int32)
+        self._decode_slots = (topk_pos, slots)
+        return slots
 
     def decode_reqs(self) -> list[int]:
         """Request rows that run the decode path this step."""
@@ -95,19 +129,27 @@ class MLAMetadata:
             if q[r + 1] > q[r]:
                 yield r, q[r], q[r + 1]
 
-    def slots_for(self, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Local cache slot of (request row, position) pairs; −1 where this rank does not own the
-        token (DCP) or pos < 0. Token p lives on DCP rank (p // I) % N at local offset
-        (off // (I·N))·I + off % I of virtual block p // (B·N)."""
+    def slots_for(
+        self, req: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype = torch.int64
+    ) -> torch.Tensor:
+        """Local cache slot of (request row, position) pairs (``kv_cache.cache_slots``); −1 where
+        this rank does not own the token (DCP) or pos < 0. req: pos's shape, or [N] for pos
+        [N, K] (one request per row; a row-broadcast view of [N] is taken as [N]). Token p lives
+        on DCP rank (p // I) % N at local offset (off // (I·N))·I + off % I of virtual block
+        p // (B·N)."""
         cp = self.cp or CPMetadata()
-        bs, n, i = self.layout.block_size, cp.dcp_size, cp.interleave
-        p = pos.long().clamp_min(0)
-        vblock = self.block_table[req.long(), p // (bs * n)].long()
-        off = p % (bs * n)
-        local = (off // (i * n)) * i + off % i
-        slot = vblock * bs + local
-        owned = (pos >= 0) & ((p // i) % n == cp.dcp_rank) & (vblock >= 0)
-        return torch.where(owned, slot, -1)
+        if req.dim() == 2 and req.stride(1) == 0:
+            req = req[:, 0]
+        return cache_slots(
+            self.block_table,
+            req,
+            pos,
+            self.layout.block_size,
+            cp.dcp_size,
+            cp.dcp_rank,
+            cp.interleave,
+            out_dtype,
+        )
 
 
 def decode_token_rows(

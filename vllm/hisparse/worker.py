@@ -425,7 +425,9 @@ class HiSparseKVAccess(KVAccess):
             ev = hm.ready.pop(me, None)
             if ev is not None:
                 torch.cuda.current_stream(q_abs.device).wait_event(ev)
-        out, _ = sparse_mla_decode(q_abs, attn.kv_cache, hm.group_slots[g], meta.layout, attn.scale)
+        out, _ = sparse_mla_decode(
+            q_abs, attn.kv_cache, hm.group_slots[g], meta.layout, attn.scale, out_dtype=q_abs.dtype
+        )
         return out
 
     def _resolve(self, meta: MLAMetadata, g: int, me: int, topk_pos: torch.Tensor) -> None:

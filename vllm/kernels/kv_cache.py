@@ -222,3 +222,65 @@ def read_indexer_cache(
         sc = flat[s_off.unsqueeze(-1) + torch.arange(4, device=cache.device)]
         scales = sc.contiguous().view(torch.float32).squeeze(-1) * valid
     return vals.masked_fill(~valid.unsqueeze(-1), 0.0), scales
+
+
+def cache_slots(
+    block_table: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    block_size: int,
+    dcp_size: int = 1,
+    dcp_rank: int = 0,
+    interleave: int = 1,
+    out_dtype: torch.dtype = torch.int64,
+) -> torch.Tensor:
+    """Local cache slot of each (request row, position) pair: req [N] int request rows (rows of
+    ``block_table`` [B, W] int32, virtual block ids under DCP, −1 = none), pos [N] or [N, K] int
+    positions (each row of pos belongs to its req). Token p lives on DCP rank (p // interleave) %
+    dcp_size, at local offset (off // (interleave · dcp_size)) · interleave + off % interleave of
+    virtual block p // (block_size · dcp_size), off = p % (block_size · dcp_size). Returns slots
+    (block · block_size + local offset) of pos's shape in ``out_dtype``, −1 where pos < 0, where
+    another DCP rank owns the token, or where its block is −1 or past the table's width.
+
+    One Triton kernel on CUDA (``vllm/kernels/triton/kv_slots.py``), exact with
+    :func:`cache_slots_ref`."""
+    ok = (
+        req.dim() == 1
+        and pos.dim() in (1, 2)
+        and pos.shape[0] == req.shape[0]
+        and pos.stride(-1) == 1
+        and out_dtype in (torch.int32, torch.int64)
+    )
+    fast = kernel_module("triton.kv_slots", pos, ok)
+    if fast is not None:
+        return fast.cache_slots(
+            block_table, req, pos, block_size, dcp_size, dcp_rank, interleave, out_dtype
+        )
+    return cache_slots_ref(
+        block_table, req, pos, block_size, dcp_size, dcp_rank, interleave, out_dtype
+    )
+
+
+def cache_slots_ref(
+    block_table: torch.Tensor,
+    req: torch.Tensor,
+    pos: torch.Tensor,
+    block_size: int,
+    dcp_size: int = 1,
+    dcp_rank: int = 0,
+    interleave: int = 1,
+    out_dtype: torch.dtype = torch.int64,
+) -> torch.Tensor:
+    bs, n, i = block_size, dcp_size, interleave
+    if req.dim() == 1 and pos.dim() == 2:
+        req = req.unsqueeze(1)
+    req = req.long().expand_as(pos)
+    p = pos.long().clamp_min(0)
+    col = p // (bs * n)
+    inside = col < block_table.shape[1]
+    vblock = block_table[req, col.clamp_max(block_table.shape[1] - 1)].long()
+    off = p % (bs * n)
+    local = (off // (i * n)) * i + off % i
+    slot = vblock * bs + local
+    owned = (pos >= 0) & inside & ((p // i) % n == dcp_rank) & (vblock >= 0)
+    return torch.where(owned, slot, -1).to(out_dtype)

@@ -38,16 +38,19 @@ def fused_experts(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     num_experts: int | None = None,
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Apply routed SwiGLU experts (contract: :func:`experts_ref`). ``num_experts``: the model's
-    routed experts (a tiling hint when this rank holds only some of them; no effect on results)."""
+    routed experts (a tiling hint when this rank holds only some of them; no effect on results).
+    ``x_quant``: for e4m3 experts, x's per-token-group quantisation made by its producer (the
+    bytes ``per_token_group_quant_fp8`` gives: the same result), read instead of quantising x."""
     if w13.dtype == FP8_DTYPE:
         _check_fp8(w13, w2, w13_scale, w2_scale)
         fast = kernel_module("triton.moe_grouped_fp8", x)
         if fast is not None:
             return fast.experts_grouped_fp8(
                 x, w13, w2, ids, weights, expert_offset, w13_scale, w2_scale,
-                num_experts=num_experts,
+                num_experts=num_experts, x_quant=x_quant,
             )  # fmt: skip
         return experts_ref(x, w13, w2, ids, weights, expert_offset, w13_scale, w2_scale)
     if use_kernels(x) and 0 < x.shape[0] <= DENSE_MAX_TOKENS and ids.numel() >= 2 * w13.shape[0]:

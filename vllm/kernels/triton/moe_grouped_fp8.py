@@ -243,10 +243,13 @@ def experts_grouped_fp8(
     w2_scale: torch.Tensor,
     cfg: dict | None = None,
     num_experts: int | None = None,
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`experts_ref`'s FP8 result by two grouped GEMMs, without a host sync (module
     docstring). ``cfg`` overrides the row tile choice (tests, the benchmark's sweep);
-    ``num_experts``: the model's routed experts, when only some are local (EP). Scratch:
+    ``num_experts``: the model's routed experts, when only some are local (EP); ``x_quant``:
+    x's per-token-group quantisation (e4m3 [T, H], scales [T, ceil(H/128)], any strides) when
+    its producer made it (``quant_per_token_group``'s bytes), else x is quantised here. Scratch:
     e4m3 x [T, H], e4m3 intermediate [P, I] with its scales, fp32 partial sums [P, H]."""
     t, h = x.shape
     e_loc, two_i = w13.shape[0], w13.shape[1]
@@ -271,7 +274,12 @@ def experts_grouped_fp8(
     nb = block_expert.numel()
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need a contiguous last dim")
-    xq, sx = quant_per_token_group(x, GROUP)  # [T, H] e4m3, [T, gh]
+    if x_quant is None:
+        xq, sx = quant_per_token_group(x, GROUP)  # [T, H] e4m3, [T, gh]
+    else:
+        xq, sx = x_quant
+        if xq.shape != (t, h) or sx.shape != (t, gh) or xq.stride(-1) != 1:
+            raise ValueError(f"x_quant {tuple(xq.shape)} / {tuple(sx.shape)} does not fit x")
     # no K or column masks where the sizes allow (every GLM-5.3 size) and the row tile is at most
     # EVEN_MAX_BLOCK_M (cfg "even" False: the masked form, for the benchmark)
     even = cfg.get("even", bm <= EVEN_MAX_BLOCK_M) and h % GROUP == 0 and inter % GROUP == 0

@@ -177,12 +177,13 @@ class MLAAttention(nn.Module):
         if fused is not None:
             self.fused_qkv_a = (*fused, self.q_a_proj.block)
 
-    def project(self, x, positions, x_quant=None) -> AttentionInputs:
+    def project(self, x, positions, x_quant=None, rope=None) -> AttentionInputs:
         """Everything before the attention kernels: the q/kv LoRA projections and norms, RoPE,
         and the indexer's projections (no metadata, no KV cache: a piece of a piecewise graph).
-        ``x_quant``: x quantised by the norm before it, for the FP8 q_a+kv_a GEMM."""
+        ``x_quant``: x quantised by the norm before it, for the FP8 q_a+kv_a GEMM. ``rope``: the
+        positions' (cos, sin) when the caller has them (every layer's are the same)."""
         t = x.shape[0]
-        cos, sin = rope_cos_sin(positions, self.rope, self.theta)
+        cos, sin = rope if rope is not None else self.rope_angles(positions)
         if self.fused_qkv_a is not None:
             qkv = linear_forward(x, *self.fused_qkv_a, x_quant=x_quant)
             c_q, kv = qkv.split([self.q_lora_rank, self.kv_a_width], -1)
@@ -201,6 +202,10 @@ class MLAAttention(nn.Module):
         k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, self.interleave)
         idx = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None
         return AttentionInputs(q_nope, q_pe, kv_c, k_pe, idx)
+
+    def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, rope/2] fp32 of the positions, for :meth:`project`."""
+        return rope_cos_sin(positions, self.rope, self.theta)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """The attention output [T, H, v] -> o_proj, reduced over TP."""
@@ -333,17 +338,19 @@ class Experts(nn.Module):
                 torch.empty(s2, dtype=torch.float32), requires_grad=False
             )
 
-    def forward(self, x, weights, ids):
+    def forward(self, x, weights, ids, x_quant=None):
+        """``x_quant``: x's FP8 quantisation by its producer, read without EP (under EP the
+        dispatched rows are quantised where they land)."""
         if self.ep is not None:
             from vllm.distributed.ep import ep_moe
 
             return ep_moe(self.pc, x, weights, ids, self)
-        return self._local(x, weights, ids)
+        return self._local(x, weights, ids, x_quant)
 
-    def _local(self, x, weights, ids):
-        return self.run_local(x, weights, ids)
+    def _local(self, x, weights, ids, x_quant=None):
+        return self.run_local(x, weights, ids, x_quant)
 
-    def run_local(self, x, weights, ids):
+    def run_local(self, x, weights, ids, x_quant=None):
         """This rank's experts over rows x [N, H] with global ids/weights [N, k]; pairs whose
         expert another rank owns contribute 0 (the one seam every caller, EP included, uses)."""
         return fused_experts(
@@ -356,6 +363,7 @@ class Experts(nn.Module):
             w13_scale=self.w13_weight_scale_inv,
             w2_scale=self.w2_weight_scale_inv,
             num_experts=self.num_experts,
+            x_quant=x_quant if self.block is not None else None,
         )
 
 
@@ -386,9 +394,10 @@ class MoE(nn.Module):
         return None if self.shared_experts is None else self.shared_experts.input_gemm()
 
     def forward(self, x, x_quant=None):
-        """``x_quant``: x quantised by the norm before it, for the shared expert."""
+        """``x_quant``: x quantised by the norm before it (decode sizes), for the shared
+        expert and the routed ones (one quantisation of x for both)."""
         weights, ids = self.gate(x)
-        routed = self.experts(x, weights, ids)
+        routed = self.experts(x, weights, ids, x_quant)
         shared = (
             self.shared_experts(x, x_quant)
             if self.shared_experts is not None
@@ -423,12 +432,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
-    def pre_attention(self, x, positions) -> AttentionInputs:
+    def pre_attention(self, x, positions, rope=None) -> AttentionInputs:
         attn, norm = self.self_attn, self.input_layernorm
         if attn.fused_qkv_a is not None:
             y, x_quant = norm_for_gemm(norm, x, *attn.fused_qkv_a)
-            return attn.project(y, positions, x_quant)
-        return attn.project(norm(x), positions)
+            return attn.project(y, positions, x_quant, rope)
+        return attn.project(norm(x), positions, rope=rope)
 
     def post_attention(self, x, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``x`` and the attention output [T, H, v]."""
@@ -440,8 +449,8 @@ class DecoderLayer(nn.Module):
             h = self.mlp(*norm_for_gemm(self.post_attention_layernorm, x, *gemm))
         return x + (h if self.is_moe else self.tp.all_reduce(h))
 
-    def forward(self, x, positions, meta, prev_topk):
-        a = self.pre_attention(x, positions)
+    def forward(self, x, positions, meta, prev_topk, rope=None):
+        a = self.pre_attention(x, positions, rope)
         out, topk = self.self_attn.attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, prev_topk, meta)
         return self.post_attention(x, out), topk
 
@@ -503,9 +512,11 @@ class GlmMoeDsaModel(nn.Module):
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         topk = None
+        # the rotary angles of the positions once for every layer (the same dims and theta)
+        rope = self.layers[0].self_attn.rope_angles(positions) if len(self.layers) else None
         for layer in self.layers:
             x, topk = layer(
-                x, positions, meta, topk if not layer.self_attn.attn.has_indexer else None
+                x, positions, meta, topk if not layer.self_attn.attn.has_indexer else None, rope
             )
         return self.norm(x)
 
