@@ -546,7 +546,8 @@ def test_norm_quantises_for_fp8_qkv_a_on_cuda(tmp_path, monkeypatch):
     stacked q_a+kv_a GEMM, and the q_a norm for q_b while q_b runs the Triton GEMM (up to
     TRITON_MAX_M rows): every projection the layer makes equals, bit for bit, the path where the
     GEMMs quantise x themselves (the same e4m3 bytes and scales), and the path is taken; the same
-    for the post-attention norm and the MLP's stacked gate/up GEMM."""
+    for the post-attention norm and the MLP's stacked gate/up GEMM (and, in an MoE layer, the
+    routed experts, which read the same quantisation)."""
     from vllm.kernels import fp8_gemm, norm_rope
     from vllm.model_executor.models import glm_moe_dsa
     from vllm.model_executor.tiny import write_slice_checkpoint

@@ -61,6 +61,62 @@ def fused_experts(
     return experts_ref(x, w13, w2, ids, weights, expert_offset)
 
 
+def route_topk(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid routing (DeepSeek-V3 / GLM-5): logits [T, E] fp32 -> (weights [T, top_k] fp32,
+    ids [T, top_k] int64, by decreasing biased score). scores = sigmoid(logits); the choice
+    ranks scores + bias (groups of E / n_group ranked by the sum of their top-2, ``topk_group``
+    kept); weights = the chosen experts' unbiased scores, normalised to sum to 1 if ``norm``,
+    times ``scaling``. One Triton kernel on CUDA without groups (GLM-5.3's n_group = 1): the same
+    ids (ties to the lower expert id; the reference's tie order is torch.topk's), weights
+    within an ulp (the sum's order); :func:`route_topk_ref` elsewhere."""
+    ok = (
+        (n_group == 1 or topk_group >= n_group)
+        and top_k >= 1
+        and top_k & (top_k - 1) == 0
+        and logits.dim() == 2
+        and logits.dtype == torch.float32
+        and logits.stride(-1) == 1
+        and top_k <= logits.shape[-1] <= 4096
+    )
+    fast = kernel_module("triton.moe_route", logits, ok)
+    if fast is not None:
+        return fast.route_topk(logits, bias, top_k, norm, scaling)
+    return route_topk_ref(logits, bias, top_k, n_group, topk_group, norm, scaling)
+
+
+def route_topk_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm: bool = True,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = logits.float().sigmoid()
+    choice = scores + bias.float()
+    t, e = choice.shape
+    if n_group > 1:
+        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
+        group_idx = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        keep = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e).bool()
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def fp8_scale_shapes(
     num_local_experts: int, hidden: int, inter: int, block: int = 128
 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:

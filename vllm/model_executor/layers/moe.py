@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm.kernels.moe import route_topk
+
 
 def route_tokens(
     router_logits: torch.Tensor,
@@ -21,18 +23,6 @@ def route_tokens(
     norm_topk_prob: bool,
     scaling: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] fp32 -> (weights [T, top_k] fp32, ids [T, top_k] int64)."""
-    scores = router_logits.float().sigmoid()
-    choice = scores + bias.float()
-    t, e = choice.shape
-    if n_group > 1:
-        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
-        group_idx = group_scores.topk(topk_group, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
-        keep = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e).bool()
-        choice = choice.masked_fill(~keep, float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    """router_logits [T, E] fp32 -> (weights [T, top_k] fp32, ids [T, top_k] int64): the
+    ``route_topk`` op (one Triton kernel on CUDA)."""
+    return route_topk(router_logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling)
