@@ -50,10 +50,10 @@ def test_kernel_matches_reference_on_cuda(t):
     torch.testing.assert_close(w.cpu(), w_ref.cpu(), rtol=1e-6, atol=0)
     # the choice in CUDA graphs: the same values on replay after new logits are copied in
     static, b = logits.cuda().clone(), bias.cuda()
-    route_topk(static, b, 8, True, 2.5)  # compile outside the capture
+    route_topk(static, b, 8, norm=True, scaling=2.5)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gw, gids = route_topk(static, b, 8, True, 2.5)
+        gw, gids = route_topk(static, b, 8, norm=True, scaling=2.5)
     static.copy_(-logits.cuda())
     graph.replay()
     w2, ids2 = route_topk_ref(-logits.cuda(), b, 8, norm=True, scaling=2.5)
