@@ -2,7 +2,8 @@
 docstring is the spec), the one place that picks the implementation for a call, the plain-torch
 reference (``<op>_ref``) that defines the semantics, and the cost model (``<op>_cost``):
 
-  * ``kv_cache``          quantise + scatter new rows into the fp8_ds_mla / indexer caches; reads
+  * ``kv_cache``          quantise + scatter new rows into the fp8_ds_mla / indexer caches; reads;
+                          the cache slots of (request, position) pairs
   * ``sparse_mla``        sparse-MLA attention, MQA form (decode over the paged cache, prefill
                           over a flat context)
   * ``merge_attn``        LSE merge of partial attentions (DCP combine, split-K combine)
@@ -11,7 +12,8 @@ reference (``<op>_ref``) that defines the semantics, and the cost model (``<op>_
   * ``row_copy``          masked row copies (HiSparse misses from pinned host memory)
   * ``fp8_gemm``          block-scaled FP8 linear (w8a8: per-token-group activation quantisation,
                           e4m3 weights with 128 x 128 scales)
-  * ``moe``               routed SwiGLU experts (bf16, or e4m3 with block scales)
+  * ``moe``               routed SwiGLU experts (bf16, or e4m3 with block scales), sigmoid top-k
+                          routing
   * ``sampling``          top-k / top-p masks without a vocabulary sort, fused Gumbel-max sampling
   * ``norm_rope``         RMSNorm, rotary embedding (one pass each; the rotation in place)
 

@@ -6,7 +6,9 @@ the Triton kernels (``vllm/kernels/triton/kv_write.py``) on CUDA, byte-exact wit
 dequantise rows by slot (the prefill paths build a request's temporary full context with them):
 ``read_mla_cache`` in one Triton kernel on CUDA (``vllm/kernels/triton/kv_read.py``, exact with
 ``read_mla_cache_ref``), ``read_indexer_cache`` in torch. Slot −1 means "no row": writes skip it,
-reads return zeros.
+reads return zeros. ``cache_slots`` maps (request, position) pairs to this rank's slots through
+the block table (the DCP split included): one Triton kernel on CUDA
+(``vllm/kernels/triton/kv_slots.py``), exact with ``cache_slots_ref``.
 """
 
 from __future__ import annotations
