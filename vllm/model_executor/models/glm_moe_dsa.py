@@ -21,6 +21,7 @@ from vllm.attention.layer import IndexerInputs, SparseMLAAttention
 from vllm.attention.metadata import MLAMetadata
 from vllm.config.arch import ModelArch
 from vllm.distributed.parallel_state import ParallelContext
+from vllm.kernels.activation import silu_and_mul_quant
 from vllm.kernels.fp8_gemm import FP8_DTYPE, takes_x_quant
 from vllm.kernels.hadamard import hadamard_transform
 from vllm.kernels.moe import fp8_scale_shapes, fused_experts
@@ -269,7 +270,13 @@ class MLP(nn.Module):
     def forward(self, x, x_quant=None):
         """``x_quant``: x quantised by the norm before it (``norm_for_gemm``)."""
         if self.gate_up is not None:
-            gate, up = linear_forward(x, *self.gate_up, x_quant=x_quant).chunk(2, -1)
+            gu = linear_forward(x, *self.gate_up, x_quant=x_quant)
+            d = self.down_proj
+            if d.weight_scale_inv is not None and takes_x_quant(gu, d.weight, d.block):
+                # SiLU·up and the down GEMM's quantisation of it in one launch (decode sizes)
+                h, h_quant = silu_and_mul_quant(gu.reshape(-1, gu.shape[-1]), d.block[1])
+                return d(h.view(*gu.shape[:-1], -1), h_quant)
+            gate, up = gu.chunk(2, -1)
         else:
             gate, up = self.gate_proj(x, x_quant), self.up_proj(x, x_quant)
         return self.down_proj(nn.functional.silu(gate) * up)

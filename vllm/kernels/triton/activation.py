@@ -1,0 +1,90 @@
+"""SiLU · up and its FP8 quantisation in one Triton launch (spec: :mod:`vllm.kernels.activation`).
+
+SiLU is torch's CUDA formula, x / (1 + expf(-x)) in fp32 with the correctly rounded libdevice
+``expf`` and an IEEE division, rounded to the input dtype; the product of the two rounded
+operands is rounded again; each 128-column group is then quantised by the quantiser's own
+arithmetic (``_quant_groups``): the bytes of the two torch kernels and ``quant_per_token_group``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.kernels.fp8_gemm import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from vllm.kernels.triton.fp8_gemm import _quant_groups
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting
+
+if not interpreting():
+    from triton.language.extra import libdevice
+else:  # the interpreter has no libdevice; tl.exp is numpy's there
+    libdevice = None
+
+__all__ = ["silu_and_mul_quant"]
+
+# 128-column groups per program
+SPLIT_G = 4
+
+
+@triton.jit
+def _exp(x, USE_LIBDEVICE: tl.constexpr):
+    if USE_LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit(do_not_specialize=("sx",))
+def _silu_mul_quant_kernel(
+    x_ptr,  # [M, 2I], row stride sx
+    h_ptr,  # [M, I] contiguous, x's dtype
+    q_ptr,  # uint8 view of e4m3 [M, I]
+    s_ptr,  # fp32 [M, ng], strides (stride_sm, stride_sg)
+    sx,
+    stride_sm,
+    stride_sg,
+    INTER: tl.constexpr,
+    GROUP: tl.constexpr,
+    SPLIT_G: tl.constexpr,
+    FLOOR: tl.constexpr,
+    QMAX: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    gi = tl.program_id(1) * SPLIT_G + tl.arange(0, SPLIT_G)
+    cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [SPLIT_G, GROUP]
+    m = cols < INTER
+    g = tl.load(x_ptr + r * sx + cols, mask=m, other=0.0)
+    u = tl.load(x_ptr + r * sx + INTER + cols, mask=m, other=0.0)
+    dt = h_ptr.dtype.element_ty
+    gf = g.to(tl.float32)
+    one = tl.full(gf.shape, 1.0, tl.float32)
+    silu = tl.math.div_rn(gf, one + _exp(-gf, USE_LIBDEVICE)).to(dt)
+    h = (silu.to(tl.float32) * u.to(tl.float32)).to(dt)
+    tl.store(h_ptr + r * INTER + cols, h, mask=m)
+    q, scale = _quant_groups(tl.where(m, h.to(tl.float32), 0.0), FLOOR, QMAX, SOFT_FP8)
+    tl.store(q_ptr + r * INTER + cols, q, mask=m)
+    tl.store(s_ptr + r * stride_sm + gi * stride_sg, scale, mask=gi * GROUP < INTER)
+
+
+def silu_and_mul_quant(
+    x: torch.Tensor, group: int = 128
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, 2I] (unit last stride) -> (h [M, I] x.dtype, hq e4m3 [M, I], scale fp32 [M, I/group]
+    as an M-contiguous view, the quantiser's layout)."""
+    check_cuda_or_interpreter(x)
+    m, two_i = x.shape
+    i = two_i // 2
+    ng = triton.cdiv(i, group)
+    h = torch.empty(m, i, dtype=x.dtype, device=x.device)
+    q = torch.empty(m, i, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(ng, m, dtype=torch.float32, device=x.device).t()
+    if m:
+        _silu_mul_quant_kernel[(m, triton.cdiv(ng, SPLIT_G))](
+            x, h, q.view(torch.uint8), s, x.stride(0), s.stride(0), s.stride(1), INTER=i,
+            GROUP=group, SPLIT_G=SPLIT_G, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX,
+            SOFT_FP8=interpreting(), USE_LIBDEVICE=not interpreting(), num_warps=4,
+        )  # fmt: skip
+    return h, q, s
