@@ -28,7 +28,7 @@ from vllm.kernels.moe import fp8_scale_shapes, fused_experts
 from vllm.kernels.norm_rope import rms_norm_quant
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import Linear, fuse_linears, linear_forward, weight_block
-from vllm.model_executor.layers.moe import route_tokens
+from vllm.model_executor.layers.moe import route_tokens, shared_experts_stream
 from vllm.model_executor.layers.rotary import apply_rope, rope_cos_sin
 
 
@@ -402,14 +402,29 @@ class MoE(nn.Module):
 
     def forward(self, x, x_quant=None):
         """``x_quant``: x quantised by the norm before it (decode sizes), for the shared
-        expert and the routed ones (one quantisation of x for both)."""
-        weights, ids = self.gate(x)
-        routed = self.experts(x, weights, ids, x_quant)
-        shared = (
-            self.shared_experts(x, x_quant)
-            if self.shared_experts is not None
-            else torch.zeros_like(x)
-        )
+        expert and the routed ones (one quantisation of x for both). At decode sizes on CUDA the
+        shared expert runs on a side stream (``shared_experts_stream``) while the router and the
+        routed experts (and EP's exchanges) run on the current one; the current stream waits for
+        it before the sum. Neither branch writes x or x_quant, and every block either side
+        allocates is freed for reuse only in its own stream's order after the join: no
+        ``record_stream`` is needed, eagerly or under graph capture."""
+        side = shared_experts_stream(x) if self.shared_experts is not None else None
+        if side is not None:
+            main = torch.cuda.current_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self.shared_experts(x, x_quant)
+            weights, ids = self.gate(x)
+            routed = self.experts(x, weights, ids, x_quant)
+            main.wait_stream(side)
+        else:
+            weights, ids = self.gate(x)
+            routed = self.experts(x, weights, ids, x_quant)
+            shared = (
+                self.shared_experts(x, x_quant)
+                if self.shared_experts is not None
+                else torch.zeros_like(x)
+            )
         if self.experts.ep is not None:
             return routed + self.tp.all_reduce(shared)
         return self.tp.all_reduce(routed + shared)
