@@ -319,7 +319,7 @@ def test_split_k_in_kernel_interpreter(interp, m, n, k, fuse):
         )
         assert ((got.double() - base.double()).abs() <= _sum_order_atol(x, wq, ws)).all()
         assert torch.equal(mod.fp8_block_gemm(x, wq, ws, (128, 128), cfg), got)
-        assert not mod._COUNTERS[x.device].any()
+        assert not mod._COUNTERS[(x.device, 0)].any()
 
 
 def test_split_counters_interpreter(interp, monkeypatch):
@@ -333,13 +333,24 @@ def test_split_counters_interpreter(interp, monkeypatch):
     assert mod.gemm_config(1, 64, 1024, 128, 132)["split_k"] == 2
     ref = fp8_block_linear_ref(x, wq, ws)
     torch.testing.assert_close(mod.fp8_block_gemm(x, wq, ws), ref, rtol=1e-5, atol=1e-5)
-    cached = mod._COUNTERS[x.device]
+    cached = mod._COUNTERS[(x.device, 0)]
     assert cached.shape == (4,) and not cached.any()
     wq, ws = fp8_weight(330, 1024)  # 6 tiles of 64 columns > 4 slots
     x = torch.randn(3, 1024)
     got = mod.fp8_block_gemm(x, wq, ws, (128, 128), _split(mod, 3, 330, 1024, 2))
     torch.testing.assert_close(got, fp8_block_linear_ref(x, wq, ws), rtol=1e-5, atol=1e-5)
-    assert mod._COUNTERS[x.device] is cached and not cached.any()
+    assert mod._COUNTERS[(x.device, 0)] is cached and not cached.any()
+    # GEMMs queued for a side stream take a buffer of their own, left zero too
+    from vllm.kernels.fp8_gemm import own_split_counters
+
+    wq, ws = fp8_weight(64, 1024)
+    x = torch.randn(1, 1024)
+    with own_split_counters():
+        torch.testing.assert_close(mod.fp8_block_gemm(x, wq, ws), fp8_block_linear_ref(x, wq, ws),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+    side = mod._COUNTERS[(x.device, 1)]
+    assert side is not cached and side.shape == (4,) and not side.any()
+    assert set(mod._COUNTERS) == {(x.device, 0), (x.device, 1)}
 
 
 def test_gemm_config_table():
@@ -532,4 +543,4 @@ def test_decode_path_graph_capture(warm, monkeypatch):
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.testing.assert_close(out, tri.fp8_block_gemm(x, wq, ws), rtol=0, atol=0)
-    assert not tri._COUNTERS[x.device].any()
+    assert not tri._COUNTERS[(x.device, 0)].any()

@@ -22,6 +22,8 @@ memory O(M·N)).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from vllm.kernels import kernel_module
@@ -42,6 +44,27 @@ TRITON_MAX_M = 64
 # the rows to a multiple of 16, which costs nothing (cuBLAS's row tiles are >= 64) and also meets
 # the fp8 operands' 16-element rule should it cover M
 CUBLAS_ROW_MULTIPLE = 16
+
+# which set of split-K arrival counters the Triton GEMM's launches use (``own_split_counters``)
+_counter_set = 0
+
+
+def split_counter_set() -> int:
+    return _counter_set
+
+
+@contextlib.contextmanager
+def own_split_counters():
+    """FP8 GEMMs queued inside this block reduce their K splits with a counter buffer of their
+    own. One buffer serves launches that run one after another (each tile's last split zeroes its
+    counter); GEMMs queued on a side stream may run at the same time as the main stream's (the
+    MoE's shared expert beside the routed experts) and take this one."""
+    global _counter_set
+    prev, _counter_set = _counter_set, 1
+    try:
+        yield
+    finally:
+        _counter_set = prev
 
 
 def per_token_group_quant_fp8(

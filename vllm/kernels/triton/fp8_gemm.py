@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.fp8_gemm import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
+from vllm.kernels.fp8_gemm import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, split_counter_set
 from vllm.kernels.triton.utils import check_cuda_or_interpreter, e4m3_bits, interpreting, record
 
 __all__ = ["quant_per_token_group", "fp8_block_gemm", "gemm_config"]
@@ -300,18 +300,22 @@ FUSED_QUANT_MAX_M = 0
 # process: captured graphs hold its address, so it is never freed or replaced. The table splits
 # only grids of fewer than SPLIT_MAX_WAVES * num_sms tiles (gemm_config); a call needing more
 # slots (forced configs), or one made inside a capture before any eager call (a zeroing memset
-# would run only at replay), gets its own torch.zeros buffer: one memset more, correct everywhere, in graphs too. Launches on
-# one device share the buffer, so split-K calls must not run concurrently on two streams (the
-# engine runs its linears on one compute stream; its side streams only copy).
+# would run only at replay), gets its own torch.zeros buffer: one memset more, correct everywhere, in graphs too. Launches
+# that share a buffer must run one after another: those queued on the compute stream do; GEMMs
+# queued on a side stream that runs beside it (the MoE's shared expert) take a second set
+# (``vllm.kernels.fp8_gemm.own_split_counters``). Keyed by (device, set), not by stream: graph
+# capture runs on a capture stream of its own, and its GEMMs should find the eager calls' buffer.
 COUNTER_SLOTS = 1024
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """All-zero int32 [>= tiles] counters for an in-kernel split-K reduction; no host sync."""
-    buf = _COUNTERS.get(device)
+    """All-zero int32 [>= tiles] counters for an in-kernel split-K reduction, of the current
+    counter set; no host sync."""
+    key = (device, split_counter_set())
+    buf = _COUNTERS.get(key)
     if buf is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        buf = _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+        buf = _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
     if buf is None or tiles > buf.numel():
         return torch.zeros(tiles, dtype=torch.int32, device=device)
     return buf

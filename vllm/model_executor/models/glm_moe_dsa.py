@@ -22,7 +22,7 @@ from vllm.attention.metadata import MLAMetadata
 from vllm.config.arch import ModelArch
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.kernels.activation import silu_and_mul_quant
-from vllm.kernels.fp8_gemm import FP8_DTYPE, takes_x_quant
+from vllm.kernels.fp8_gemm import FP8_DTYPE, own_split_counters, takes_x_quant
 from vllm.kernels.hadamard import hadamard_transform
 from vllm.kernels.moe import fp8_scale_shapes, fused_experts
 from vllm.kernels.norm_rope import rms_norm_quant
@@ -423,12 +423,13 @@ class MoE(nn.Module):
         routed experts (and EP's exchanges) run on the current one; the current stream waits for
         it before the sum. Neither branch writes x or x_quant, and every block either side
         allocates is freed for reuse only in its own stream's order after the join: no
-        ``record_stream`` is needed, eagerly or under graph capture."""
+        ``record_stream`` is needed, eagerly or under graph capture. The shared expert's split-K
+        GEMMs reduce with counters of their own (``own_split_counters``)."""
         side = shared_experts_stream(x) if self.shared_experts is not None else None
         if side is not None:
             main = torch.cuda.current_stream(x.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), own_split_counters():
                 shared = self.shared_experts(x, x_quant)
             weights, ids = self.gate(x)
             routed = self.experts(x, weights, ids, x_quant)
