@@ -8,6 +8,8 @@ import torch
 
 from vllm.kernels.norm_rope import (
     QUANT_MAX_ROWS,
+    add_rms_norm,
+    add_rms_norm_quant,
     apply_rope,
     apply_rope_ref,
     rms_norm,
@@ -233,3 +235,67 @@ def test_rms_norm_quant_gpu(n, d, row_multiple, split_g):
     q2, s2 = fq.quant_per_token_group(y2, 128, row_multiple)
     assert torch.equal(y, y2)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+
+
+def _check_add_norm(nr, fq, dtype, dev="cpu"):
+    """The residual forms against the add then the plain kernels: the same bits (the sum rounded
+    to x's dtype as torch's add, then the same tile and warps), row-strided inputs included."""
+    g = torch.Generator().manual_seed(11)
+    for n, d in [(5, 16), (1, 256), (3, 300), (4, 6144)]:
+        x = (torch.randn(n, d + 8, generator=g) * 3).to(dtype).to(dev)[:, :d]
+        r = (torch.randn(n, d, generator=g) * 3).to(dtype).to(dev)
+        w = (torch.rand(d, generator=g) + 0.5).to(dtype).to(dev)
+        s_want = x + r
+        y, s = nr.rms_norm(x, w, 1e-6, r)
+        assert torch.equal(s, s_want) and s.dtype == dtype
+        assert torch.equal(y, nr.rms_norm(s_want, w, 1e-6))
+        if d >= 128:
+            for split in (None, 1):
+                y, q, sc, s = nr.rms_norm_quant(x, w, 1e-6, 128, 16, split, residual=r)
+                y2, q2, sc2 = nr.rms_norm_quant(s_want, w, 1e-6, 128, 16, split)
+                assert torch.equal(s, s_want) and torch.equal(y, y2)
+                assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+                assert torch.equal(sc, sc2)
+                qq, ss = fq.quant_per_token_group(y2, 128, 16)
+                assert torch.equal(q.view(torch.uint8), qq.view(torch.uint8))
+
+
+def test_add_norm_interpreter(interp):
+    _check_add_norm(interp("norm_rope"), interp("fp8_gemm"), torch.float32)
+
+
+def test_add_norm_ops_reference_and_dispatch(interp, monkeypatch):
+    """CPU tensors: the add then the reference; the interpreter's kernel in the kernels' place
+    gives the same (y, s) and, at decode sizes, the quantiser's bytes of y."""
+    from vllm.kernels import norm_rope as op
+
+    g = torch.Generator().manual_seed(4)
+    x, r = torch.randn(4, 256, generator=g), torch.randn(4, 256, generator=g)
+    w = torch.rand(256, generator=g) + 0.5
+    y, s = add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(s, x + r) and torch.equal(y, rms_norm_ref(x + r, w, 1e-6))
+    y, s, xq = add_rms_norm_quant(x, r, w, 1e-6)
+    assert xq is None and torch.equal(s, x + r) and torch.equal(y, rms_norm_ref(x + r, w, 1e-6))
+    nr, fq = interp("norm_rope"), interp("fp8_gemm")
+    monkeypatch.setattr(op, "kernel_module", lambda name, t, ok=True: nr if ok else None)
+    for rows, fused in ((3, True), (QUANT_MAX_ROWS + 1, False)):
+        x, r = torch.randn(rows, 256, generator=g), torch.randn(rows, 256, generator=g)
+        y, s, xq = add_rms_norm_quant(x, r, w, 1e-6)
+        assert torch.equal(s, x + r) and torch.equal(y, nr.rms_norm(x + r, w, 1e-6))
+        assert (xq is not None) == fused
+        if fused:
+            q2, s2 = fq.quant_per_token_group(y, 128)
+            assert torch.equal(xq[0].view(torch.uint8), q2.view(torch.uint8))
+            assert torch.equal(xq[1], s2)
+    # a residual of another shape or dtype: the add then the norm, not the kernel
+    y, s = add_rms_norm(x, r[:1], w, 1e-6)
+    assert torch.equal(s, x + r[:1])
+
+
+@pytest.mark.gpu
+def test_add_norm_gpu():
+    """Compiled, bf16: the residual forms give the add then the plain kernels' bits."""
+    from vllm.kernels.triton import fp8_gemm as fq
+    from vllm.kernels.triton import norm_rope as nr
+
+    _check_add_norm(nr, fq, torch.bfloat16, "cuda")

@@ -53,6 +53,46 @@ def rms_norm_quant(
     return y, (q, s)
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`rms_norm` of s, s) for s = x + residual rounded to x's dtype (torch's add): the
+    residual stream's add and the next norm in one pass (upstream's ``fused_add_rms_norm``,
+    without writing into its inputs). The same bits as the add then the norm."""
+    ok = _fusable(x, residual)
+    fast = kernel_module("triton.norm_rope", x, ok)
+    if fast is not None:
+        return fast.rms_norm(x, weight, eps, residual)
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+def add_rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 128
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`add_rms_norm` and, where :func:`rms_norm_quant` would, the norm's quantisation in
+    the same launch: (y, s, x_quant or None)."""
+    d = x.shape[-1]
+    rows = x.numel() // max(1, d)
+    ok = _fusable(x, residual) and d >= group == 128 and rows <= QUANT_MAX_ROWS
+    fast = kernel_module("triton.norm_rope", x, ok)
+    if fast is None:
+        y, s = add_rms_norm(x, residual, weight, eps)
+        return y, s, None
+    y, q, sc, s = fast.rms_norm_quant(x, weight, eps, group, residual=residual)
+    return y, s, (q, sc)
+
+
+def _fusable(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    return (
+        x.dim() >= 1
+        and residual.shape == x.shape
+        and residual.dtype == x.dtype
+        and x.stride(-1) == 1
+        and residual.stride(-1) == 1
+    )
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -17,41 +17,61 @@ from vllm.kernels.triton.utils import interpreting
 
 
 @triton.jit
-def _row_tile(x_ptr, w_ptr, r, sx, inv, g0, D: tl.constexpr, BLOCK_G: tl.constexpr,
-              GROUP: tl.constexpr):  # fmt: skip
-    """Columns [g0·GROUP, (g0 + BLOCK_G)·GROUP) of row r as a [BLOCK_G, GROUP] tile, normalised
-    (``inv`` = 1 / rms) with the reference's two roundings: (column offsets, fp32 output)."""
-    cols = (g0 + tl.arange(0, BLOCK_G))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = tl.load(x_ptr + r * sx + cols, mask=cols < D, other=0.0).to(tl.float32)
-    y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype, then
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)  # the weight's product
-    return cols, y * w
+def _load_row(x_ptr, r_ptr, r, sx, sr, cols, mask, HAS_RES: tl.constexpr):
+    """Columns ``cols`` of row r of x, or of x + residual rounded to x's dtype (torch's add: the
+    sum in fp32, one rounding) when HAS_RES."""
+    x = tl.load(x_ptr + r * sx + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        res = tl.load(r_ptr + r * sr + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return x
 
 
 @triton.jit
-def _inv_rms(x_ptr, r, sx, eps, D: tl.constexpr, BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
+def _row_tile(x_ptr, r_ptr, w_ptr, r, sx, sr, inv, g0, D: tl.constexpr, BLOCK_G: tl.constexpr,
+              GROUP: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """Columns [g0·GROUP, (g0 + BLOCK_G)·GROUP) of row r as a [BLOCK_G, GROUP] tile, normalised
+    (``inv`` = 1 / rms) with the reference's two roundings: (column offsets, the row's values in
+    x's dtype (the sum with the residual under HAS_RES), fp32 output)."""
+    cols = (g0 + tl.arange(0, BLOCK_G))[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    xs = _load_row(x_ptr, r_ptr, r, sx, sr, cols, cols < D, HAS_RES)
+    x = xs.to(tl.float32)
+    y = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype, then
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)  # the weight's product
+    return cols, xs, y * w
+
+
+@triton.jit
+def _inv_rms(x_ptr, r_ptr, r, sx, sr, eps, D: tl.constexpr, BLOCK_G: tl.constexpr,
+             GROUP: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
     """1 / sqrt(mean(x_r²) + eps) over the whole row as one [BLOCK_G, GROUP] tile: both norm
     kernels reduce the same tile with the same warps, hence the same fp32 sum."""
     cols = tl.arange(0, BLOCK_G)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    x = tl.load(x_ptr + r * sx + cols, mask=cols < D, other=0.0).to(tl.float32)
+    x = _load_row(x_ptr, r_ptr, r, sx, sr, cols, cols < D, HAS_RES).to(tl.float32)
     return 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / D + eps)
 
 
-@triton.jit(do_not_specialize=("sx",))
+@triton.jit(do_not_specialize=("sx", "sr"))
 def _rms_norm_kernel(
     x_ptr,  # [N, D], row stride sx
+    r_ptr,  # [N, D], row stride sr: the residual added to x first (HAS_RES)
     w_ptr,  # [D]
     o_ptr,  # [N, D] contiguous
+    s_ptr,  # [N, D] contiguous: x + residual (HAS_RES)
     sx,
+    sr,
     eps,
     D: tl.constexpr,
     BLOCK_G: tl.constexpr,  # the row as a [BLOCK_G, GROUP] tile (norm_tile)
     GROUP: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
-    inv = _inv_rms(x_ptr, r, sx, eps, D, BLOCK_G, GROUP)
-    cols, out = _row_tile(x_ptr, w_ptr, r, sx, inv, 0, D, BLOCK_G, GROUP)
+    inv = _inv_rms(x_ptr, r_ptr, r, sx, sr, eps, D, BLOCK_G, GROUP, HAS_RES)
+    cols, xs, out = _row_tile(x_ptr, r_ptr, w_ptr, r, sx, sr, inv, 0, D, BLOCK_G, GROUP, HAS_RES)
     tl.store(o_ptr + r * D + cols, out.to(o_ptr.dtype.element_ty), mask=cols < D)
+    if HAS_RES:
+        tl.store(s_ptr + r * D + cols, xs, mask=cols < D)
 
 
 def norm_tile(d: int) -> tuple[int, int, int]:
@@ -62,30 +82,46 @@ def norm_tile(d: int) -> tuple[int, int, int]:
     return block_g, group, max(1, min(8, block_g * group // 256))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [N, D] with a unit last stride (a view for row-strided 2-D inputs: a split of a fused
+    projection)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The norm of x; with ``residual`` (x's shape and dtype), of s = x + residual, returning
+    (norm, s) from one pass (s rounded to x's dtype as torch's add rounds it)."""
     d = x.shape[-1]
-    x2 = x.reshape(-1, d)  # a view for row-strided 2-D inputs (a split of a fused projection)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    s = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     n = x2.shape[0]
     if n:
         block_g, group, warps = norm_tile(d)
         _rms_norm_kernel[(n,)](
-            x2, weight, out, x2.stride(0), eps, D=d, BLOCK_G=block_g, GROUP=group,
-            num_warps=warps,
+            x2, r2, weight, out, s, x2.stride(0), r2.stride(0), eps, D=d, BLOCK_G=block_g,
+            GROUP=group, HAS_RES=residual is not None, num_warps=warps,
         )  # fmt: skip
-    return out.view(x.shape)
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), s.view(x.shape)
 
 
-@triton.jit(do_not_specialize=("sx",))
+@triton.jit(do_not_specialize=("sx", "sr"))
 def _rms_norm_quant_kernel(
     x_ptr,  # [N, D], row stride sx
+    r_ptr,  # [N, D], row stride sr: the residual added to x first (HAS_RES)
     w_ptr,  # [D]
     o_ptr,  # [N, D] contiguous
+    sum_ptr,  # [N, D] contiguous: x + residual (HAS_RES)
     q_ptr,  # uint8 view of e4m3 [N_pad, D] contiguous
     s_ptr,  # fp32 [N_pad, ng], strides (stride_sm, stride_sg)
     sx,
+    sr,
     eps,
     n_rows,  # rows of x; rows n_rows..N_pad-1 of q and s are an all-zero row's
     stride_sm,
@@ -97,19 +133,23 @@ def _rms_norm_quant_kernel(
     FLOOR: tl.constexpr,
     QMAX: tl.constexpr,
     SOFT_FP8: tl.constexpr,
+    HAS_RES: tl.constexpr,
 ):
     # program (row, chunk): each sums the whole row (the tile and warps of _rms_norm_kernel, so
     # the same 1 / rms; the re-reads of a row hit L2), then writes and quantises its SPLIT_G
     # groups as quant_per_token_group would after a round trip of the output through memory
-    # (zeros past D do not move a group's amax; padding rows are all zero)
+    # (zeros past D do not move a group's amax; padding rows are all zero); under HAS_RES it also
+    # writes its groups of x + residual
     r = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * SPLIT_G
     live = r < n_rows
     rr = tl.where(live, r, 0)
-    inv = _inv_rms(x_ptr, rr, sx, eps, D, BLOCK_G, GROUP)
-    cols, out = _row_tile(x_ptr, w_ptr, rr, sx, inv, g0, D, SPLIT_G, GROUP)
+    inv = _inv_rms(x_ptr, r_ptr, rr, sx, sr, eps, D, BLOCK_G, GROUP, HAS_RES)
+    cols, xs, out = _row_tile(x_ptr, r_ptr, w_ptr, rr, sx, sr, inv, g0, D, SPLIT_G, GROUP, HAS_RES)
     out = tl.where(live, out, 0.0).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + r * D + cols, out, mask=(cols < D) & live)
+    if HAS_RES:
+        tl.store(sum_ptr + r * D + cols, xs, mask=(cols < D) & live)
     q, scale = _quant_groups(out.to(tl.float32), FLOOR, QMAX, SOFT_FP8)
     tl.store(q_ptr + r * D + cols, q, mask=cols < D)
     gi = g0 + tl.arange(0, SPLIT_G)
@@ -132,32 +172,37 @@ def rms_norm_quant(
     group: int = 128,
     row_multiple: int = 1,
     split_g: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """:func:`rms_norm` and :func:`~vllm.kernels.triton.fp8_gemm.quant_per_token_group` of its
     output in one launch: (y [..., D], yq e4m3 [N_pad, D], scale fp32 [N_pad, ceil(D/group)] as
     an N-contiguous view), the same bits as the two calls; D >= group = 128. ``split_g``: groups
-    per program (default :data:`QUANT_SPLIT_G`; the benchmark compares others)."""
+    per program (default :data:`QUANT_SPLIT_G`; the benchmark compares others). ``residual``:
+    the norm of x + residual, and that sum appended to the result: (y, yq, scale, sum)."""
     d = x.shape[-1]
     block_g, tile_group, warps = norm_tile(d)
     if group != tile_group:
         raise ValueError(f"rms_norm_quant: group {group} at D {d}; the norm's tile is {tile_group}")
-    x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
+    r2 = _rows(residual) if residual is not None else x2
     n = x2.shape[0]
     n_pad = -(-n // row_multiple) * row_multiple
     ng = triton.cdiv(d, group)
     out = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    total = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if residual is not None else out
     q = torch.empty(n_pad, d, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(ng, n_pad, dtype=torch.float32, device=x.device).t()
     if n_pad:
         split = min(triton.next_power_of_2(split_g or QUANT_SPLIT_G), block_g)
         _rms_norm_quant_kernel[(n_pad, triton.cdiv(ng, split))](
-            x2, weight, out, q.view(torch.uint8), s, x2.stride(0), eps, n, s.stride(0),
-            s.stride(1), D=d, BLOCK_G=block_g, GROUP=group, SPLIT_G=split, FLOOR=AMAX_FLOOR,
-            QMAX=FP8_MAX, SOFT_FP8=interpreting(), num_warps=warps,
+            x2, r2, weight, out, total, q.view(torch.uint8), s, x2.stride(0), r2.stride(0), eps,
+            n, s.stride(0), s.stride(1), D=d, BLOCK_G=block_g, GROUP=group, SPLIT_G=split,
+            FLOOR=AMAX_FLOOR, QMAX=FP8_MAX, SOFT_FP8=interpreting(),
+            HAS_RES=residual is not None, num_warps=warps,
         )  # fmt: skip
-    return out.view(x.shape), q, s
+    if residual is None:
+        return out.view(x.shape), q, s
+    return out.view(x.shape), q, s, total.view(x.shape)
 
 
 @triton.jit

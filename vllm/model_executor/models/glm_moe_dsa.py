@@ -25,7 +25,7 @@ from vllm.kernels.activation import silu_and_mul_quant
 from vllm.kernels.fp8_gemm import FP8_DTYPE, own_split_counters, takes_x_quant
 from vllm.kernels.hadamard import hadamard_transform
 from vllm.kernels.moe import fp8_scale_shapes, fused_experts
-from vllm.kernels.norm_rope import rms_norm_quant
+from vllm.kernels.norm_rope import add_rms_norm, add_rms_norm_quant, rms_norm_quant
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import Linear, fuse_linears, linear_forward, weight_block
 from vllm.model_executor.layers.moe import route_tokens, shared_experts_stream
@@ -249,6 +249,22 @@ def norm_for_gemm(
     if scale is not None and takes_x_quant(x, weight, block):
         return rms_norm_quant(x, norm.weight, norm.eps, block[1])
     return norm(x), None
+
+
+def add_norm_for_gemm(
+    norm: RMSNorm,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    block: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`norm_for_gemm` of s = x + residual, the add in the norm's pass: (y, s, x_quant or
+    None)."""
+    if scale is not None and takes_x_quant(x, weight, block):
+        return add_rms_norm_quant(x, residual, norm.weight, norm.eps, block[1])
+    y, s = add_rms_norm(x, residual, norm.weight, norm.eps)
+    return y, s, None
 
 
 class MLP(nn.Module):
@@ -478,15 +494,35 @@ class DecoderLayer(nn.Module):
             return attn.project(y, positions, x_quant, rope)
         return attn.project(norm(x), positions, rope=rope)
 
+    def add_pre_attention(self, x, h, positions, rope=None) -> tuple[torch.Tensor, AttentionInputs]:
+        """:meth:`pre_attention` of x + h, where h is the previous layer's MLP output not yet
+        added to its residual stream x: the add runs in the input norm's pass. Returns (x + h,
+        the attention inputs)."""
+        attn, norm = self.self_attn, self.input_layernorm
+        if attn.fused_qkv_a is not None:
+            y, x, x_quant = add_norm_for_gemm(norm, h, x, *attn.fused_qkv_a)
+            return x, attn.project(y, positions, x_quant, rope)
+        y, x = add_rms_norm(h, x, norm.weight, norm.eps)
+        return x, attn.project(y, positions, rope=rope)
+
+    def post_attention_parts(self, x, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's residual stream after the attention, and its MLP's (reduced) output not
+        yet added to it: (x + o_proj(attention), h). The attention's add runs in the
+        post-attention norm's pass; the next layer's input norm, or the final norm, adds h."""
+        a = self.self_attn.output(attn_out)
+        norm, gemm = self.post_attention_layernorm, self.mlp.input_gemm()
+        if gemm is None:
+            y, x = add_rms_norm(a, x, norm.weight, norm.eps)
+            h = self.mlp(y)
+        else:
+            y, x, x_quant = add_norm_for_gemm(norm, a, x, *gemm)
+            h = self.mlp(y, x_quant)
+        return x, (h if self.is_moe else self.tp.all_reduce(h))
+
     def post_attention(self, x, attn_out: torch.Tensor) -> torch.Tensor:
         """The layer's output from its input ``x`` and the attention output [T, H, v]."""
-        x = x + self.self_attn.output(attn_out)
-        gemm = self.mlp.input_gemm()
-        if gemm is None:
-            h = self.mlp(self.post_attention_layernorm(x))
-        else:
-            h = self.mlp(*norm_for_gemm(self.post_attention_layernorm, x, *gemm))
-        return x + (h if self.is_moe else self.tp.all_reduce(h))
+        x, h = self.post_attention_parts(x, attn_out)
+        return x + h
 
     def forward(self, x, positions, meta, prev_topk, rope=None):
         a = self.pre_attention(x, positions, rope)
@@ -549,15 +585,26 @@ class GlmMoeDsaModel(nn.Module):
         )
 
     def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
+        x, h = self.embed_tokens(input_ids), None
         topk = None
         # the rotary angles of the positions once for every layer (the same dims and theta)
         rope = self.layers[0].self_attn.rope_angles(positions) if len(self.layers) else None
+        # each layer's MLP output h is added to the residual stream x by the next norm's pass
         for layer in self.layers:
-            x, topk = layer(
-                x, positions, meta, topk if not layer.self_attn.attn.has_indexer else None, rope
-            )
-        return self.norm(x)
+            if h is None:
+                a = layer.pre_attention(x, positions, rope)
+            else:
+                x, a = layer.add_pre_attention(x, h, positions, rope)
+            attn = layer.self_attn.attn
+            prev = topk if not attn.has_indexer else None
+            out, topk = attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, prev, meta)
+            x, h = layer.post_attention_parts(x, out)
+        return self._final_norm(x, h)
+
+    def _final_norm(self, x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+        if h is None:
+            return self.norm(x)
+        return add_rms_norm(h, x, self.norm.weight, self.norm.eps)[0]
 
     # The forward as pieces around the attention kernels (what piecewise CUDA graphs capture,
     # `worker/gpu/piecewise.py`): piece 0 embeds the tokens and projects layer 0's attention
@@ -565,19 +612,23 @@ class GlmMoeDsaModel(nn.Module):
     # layer i's; piece L finishes the last layer and applies the final norm. Between pieces,
     # :meth:`attend` runs layer i's attention (KV writes, indexer top-k, sparse or dense
     # attention), the only part that reads the metadata and the KV cache. The same functions as
-    # :meth:`forward`'s layers (DecoderLayer.forward: pre_attention, attention, post_attention).
+    # :meth:`forward`'s loop (post_attention_parts, then the next layer's add_pre_attention: a
+    # layer's MLP output is added to the residual stream in the next norm's pass).
     def piece(
         self, i: int, x: torch.Tensor, positions: torch.Tensor, attn_out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, AttentionInputs | None]:
         """Piece ``i`` -> (hidden states, layer i's attention inputs; None after the last).
         ``x``: the input ids for piece 0, else the previous piece's hidden states."""
+        h = None
         if i == 0:
             x = self.embed_tokens(x)
         else:
-            x = self.layers[i - 1].post_attention(x, attn_out)
+            x, h = self.layers[i - 1].post_attention_parts(x, attn_out)
         if i == len(self.layers):
-            return self.norm(x), None
-        return x, self.layers[i].pre_attention(x, positions)
+            return self._final_norm(x, h), None
+        if h is None:
+            return x, self.layers[i].pre_attention(x, positions)
+        return self.layers[i].add_pre_attention(x, h, positions)
 
     def attend(
         self,
