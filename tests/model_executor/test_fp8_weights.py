@@ -582,9 +582,12 @@ def test_norm_quantises_for_fp8_qkv_a_on_cuda(tmp_path, monkeypatch):
             x = torch.randn(m, attn.o_proj.out_features, device="cuda", dtype=torch.bfloat16)
             out = torch.randn(m, attn.num_heads, attn.v, device="cuda", dtype=torch.bfloat16)
             calls = []
-            real = norm_rope.rms_norm_quant
+            # the attention output's add runs in this norm's pass (add_rms_norm_quant)
+            real = norm_rope.add_rms_norm_quant
             monkeypatch.setattr(
-                glm_moe_dsa, "rms_norm_quant", lambda *a, c=calls, f=real: c.append(1) or f(*a)
+                glm_moe_dsa,
+                "add_rms_norm_quant",
+                lambda *a, c=calls, f=real: c.append(1) or f(*a),
             )
             fused = layer.post_attention(x, out)
             want = fp8_gemm.takes_x_quant(x, gemm[0], gemm[2])
