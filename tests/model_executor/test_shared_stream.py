@@ -71,7 +71,8 @@ def test_side_stream_same_bits(moe_block, m, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_side_stream_in_cuda_graph(moe_block, monkeypatch):
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "stream-made-in-capture"])
+def test_side_stream_in_cuda_graph(moe_block, monkeypatch, cold):
     moe = moe_block
     h = moe.gate.weight.shape[1]
     monkeypatch.delenv("VLLM_DISABLE_SHARED_EXPERTS_STREAM", raising=False)
@@ -81,6 +82,8 @@ def test_side_stream_in_cuda_graph(moe_block, monkeypatch):
     with torch.cuda.stream(s):  # warm-up off the default stream, as capture requires
         moe(x)
     torch.cuda.current_stream().wait_stream(s)
+    if cold:  # the side stream's first use inside the capture
+        monkeypatch.setattr(moe_layer, "_side_streams", {})
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = moe(x)
