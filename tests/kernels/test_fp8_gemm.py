@@ -47,6 +47,7 @@ GLM_LINEARS = [
     ("mlp_gate+up", 2 * 12288, 6144),  # the dense MLP's gate and up stacked, as served
     ("shared_gate+up", 2 * 2048, 6144),  # the MoE layers' shared expert, stacked
     ("shared_down", 6144, 2048),
+    ("q_a+wk+kv_a", 2048 + 128 + 576, 6144),  # a full indexer layer's stack (with the indexer's wk)
 ]
 
 
@@ -356,6 +357,7 @@ def test_gemm_config_table():
     assert gemm_config(16, 12288, 6144, 128, 132)["split_k"] == 2
     assert gemm_config(64, 16384, 2048, 128, 132)["split_k"] == 1
     assert gemm_config(64, 2624, 6144, 128, 132)["split_k"] == 6
+    assert gemm_config(64, 2752, 6144, 128, 132)["split_k"] == 6  # with the indexer's wk
     # 17-32 rows: 32-row tiles, but an unsplit grid of them (q_b's 256, the stacked gate/up's
     # 384) takes the 64-row tile; gate or up alone (192 tiles) splits K and keeps 32 rows
     assert gemm_config(32, 6144, 16384, 128, 132)["block_m"] == 32

@@ -65,10 +65,24 @@ def test_model_stacks_and_keeps_its_parameters(tiny_ckpt):
     assert any(n.endswith("self_attn.q_a_proj.weight") for n in names)
     attn = [m for m in model.modules() if isinstance(m, glm_moe_dsa.MLAAttention)]
     assert attn and all(m.fused_qkv_a is not None for m in attn)
+    gen = torch.Generator().manual_seed(3)
     for m in attn:
         w = m.fused_qkv_a[0]
         assert m.q_a_proj.weight.data_ptr() == w.data_ptr()
-        assert m.kv_a_proj_with_mqa.weight.data_ptr() == w[m.q_lora_rank :].data_ptr()
+        # a full indexer layer's wk joins between q_a and kv_a (its rows end on a block row)
+        wk = m.indexer.wk if m.indexer is not None else None
+        parts = [m.q_a_proj] + ([wk] if wk is not None else []) + [m.kv_a_proj_with_mqa]
+        assert m.qkv_a_split == [p.out_features for p in parts]
+        row = 0
+        for p in parts:
+            assert p.weight.data_ptr() == w[row:].data_ptr()
+            row += p.out_features
+        assert row == w.shape[0]
+        if wk is not None:  # the indexer's key from the stack equals its own GEMM's
+            x = torch.randn(5, m.q_a_proj.in_features, generator=gen).to(w.dtype)
+            k = linear_forward(x, *m.fused_qkv_a).split(m.qkv_a_split, -1)[1]
+            torch.testing.assert_close(k, wk(x), rtol=1e-6, atol=1e-6)
+    assert any(m.indexer is not None for m in attn)
 
 
 def test_column_shards_of_one_rank_stack():

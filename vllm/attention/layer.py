@@ -142,11 +142,11 @@ class SparseMLAAttention(nn.Module):
                 out.zero_()
         topk = prev_topk
         if topk is None:
-            shape = (q_nope.shape[0], meta.index_topk)
+            kshape = (q_nope.shape[0], meta.index_topk)
             if every and iq is not None:
-                topk = torch.empty(shape, dtype=torch.int32, device=q_nope.device)
+                topk = torch.empty(kshape, dtype=torch.int32, device=q_nope.device)
             else:
-                topk = torch.full(shape, -1, dtype=torch.int32, device=q_nope.device)
+                topk = torch.full(kshape, -1, dtype=torch.int32, device=q_nope.device)
         self._prefill(meta, q_nope, q_pe, iq, topk, out)
         self._decode(meta, q_nope, q_pe, iq, topk, out)
         return out, topk

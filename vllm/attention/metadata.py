@@ -133,7 +133,7 @@ class MLAMetadata:
         self, req: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype = torch.int64
     ) -> torch.Tensor:
         """Local cache slot of (request row, position) pairs (``kv_cache.cache_slots``); −1 where
-        this rank does not own the token (DCP) or pos < 0. req: pos's shape, or [N] for pos
+        this rank does not own the token (DCP), pos < 0 or its block is −1. req: pos's shape, or [N] for pos
         [N, K] (one request per row; a row-broadcast view of [N] is taken as [N]). Token p lives
         on DCP rank (p // I) % N at local offset (off // (I·N))·I + off % I of virtual block
         p // (B·N)."""

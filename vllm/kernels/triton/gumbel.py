@@ -20,12 +20,7 @@ import triton
 import triton.language as tl
 
 from vllm.kernels.triton.topk import _key_of
-from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting, record
-
-if not interpreting():
-    from triton.language.extra import libdevice
-else:  # the interpreter has no libdevice; tl.log is numpy's there
-    libdevice = None
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting, log_f32, record
 
 __all__ = ["gumbel_sample", "uniforms"]
 
@@ -58,14 +53,6 @@ def _uniform(b, idx):
 
 
 @triton.jit
-def _log(x, USE_LIBDEVICE: tl.constexpr):
-    if USE_LIBDEVICE:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
-
-
-@triton.jit
 def _gumbel_argmax_kernel(
     x_ptr,  # [B, V] fp32, row stride stride_x
     temp_ptr,  # [B] fp32: rows with temperature > 0 sample, the others take the argmax
@@ -93,7 +80,7 @@ def _gumbel_argmax_kernel(
         if noisy:
             if bm + G_MAX >= best:  # else no token of the block can win
                 u = _uniform(b, idx)
-                s_ = x - _log(-_log(u, USE_LIBDEVICE), USE_LIBDEVICE)
+                s_ = x - log_f32(-log_f32(u, USE_LIBDEVICE), USE_LIBDEVICE)
                 s_ = tl.where(idx < V, s_, float("-inf"))
                 sm = tl.max(s_, 0)
                 if sm > best:

@@ -17,22 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting, next_pow2
-
-if not interpreting():
-    from triton.language.extra import libdevice
-else:  # the interpreter has no libdevice; tl.exp is numpy's there
-    libdevice = None
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, exp_f32, interpreting, next_pow2
 
 __all__ = ["route_topk"]
-
-
-@triton.jit
-def _exp(x, USE_LIBDEVICE: tl.constexpr):
-    if USE_LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit(do_not_specialize=("stride",))
@@ -53,7 +40,7 @@ def _route_kernel(
     e = tl.arange(0, BLOCK_E)
     inb = e < E
     x = tl.load(logits_ptr + t * stride + e, mask=inb, other=0.0)
-    s = tl.math.div_rn(tl.full([BLOCK_E], 1.0, tl.float32), 1.0 + _exp(-x, USE_LIBDEVICE))
+    s = tl.math.div_rn(tl.full([BLOCK_E], 1.0, tl.float32), 1.0 + exp_f32(-x, USE_LIBDEVICE))
     c = tl.where(inb, s + tl.load(bias_ptr + e, mask=inb, other=0.0), float("-inf"))
     k = tl.arange(0, TOP_K)
     ids = tl.zeros([TOP_K], dtype=tl.int32)

@@ -20,6 +20,33 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+if not interpreting():
+    from triton.language.extra import libdevice
+else:  # the interpreter has no libdevice; tl.exp is numpy's there
+    libdevice = None
+
+
+@triton.jit
+def exp_f32(x, USE_LIBDEVICE: tl.constexpr):
+    """exp(x) in fp32 by libdevice's correctly rounded ``expf`` (torch's CUDA sigmoid and SiLU
+    use it; ``tl.exp`` is a faster approximation) where USE_LIBDEVICE, else ``tl.exp`` (the
+    interpreter: numpy's)."""
+    if USE_LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def log_f32(x, USE_LIBDEVICE: tl.constexpr):
+    """log(x) in fp32 by libdevice's ``logf`` (torch's CUDA log) where USE_LIBDEVICE, else
+    ``tl.log``."""
+    if USE_LIBDEVICE:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

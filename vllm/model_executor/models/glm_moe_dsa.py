@@ -63,7 +63,9 @@ class Indexer(nn.Module):
         )
         self.w_scale = self.n_heads**-0.5 * self.head_dim**-0.5
 
-    def forward(self, x, c_q, cos, sin) -> IndexerInputs:
+    def forward(self, x, c_q, cos, sin, k=None) -> IndexerInputs:
+        """``k``: wk's product of x where the caller computed it (stacked with q_a and kv_a,
+        ``MLAAttention.fused_qkv_a``)."""
         t = x.shape[0]
         q = self.wq_b(c_q).view(
             t, self.wq_b.out_features // self.head_dim, self.head_dim
@@ -71,7 +73,7 @@ class Indexer(nn.Module):
         # rotated in place: the rope dims stay where they are in each head (no concatenation)
         r = self.rope_dim
         apply_rope(q[..., :r], cos, sin, self.interleave, out=q[..., :r])
-        k = self.k_norm(self.wk(x))  # [T, D]
+        k = self.k_norm(self.wk(x) if k is None else k)  # [T, D]
         apply_rope(k[:, :r], cos, sin, self.interleave, out=k[:, :r])
         w = self.weights_proj(x.float()) * self.w_scale  # [T, Hi_local]
         q = hadamard_transform(q)
@@ -135,6 +137,7 @@ class MLAAttention(nn.Module):
         # (weight, scale, block) of q_a_proj and kv_a_proj_with_mqa stacked, after loading
         # (process_weights_after_loading); their parameters are then views of it
         self.fused_qkv_a: tuple | None = None
+        self.qkv_a_split: list[int] = []  # the stack's parts' widths: q_a[, wk], kv_a
         self.q_lora_rank, self.kv_a_width = arch.q_lora_rank, arch.kv_lora_rank + self.rope
         self.kv_b_proj = Linear(
             arch.kv_lora_rank,
@@ -173,10 +176,21 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = None
         # q_a and kv_a read the same x: one GEMM (upstream's fused_qkv_a_proj, N = 2048 + 576 for
         # GLM-5.3): kv_a alone (N = 576) leaves most of the GPU idle at decode sizes, and under
-        # FP8 x is quantised once
-        fused = fuse_linears([self.q_a_proj, self.kv_a_proj_with_mqa])
-        if fused is not None:
-            self.fused_qkv_a = (*fused, self.q_a_proj.block)
+        # FP8 x is quantised once. A full indexer layer's wk (N = 128) reads it too and joins the
+        # stack between them (q_a's and wk's rows end on a scale block; kv_a's 576 do not, so it
+        # goes last): one launch and one quantisation of x fewer
+        wk = self.indexer.wk if self.indexer is not None else None
+        for parts in (
+            [self.q_a_proj, wk, self.kv_a_proj_with_mqa],
+            [self.q_a_proj, self.kv_a_proj_with_mqa],
+        ):
+            if None in parts:
+                continue
+            fused = fuse_linears(parts)
+            if fused is not None:
+                self.fused_qkv_a = (*fused, self.q_a_proj.block)
+                self.qkv_a_split = [p.out_features for p in parts]
+                break
 
     def project(self, x, positions, x_quant=None, rope=None) -> AttentionInputs:
         """Everything before the attention kernels: the q/kv LoRA projections and norms, RoPE,
@@ -187,9 +201,9 @@ class MLAAttention(nn.Module):
         cos, sin = rope if rope is not None else self.rope_angles(positions)
         if self.fused_qkv_a is not None:
             qkv = linear_forward(x, *self.fused_qkv_a, x_quant=x_quant)
-            c_q, kv = qkv.split([self.q_lora_rank, self.kv_a_width], -1)
+            c_q, *idx_k, kv = qkv.split(self.qkv_a_split, -1)
         else:
-            c_q, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+            c_q, kv, idx_k = self.q_a_proj(x), self.kv_a_proj_with_mqa(x), []
         qb = self.q_b_proj
         c_q, c_q_quant = norm_for_gemm(
             self.q_a_layernorm, c_q, qb.weight, qb.weight_scale_inv, qb.block
@@ -201,7 +215,9 @@ class MLAAttention(nn.Module):
         apply_rope(q_pe, cos, sin, self.interleave, out=q_pe)
         kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, self.interleave)
-        idx = self.indexer(x, c_q, cos, sin) if self.indexer is not None else None
+        idx = None
+        if self.indexer is not None:
+            idx = self.indexer(x, c_q, cos, sin, idx_k[0] if idx_k else None)
         return AttentionInputs(q_nope, q_pe, kv_c, k_pe, idx)
 
     def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
