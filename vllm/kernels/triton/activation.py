@@ -14,25 +14,12 @@ import triton.language as tl
 
 from vllm.kernels.fp8_gemm import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from vllm.kernels.triton.fp8_gemm import _quant_groups
-from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting
-
-if not interpreting():
-    from triton.language.extra import libdevice
-else:  # the interpreter has no libdevice; tl.exp is numpy's there
-    libdevice = None
+from vllm.kernels.triton.utils import check_cuda_or_interpreter, exp_f32, interpreting
 
 __all__ = ["silu_and_mul_quant"]
 
 # 128-column groups per program
 SPLIT_G = 4
-
-
-@triton.jit
-def _exp(x, USE_LIBDEVICE: tl.constexpr):
-    if USE_LIBDEVICE:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
 
 
 @triton.jit(do_not_specialize=("sx",))
@@ -61,7 +48,7 @@ def _silu_mul_quant_kernel(
     dt = h_ptr.dtype.element_ty
     gf = g.to(tl.float32)
     one = tl.full(gf.shape, 1.0, tl.float32)
-    silu = tl.math.div_rn(gf, one + _exp(-gf, USE_LIBDEVICE)).to(dt)
+    silu = tl.math.div_rn(gf, one + exp_f32(-gf, USE_LIBDEVICE)).to(dt)
     h = (silu.to(tl.float32) * u.to(tl.float32)).to(dt)
     tl.store(h_ptr + r * INTER + cols, h, mask=m)
     q, scale = _quant_groups(tl.where(m, h.to(tl.float32), 0.0), FLOOR, QMAX, SOFT_FP8)
