@@ -27,7 +27,6 @@ from vllm.attention.kv_access import IndexerQuery, KVAccess, LocalKVAccess
 from vllm.attention.metadata import MLAMetadata
 from vllm.kernels.indexer import indexer_logits, indexer_topk
 from vllm.kernels.kv_cache import quantize_indexer_fp8
-from vllm.kernels.mla_absorb import head_bmm
 from vllm.kernels.sparse_mla import sparse_mla_prefill
 
 # the dense prefill's SDPA backends, in torch's order of preference (cuDNN's left out: see
@@ -160,7 +159,7 @@ class SparseMLAAttention(nn.Module):
         w = self.w_uk
         t, r = q_nope.shape[0], self.kv_lora_rank
         q = torch.empty((t, self.num_heads, r + q_pe.shape[-1]), dtype=w.dtype, device=w.device)
-        head_bmm(q_nope.to(w.dtype), w, q[..., :r])
+        torch.bmm(q_nope.to(w.dtype).transpose(0, 1), w, out=q[..., :r].transpose(0, 1))
         q[..., r:] = q_pe
         return q
 
@@ -168,11 +167,11 @@ class SparseMLAAttention(nn.Module):
         """Attention output over the latent rows [T, H, R] -> [T, H, v] through W_UV, written
         into ``out`` (a [T, H, v] tensor of W_UV's dtype) when given."""
         w = self.w_uv
+        o = o.to(w.dtype).transpose(0, 1)  # [H, T, R]
         if out is None:
-            out = torch.empty(
-                (o.shape[0], self.num_heads, self.v_dim), dtype=w.dtype, device=o.device
-            )
-        return head_bmm(o.to(w.dtype), w.transpose(1, 2), out)
+            return torch.bmm(o, w.transpose(1, 2)).transpose(0, 1)
+        torch.bmm(o, w.transpose(1, 2), out=out.transpose(0, 1))
+        return out
 
     def _needs_scoring(self, meta: MLAMetadata, pos: torch.Tensor) -> torch.Tensor:
         return pos + 1 > meta.index_topk
