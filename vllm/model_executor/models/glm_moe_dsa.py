@@ -524,10 +524,21 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_parts(x, attn_out)
         return x + h
 
-    def forward(self, x, positions, meta, prev_topk, rope=None):
-        a = self.pre_attention(x, positions, rope)
-        out, topk = self.self_attn.attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, prev_topk, meta)
-        return self.post_attention(x, out), topk
+    def forward(self, x, h, positions, meta, prev_topk, rope=None):
+        """One step of the model's loop. ``h``: the previous layer's MLP output not yet added to
+        the residual stream ``x`` (None before the first layer). Returns (x, this layer's MLP
+        output, its top-k), the MLP output not yet added either: the next layer's input norm, or
+        the final norm, adds it in its pass. ``prev_topk``: the top-k a shared-indexer layer
+        reuses (ignored by layers with their own indexer)."""
+        if h is None:
+            a = self.pre_attention(x, positions, rope)
+        else:
+            x, a = self.add_pre_attention(x, h, positions, rope)
+        attn = self.self_attn.attn
+        prev = prev_topk if not attn.has_indexer else None
+        out, topk = attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, prev, meta)
+        x, h = self.post_attention_parts(x, out)
+        return x, h, topk
 
 
 class MTPLayer(nn.Module):
@@ -589,16 +600,10 @@ class GlmMoeDsaModel(nn.Module):
         topk = None
         # the rotary angles of the positions once for every layer (the same dims and theta)
         rope = self.layers[0].self_attn.rope_angles(positions) if len(self.layers) else None
-        # each layer's MLP output h is added to the residual stream x by the next norm's pass
+        # each layer's MLP output h is added to the residual stream x by the next norm's pass;
+        # the layers are called as modules (their hooks fire: per-layer timings, probes)
         for layer in self.layers:
-            if h is None:
-                a = layer.pre_attention(x, positions, rope)
-            else:
-                x, a = layer.add_pre_attention(x, h, positions, rope)
-            attn = layer.self_attn.attn
-            prev = topk if not attn.has_indexer else None
-            out, topk = attn(a.q_nope, a.q_pe, a.kv_c, a.k_pe, a.idx, prev, meta)
-            x, h = layer.post_attention_parts(x, out)
+            x, h, topk = layer(x, h, positions, meta, topk, rope)
         return self._final_norm(x, h)
 
     def _final_norm(self, x: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
