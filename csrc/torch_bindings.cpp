@@ -13,6 +13,13 @@ TORCH_LIBRARY(_C, m) {
       "sparse_mla_fp8_decode(Tensor q, Tensor kv_rows, Tensor indices, Tensor! out, Tensor! lse, "
       "Tensor! ws_o, Tensor! ws_l, Tensor! counters, float scale_log2, int num_ctas) -> ()");
   m.impl("sparse_mla_fp8_decode", c10::kCUDA, &sparse_mla_fp8_decode);
+#ifdef VLLM_WITH_CUTLASS_MOE
+  // Writes out's rows [0, offsets[-1]); offsets stay on the device (no host sync).
+  m.def(
+      "moe_grouped_fp8_gemm(Tensor a, Tensor sa, Tensor w, Tensor sw, Tensor offsets, "
+      "Tensor! out) -> ()");
+  m.impl("moe_grouped_fp8_gemm", c10::kCUDA, &moe_grouped_fp8_gemm);
+#endif
 }
 
 // The module itself is empty: the ops live in torch.ops._C.

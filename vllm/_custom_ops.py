@@ -57,3 +57,25 @@ def sparse_mla_fp8_decode(
     torch.ops._C.sparse_mla_fp8_decode(
         q, kv_rows, indices, out, lse, ws_o, ws_l, counters, scale_log2, num_ctas
     )
+
+
+def has_moe_grouped_fp8_gemm() -> bool:
+    """Whether ``vllm._C`` was built with the CUTLASS grouped GEMM (CUTLASS's headers present at
+    build time: ``pip install nvidia-cutlass`` before building)."""
+    return has_native_ops() and hasattr(torch.ops._C, "moe_grouped_fp8_gemm")
+
+
+def moe_grouped_fp8_gemm(
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    w: torch.Tensor,
+    sw: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """FP8 grouped GEMM with block-wise scales on Hopper (``csrc/moe/moe_grouped_fp8_sm90.cu``),
+    on the current stream: out bf16 [P, N] rows [offsets[e], offsets[e + 1]) = those rows of a
+    e4m3 [P, K] (scales sa fp32 [K/128, P]) times w[e]ᵀ (e4m3 [E, N, K], scales sw fp32
+    [E, K/128, N/128]); offsets int32 [E + 1] on the device. Spec and reference:
+    :func:`vllm.kernels.moe_cutlass.grouped_gemm_ref`."""
+    torch.ops._C.moe_grouped_fp8_gemm(a, sa, w, sw, offsets, out)

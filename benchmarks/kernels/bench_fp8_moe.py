@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.kernels.common import dump_json, parser, print_rows, row, time_ms, time_ms_graph
+from vllm import _custom_ops as ops
+from vllm.kernels import moe_cutlass
 from vllm.kernels.fp8_gemm import FP8_DTYPE
 from vllm.kernels.moe import fused_experts, fused_experts_cost, fused_experts_fp8_cost
 from vllm.kernels.triton import moe_grouped_fp8 as fp8
@@ -85,6 +87,7 @@ def bench(t: int, e_loc: int, sweep: bool, experts) -> list[dict]:
     note = f"table/this {ms / m_ms:.3f}; {resource_report('moe_fp8_gate_up')}"
     op = "moe_fp8_masked" if even else "moe_fp8_unmasked"
     rows.append(row(op, shape, m_ms, flops, nbytes, "fp8", bf16_ms, note))
+    rows += _cutlass_rows(t, e_loc, args, shape, timer, ms, bf16_ms, flops, nbytes)
     keys = ("block_m", "num_warps", "num_stages", "block_n")
     same = lambda c: all(c.get(k) == table.get(k) for k in keys)
     for cfg in SWEEP if sweep else []:
@@ -93,6 +96,45 @@ def bench(t: int, e_loc: int, sweep: bool, experts) -> list[dict]:
         s_ms = timer(lambda cfg=cfg: fp8.experts_grouped_fp8(*args, cfg))
         note = f"table {ms:.3f} ms; {cfg}"
         rows.append(row("moe_fp8_sweep", shape, s_ms, flops, nbytes, "fp8", bf16_ms, note))
+    return rows
+
+
+def _cutlass_rows(t, e_loc, args, shape, timer, triton_ms, bf16_ms, flops, nbytes) -> list[dict]:
+    """The CUTLASS grouped path (``vllm/kernels/moe_cutlass.py``) at prefill sizes: whole experts
+    (with its largest difference from the Triton path's output), and each GEMM alone."""
+    x, q13, q2, ids = args[:4]
+    why = moe_cutlass.unavailable(x, q13, q2)
+    if t < 1024 or why:
+        return (
+            []
+            if t < 1024
+            else [row("moe_fp8_cutlass", shape, float("nan"), 0, 0, "fp8", 0, why)]
+        )
+    want = fp8.experts_grouped_fp8(*args, num_experts=E_TOTAL).float()
+    got = moe_cutlass.experts_cutlass_fp8(*args).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    c_ms = timer(lambda: moe_cutlass.experts_cutlass_fp8(*args))
+    note = f"triton/this {triton_ms / c_ms:.2f}; max |diff| / max |triton| {err:.1e}"
+    rows = [row("moe_fp8_cutlass", shape, c_ms, flops, nbytes, "fp8", bf16_ms, note)]
+    # the two GEMMs alone, on the sorted rows of this batch
+    order, _, offsets = moe_cutlass.sort_pairs(ids, 0, e_loc)
+    p = ids.numel()
+    inter = q13.shape[1] // 2
+    for name, w, s, n, k in (
+        ("gemm1", q13, args[6], 2 * inter, H),
+        ("gemm2", q2, args[7], H, inter),
+    ):
+        a = torch.randn(p, k, device="cuda").clamp(-4, 4).to(FP8_DTYPE)
+        sa = torch.rand(k // 128, p, device="cuda") + 0.5
+        sw = s.transpose(1, 2).contiguous()
+        out = torch.empty(p, n, dtype=torch.bfloat16, device="cuda")
+        g_ms = timer(
+            lambda a=a, sa=sa, w=w, sw=sw, out=out: ops.moe_grouped_fp8_gemm(
+                a, sa, w, sw, offsets, out
+            )
+        )
+        rows.append(row(f"moe_cutlass_{name}", f"P={p} N={n} K={k}", g_ms, 2.0 * p * n * k,
+                        p * k + e_loc * n * k + 2 * p * n, "fp8", None, ""))  # fmt: skip
     return rows
 
 
@@ -108,7 +150,9 @@ def main() -> None:
     del experts
     torch.cuda.empty_cache()
     if not args.quick:  # 256 experts: 9.7 GB in e4m3 and 19.3 GB in bf16
-        rows += bench(8192, 256, args.sweep, _experts(256, g))
+        experts = _experts(256, g)
+        for t in (2048, 8192):
+            rows += bench(t, 256, args.sweep, experts)
     print_rows(rows)
     dump_json(rows, args.json)
 

@@ -10,8 +10,9 @@ dense 0.676 / 0.818 ms against grouped 0.696 / 1.020 ms at 16 / 64 tokens; group
 at 256 / 4096 tokens against 6.04 / 6.35 ms for the reference's per-expert loop. Elsewhere
 :func:`experts_ref`, the reference (a host sync and six launches per chosen expert).
 
-FP8 experts (e4m3 w13/w2 with block scales, ``w13_scale``/``w2_scale``): on CUDA the Triton FP8
-grouped GEMM (``vllm/kernels/triton/moe_grouped_fp8.py``: weights stay e4m3, activations quantised
+FP8 experts (e4m3 w13/w2 with block scales, ``w13_scale``/``w2_scale``): on Hopper, for prefill
+batches (:func:`vllm.kernels.moe_cutlass.takes`) where ``vllm._C`` has it, CUTLASS's grouped GEMM
+(``vllm/kernels/moe_cutlass.py``); otherwise on CUDA the Triton FP8 grouped GEMM (``vllm/kernels/triton/moe_grouped_fp8.py``: weights stay e4m3, activations quantised
 per token-group of 128, SiLU·up fused into the first GEMM's epilogue), elsewhere the reference,
 which runs each chosen expert through :func:`vllm.kernels.fp8_gemm.fp8_block_linear_ref`.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm.kernels import kernel_module, use_kernels
+from vllm.kernels import kernel_module, moe_cutlass, use_kernels
 from vllm.kernels.fp8_gemm import FP8_DTYPE, fp8_block_linear_ref
 
 # decode-sized batches on CUDA take the dense form up to here (it reads every local expert once)
@@ -46,6 +47,14 @@ def fused_experts(
     bytes ``per_token_group_quant_fp8`` gives: the same result), read instead of quantising x."""
     if w13.dtype == FP8_DTYPE:
         _check_fp8(w13, w2, w13_scale, w2_scale)
+        if (
+            use_kernels(x)
+            and moe_cutlass.takes(ids, w13.shape[0], num_experts)
+            and moe_cutlass.unavailable(x, w13, w2) is None
+        ):
+            return moe_cutlass.experts_cutlass_fp8(
+                x, w13, w2, ids, weights, expert_offset, w13_scale, w2_scale, x_quant=x_quant
+            )
         fast = kernel_module("triton.moe_grouped_fp8", x)
         if fast is not None:
             return fast.experts_grouped_fp8(

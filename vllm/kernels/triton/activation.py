@@ -25,9 +25,10 @@ SPLIT_G = 4
 @triton.jit(do_not_specialize=("sx",))
 def _silu_mul_quant_kernel(
     x_ptr,  # [M, 2I], row stride sx
-    h_ptr,  # [M, I] contiguous, x's dtype
+    h_ptr,  # [M, I] contiguous, x's dtype (unused unless STORE_H)
     q_ptr,  # uint8 view of e4m3 [M, I]
     s_ptr,  # fp32 [M, ng], strides (stride_sm, stride_sg)
+    n_rows_ptr,  # int32: rows from here on are skipped (unused unless HAS_N_ROWS)
     sx,
     stride_sm,
     stride_sg,
@@ -38,8 +39,13 @@ def _silu_mul_quant_kernel(
     QMAX: tl.constexpr,
     SOFT_FP8: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
+    STORE_H: tl.constexpr,
+    HAS_N_ROWS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
+    if HAS_N_ROWS:
+        if r >= tl.load(n_rows_ptr):
+            return
     gi = tl.program_id(1) * SPLIT_G + tl.arange(0, SPLIT_G)
     cols = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [SPLIT_G, GROUP]
     m = cols < INTER
@@ -50,28 +56,35 @@ def _silu_mul_quant_kernel(
     one = tl.full(gf.shape, 1.0, tl.float32)
     silu = tl.math.div_rn(gf, one + exp_f32(-gf, USE_LIBDEVICE)).to(dt)
     h = (silu.to(tl.float32) * u.to(tl.float32)).to(dt)
-    tl.store(h_ptr + r * INTER + cols, h, mask=m)
+    if STORE_H:
+        tl.store(h_ptr + r * INTER + cols, h, mask=m)
     q, scale = _quant_groups(tl.where(m, h.to(tl.float32), 0.0), FLOOR, QMAX, SOFT_FP8)
     tl.store(q_ptr + r * INTER + cols, q, mask=m)
     tl.store(s_ptr + r * stride_sm + gi * stride_sg, scale, mask=gi * GROUP < INTER)
 
 
 def silu_and_mul_quant(
-    x: torch.Tensor, group: int = 128
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    group: int = 128,
+    store_h: bool = True,
+    n_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """x [M, 2I] (unit last stride) -> (h [M, I] x.dtype, hq e4m3 [M, I], scale fp32 [M, I/group]
-    as an M-contiguous view, the quantiser's layout)."""
+    as an M-contiguous view, the quantiser's layout). ``store_h=False``: h is not written (None
+    returned; for a consumer of the quantised form only). ``n_rows``: an int32 device scalar;
+    rows from ``n_rows`` on are left unset (rows the caller will not read, counted on the device)."""
     check_cuda_or_interpreter(x)
     m, two_i = x.shape
     i = two_i // 2
     ng = triton.cdiv(i, group)
-    h = torch.empty(m, i, dtype=x.dtype, device=x.device)
+    h = torch.empty(m if store_h else 0, i, dtype=x.dtype, device=x.device)
     q = torch.empty(m, i, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(ng, m, dtype=torch.float32, device=x.device).t()
     if m:
         _silu_mul_quant_kernel[(m, triton.cdiv(ng, SPLIT_G))](
-            x, h, q.view(torch.uint8), s, x.stride(0), s.stride(0), s.stride(1), INTER=i,
-            GROUP=group, SPLIT_G=SPLIT_G, FLOOR=AMAX_FLOOR, QMAX=FP8_MAX,
-            SOFT_FP8=interpreting(), USE_LIBDEVICE=not interpreting(), num_warps=4,
+            x, h, q.view(torch.uint8), s, q if n_rows is None else n_rows, x.stride(0),
+            s.stride(0), s.stride(1), INTER=i, GROUP=group, SPLIT_G=SPLIT_G, FLOOR=AMAX_FLOOR,
+            QMAX=FP8_MAX, SOFT_FP8=interpreting(), USE_LIBDEVICE=not interpreting(),
+            STORE_H=store_h, HAS_N_ROWS=n_rows is not None, num_warps=4,
         )  # fmt: skip
-    return h, q, s
+    return (h if store_h else None), q, s

@@ -1,0 +1,230 @@
+"""FP8 routed experts through CUTLASS's grouped GEMM (``vllm/kernels/moe_cutlass.py``).
+
+CPU: the pair sort (order, inverse, offsets), the grouped GEMM's reference against per-group
+dequantised matmuls, and the whole path in torch (reference GEMMs) against ``experts_ref``.
+Interpreter: the gather and combine kernels and the activation kernel's skipped rows, exactly.
+GPU (Hopper with ``vllm._C`` built with CUTLASS): the op against its reference, the whole path
+against ``experts_ref``, ``fused_experts``' dispatch, a CUDA graph.
+
+Tolerance of the whole path against ``experts_ref`` (relative Frobenius 3e-2): the reference keeps
+gate and up in fp32; this path rounds them to bf16 (relative δ ≤ 2^-9, ~1e-3 rms) before SiLU·up
+is requantised to e4m3, and an element within δ of an e4m3 rounding boundary moves a whole step
+(2^-4..2^-3): the output moves by ~sqrt(δ · step) ≈ 1e-2 (test_moe_grouped_fp8's argument with
+this δ); the pair outputs' bf16 rounding adds ~1e-3. Measured on the CPU: 1.3-1.6e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import _custom_ops as ops
+from vllm.kernels import moe, moe_cutlass
+from vllm.kernels.fp8_gemm import FP8_DTYPE, per_token_group_quant_fp8_ref
+
+from .test_moe_grouped_fp8 import _case, _gpu_case, _rel
+
+
+def _ids(t, k, e_total, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(e_total, generator=g)[:k] for _ in range(t)])
+
+
+# ---- CPU ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "t,k,e_loc,offset,e_total", [(37, 4, 6, 3, 16), (20, 2, 8, 0, 8), (5, 3, 2, 9, 12)]
+)
+def test_sort_pairs(t, k, e_loc, offset, e_total):
+    ids = _ids(t, k, e_total, seed=t)
+    order, pos, offsets = moe_cutlass.sort_pairs(ids, offset, e_loc)
+    flat = ids.reshape(-1) - offset
+    key = torch.where((flat >= 0) & (flat < e_loc), flat, e_loc)
+    assert torch.equal(pos[order], torch.arange(t * k))  # pos is order's inverse
+    assert torch.equal(key[order], key.sort(stable=True).values)
+    for e in range(e_loc):  # each expert's rows: its pairs, in pair order
+        rows = order[offsets[e] : offsets[e + 1]]
+        assert torch.equal(rows, torch.nonzero(key == e).flatten())
+    assert offsets.dtype == torch.int32 and offsets[0] == 0
+    assert offsets[-1] == ((flat >= 0) & (flat < e_loc)).sum()
+
+
+def _grouped_case(e, n, k, counts, extra_rows=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = sum(counts) + extra_rows
+    a = (torch.randn(p, k, generator=g) * 2).to(FP8_DTYPE)
+    sa = torch.rand(k // 128, p, generator=g) + 0.5
+    w = (torch.randn(e, n, k, generator=g) * 2).to(FP8_DTYPE)
+    sw = torch.rand(e, k // 128, n // 128, generator=g) + 0.5
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    return a, sa, w, sw, offsets
+
+
+def test_grouped_gemm_ref_against_dequantised():
+    counts = [5, 0, 9, 1]
+    a, sa, w, sw, offsets = _grouped_case(4, 256, 384, counts)
+    out = torch.full((a.shape[0], 256), 7.0, dtype=torch.bfloat16)
+    moe_cutlass.grouped_gemm_ref(a, sa, w, sw, offsets, out)
+    ad = a.float() * sa.t().repeat_interleave(128, 1)  # [P, K]
+    for e in range(4):
+        r0, r1 = offsets[e].item(), offsets[e + 1].item()
+        wd = w[e].float() * sw[e].t().repeat_interleave(128, 0).repeat_interleave(128, 1)  # [N, K]
+        torch.testing.assert_close(out[r0:r1].float(), (ad[r0:r1] @ wd.t()).bfloat16().float())
+    assert out[offsets[-1] :].eq(7.0).all()  # rows past the groups untouched
+
+
+@pytest.mark.parametrize(
+    "t,e_loc,k,h,i,offset,e_total", [(40, 4, 3, 256, 128, 0, 4), (30, 3, 4, 128, 256, 2, 8)]
+)
+def test_path_in_torch_against_ref(t, e_loc, k, h, i, offset, e_total):
+    x, q13, q2, ids, w, off, s13, s2 = _case(t, e_loc, k, h, i, offset, e_total, seed=t)
+    x = x.bfloat16()
+    ref = moe.experts_ref(x, q13, q2, ids, w, off, s13, s2)
+    got = moe_cutlass.experts_cutlass_fp8(x, q13, q2, ids, w, off, s13, s2)
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, ref) < 3e-2
+    # the producer's quantisation of x: the same bytes, the same result
+    xq = per_token_group_quant_fp8_ref(x, 128)
+    assert torch.equal(
+        moe_cutlass.experts_cutlass_fp8(x, q13, q2, ids, w, off, s13, s2, x_quant=xq), got
+    )
+
+
+def test_path_rejects_odd_sizes():
+    x, q13, q2, ids, w, off, s13, s2 = _case(4, 2, 2, 128, 96, 0, 2)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        moe_cutlass.experts_cutlass_fp8(x, q13, q2, ids, w, off, s13, s2)
+
+
+def test_unavailable_on_cpu_and_dispatch_keeps_ref():
+    x, q13, q2, ids, w, off, s13, s2 = _case(4, 2, 2, 128, 128, 0, 2)
+    assert moe_cutlass.unavailable(x, q13, q2) == "needs a CUDA device"
+    assert moe_cutlass.takes(torch.zeros(64, 8), 4, None)  # 512 pairs over 4 experts
+    assert not moe_cutlass.takes(torch.zeros(64, 8), 32, 256)  # EP: the local share is small
+
+
+# ---- interpreter -------------------------------------------------------------------------------
+def test_gather_interpreter(interp):
+    mod = interp("moe_sorted")
+    g = torch.Generator().manual_seed(1)
+    t, k = 7, 256
+    xq = torch.randn(t, k + 128, generator=g).to(FP8_DTYPE)[:, :k]  # a strided view
+    sx = torch.rand(2, t, generator=g).t()  # M-contiguous scales, the quantiser's layout
+    src = torch.tensor([3, 0, 6, 6, 1, 2, 5, 4, 0])
+    n = torch.tensor([6], dtype=torch.int32)
+    a, sa = mod.gather_quantised_rows(xq, sx, src, n)
+    assert a.shape == (9, k) and sa.shape == (2, 9)
+    assert torch.equal(a[:6].view(torch.uint8), xq[src[:6]].view(torch.uint8))
+    assert torch.equal(sa[:, :6], sx[src[:6]].t())
+
+
+def test_combine_interpreter(interp):
+    mod = interp("moe_sorted")
+    g = torch.Generator().manual_seed(2)
+    t, k, h, e_loc, offset = 6, 3, 200, 4, 2
+    ids = _ids(t, k, 8, seed=5)
+    order, pos, offsets = moe_cutlass.sort_pairs(ids, offset, e_loc)
+    d = torch.randn(t * k, h, generator=g)
+    d[offsets[-1] :] = float("nan")  # other ranks' rows: never read
+    w = torch.rand(t, k, generator=g)
+    got = mod.combine_sorted(d, pos, ids, w, offset, e_loc, torch.float32)
+    want = moe_cutlass.combine_sorted_ref(d, pos, ids, w, offset, e_loc, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not got.isnan().any()
+
+
+def test_activation_skips_rows_interpreter(interp):
+    mod = interp("activation")
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    h, q, s = mod.silu_and_mul_quant(x, 128)
+    none, q2, s2 = mod.silu_and_mul_quant(
+        x, 128, store_h=False, n_rows=torch.tensor([3], dtype=torch.int32)
+    )
+    assert none is None
+    assert torch.equal(q2[:3].view(torch.uint8), q[:3].view(torch.uint8))
+    assert torch.equal(s2[:3], s[:3])
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+def _has_cutlass() -> bool:
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability() == (9, 0)
+        and ops.has_moe_grouped_fp8_gemm()
+    )
+
+
+needs_cutlass = pytest.mark.skipif(
+    not _has_cutlass(), reason="needs a Hopper GPU and vllm._C built with CUTLASS"
+)
+
+
+@pytest.mark.gpu
+@needs_cutlass
+@pytest.mark.parametrize(
+    "n,k,counts", [(256, 384, [5, 0, 130, 1, 300]), (6144, 2048, [700, 0, 129])]
+)
+def test_op_against_ref_gpu(n, k, counts):
+    a, sa, w, sw, offsets = (x.cuda() for x in _grouped_case(len(counts), n, k, counts, seed=n))
+    out = torch.full((a.shape[0], n), 7.0, dtype=torch.bfloat16, device="cuda")
+    ops.moe_grouped_fp8_gemm(a, sa, w, sw, offsets, out)
+    want = torch.empty_like(out)
+    moe_cutlass.grouped_gemm_ref(a, sa, w, sw, offsets, want)
+    rows = offsets[-1].item()
+    # fp32 sums in another order (and the tensor cores' accumulation within a 128-deep block),
+    # each rounded once to bf16
+    assert _rel(out[:rows], want[:rows]) < 4e-3
+    assert out[rows:].eq(7.0).all()  # rows past the groups untouched
+    again = torch.full_like(out, 7.0)
+    ops.moe_grouped_fp8_gemm(a, sa, w, sw, offsets, again)
+    assert torch.equal(again, out)  # deterministic
+
+
+@pytest.mark.gpu
+@needs_cutlass
+def test_op_checks_gpu():
+    a, sa, w, sw, offsets = (x.cuda() for x in _grouped_case(2, 256, 256, [3, 4]))
+    out = torch.empty(a.shape[0], 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="sa: contiguous fp32"):
+        ops.moe_grouped_fp8_gemm(a, sa.t().contiguous(), w, sw, offsets, out)
+    with pytest.raises(RuntimeError, match="offsets"):
+        ops.moe_grouped_fp8_gemm(a, sa, w, sw, offsets.long(), out)
+
+
+@pytest.mark.gpu
+@needs_cutlass
+@pytest.mark.parametrize(
+    "t,e_loc,k,h,i,offset,e_total",
+    [(1024, 16, 8, 1024, 512, 0, 16), (600, 8, 8, 6144, 256, 8, 64), (64, 4, 2, 512, 128, 0, 8)],
+)
+def test_path_against_ref_gpu(t, e_loc, k, h, i, offset, e_total):
+    x, *rest = _gpu_case(t, e_loc, k, h, i, offset, e_total, seed=t + i)
+    x = x.bfloat16()
+    ref = moe.experts_ref(x, *rest)
+    got = moe_cutlass.experts_cutlass_fp8(x, *rest)
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, ref) < 3e-2
+    assert torch.equal(moe_cutlass.experts_cutlass_fp8(x, *rest), got)  # deterministic
+
+
+@pytest.mark.gpu
+@needs_cutlass
+def test_fused_experts_dispatch_and_graph_gpu(monkeypatch):
+    """Prefill-sized FP8 batches go to the CUTLASS path, decode-sized ones to Triton; the CUTLASS
+    path replays inside a CUDA graph (no host sync in its launches)."""
+    x, *rest = _gpu_case(512, 16, 8, 1024, 512, 0, 16, seed=4)
+    x = x.bfloat16()
+    real, calls = moe_cutlass.experts_cutlass_fp8, []
+    monkeypatch.setattr(
+        moe_cutlass, "experts_cutlass_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    eager = moe.fused_experts(x, *rest)
+    assert calls
+    calls.clear()
+    moe.fused_experts(x[:8], rest[0], rest[1], rest[2][:8], rest[3][:8], *rest[4:])
+    assert not calls  # 64 pairs over 16 experts: the Triton kernel
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.fused_experts(x, *rest)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, moe.fused_experts(x, *rest)) and not torch.equal(out, eager)

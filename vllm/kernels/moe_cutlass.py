@@ -1,0 +1,197 @@
+"""Routed FP8 experts at prefill sizes through CUTLASS's grouped GEMM (``vllm._C``'s
+``moe_grouped_fp8_gemm``, ``csrc/moe/moe_grouped_fp8_sm90.cu``), same contract as
+:func:`vllm.kernels.moe.experts_ref` for e4m3 experts.
+
+    experts_cutlass_fp8(x, w13, w2, ids, weights, offset, w13_scale, w2_scale) ≈ experts_ref(...)
+
+Steps, all on the device with no host synchronisation (a fixed sequence of launches):
+1. The T·k pairs keyed by local expert (other ranks' pairs after the last), a stable sort, the
+   per-expert counts by ``scatter_add`` and their prefix sum: ``offsets`` int32 [E_loc + 1].
+2. x's per-token-group quantisation (or the producer's, ``x_quant``) gathered into that order:
+   e4m3 [P, H] and its scales [H/128, P] (:func:`~vllm.kernels.triton.moe_sorted.gather_quantised_rows`).
+3. GEMM 1 (gate and up rows of w13 at once) -> bf16 [P, 2I].
+4. SiLU(gate)·up quantised per group of 128 in one pass (:mod:`vllm.kernels.triton.activation`,
+   the bf16 product not stored) -> e4m3 [P, I] and scales [I/128, P].
+5. GEMM 2 -> bf16 [P, H].
+6. Each token's local pairs gathered back, times their routing weights, summed in fp32 in slot
+   order, cast to x.dtype (:func:`~vllm.kernels.triton.moe_sorted.combine_sorted`).
+Rows past the local pairs' count (``offsets[E_loc]``) are never computed or read.
+
+Rounding against :func:`~vllm.kernels.moe.experts_ref` (which keeps gate, up, the product and
+each pair's output in fp32): gate and up are rounded to bf16 before SiLU, and each pair's output
+to bf16 before the weighted sum; each is one bf16 rounding (relative 2^-9) next to the FP8
+quantisation of x and of the product (2^-4 per element) that both share. The Triton grouped
+kernel (``vllm/kernels/triton/moe_grouped_fp8.py``) keeps those in fp32; it serves decode and
+short prefill batches (:data:`MIN_ROWS_PER_EXPERT`), where the CUTLASS kernel's 128-row tiles would be
+mostly empty.
+
+Off CUDA (tests), the same steps run in torch with :func:`grouped_gemm_ref` for the GEMMs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm import _custom_ops as ops
+from vllm.kernels.activation import silu_and_mul_ref
+from vllm.kernels.fp8_gemm import per_token_group_quant_fp8, per_token_group_quant_fp8_ref
+
+GROUP = 128
+
+# Rows per local expert (expected: the batch's pairs times this rank's share of the experts) from
+# which fused_experts takes this path on a GPU that has it; below, the Triton grouped kernel.
+MIN_ROWS_PER_EXPERT = 128
+
+
+def takes(ids: torch.Tensor, num_local_experts: int, num_experts: int | None) -> bool:
+    """Whether a batch of ``ids`` [T, k] is large enough for this path (:data:`MIN_ROWS_PER_EXPERT`)."""
+    return ids.numel() >= MIN_ROWS_PER_EXPERT * (num_experts or num_local_experts)
+
+
+def unavailable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> str | None:
+    """None if :func:`experts_cutlass_fp8` runs the CUTLASS kernel for these tensors, else why not."""
+    if os.environ.get("VLLM_MOE_FP8_CUTLASS", "1").lower() in ("0", "false"):
+        return "VLLM_MOE_FP8_CUTLASS=0"
+    if not x.is_cuda:
+        return "needs a CUDA device"
+    if torch.cuda.get_device_capability(x.device) != (9, 0):
+        return "needs an sm_90 (Hopper) GPU"
+    if not ops.has_moe_grouped_fp8_gemm():
+        return ops.native_ops_error() or "vllm._C was built without CUTLASS's headers"
+    h, two_i = w13.shape[2], w13.shape[1]
+    if h % GROUP or two_i % (2 * GROUP):
+        return f"H ({h}) and I ({two_i // 2}) must be multiples of {GROUP}"
+    return None
+
+
+def grouped_gemm_ref(
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    w: torch.Tensor,
+    sw: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The reference of ``ops.moe_grouped_fp8_gemm``: for each group e, the rows
+    r in [offsets[e], offsets[e + 1]) of out (bf16 [P, N]) get
+    Σ_kb sa[kb, r] · sw[e, kb, n // 128] · (a[r, kb block] · w[e, n, kb block]) in fp32, rounded
+    once; a e4m3 [P, K] with sa fp32 [K/128, P], w e4m3 [E, N, K] with sw fp32 [E, K/128, N/128]."""
+    bounds = offsets.tolist()
+    k = a.shape[1]
+    for e in range(w.shape[0]):
+        r0, r1 = bounds[e], bounds[e + 1]
+        if r0 == r1:
+            continue
+        acc = torch.zeros(r1 - r0, w.shape[1], dtype=torch.float32, device=a.device)
+        swe = sw[e].float().repeat_interleave(GROUP, 1)  # [K/128, N]
+        for kb in range(k // GROUP):
+            cols = slice(kb * GROUP, (kb + 1) * GROUP)
+            part = a[r0:r1, cols].float() @ w[e, :, cols].float().t()
+            acc += part * sa[kb, r0:r1, None] * swe[kb][None, :]
+        out[r0:r1] = acc.to(out.dtype)
+
+
+def sort_pairs(
+    ids: torch.Tensor, expert_offset: int, e_loc: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (order int64 [P]: pairs sorted by local expert, stably, other ranks' last;
+    pos int64 [P]: pair -> its sorted row; offsets int32 [E_loc + 1]: expert e's rows are
+    [offsets[e], offsets[e + 1])). Sync-free (counts by scatter_add)."""
+    local = ids.reshape(-1).long() - expert_offset
+    key = torch.where((local >= 0) & (local < e_loc), local, e_loc)
+    order = torch.argsort(key, stable=True)
+    p = key.numel()
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(p, device=ids.device)
+    counts = torch.zeros(e_loc + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    offsets = torch.zeros(e_loc + 1, dtype=torch.int32, device=ids.device)
+    offsets[1:] = torch.cumsum(counts[:e_loc], 0)
+    return order, pos, offsets
+
+
+def experts_cutlass_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_offset: int,
+    w13_scale: torch.Tensor,
+    w2_scale: torch.Tensor,
+    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:func:`experts_ref`'s FP8 result by the steps of the module docstring (the caller checks
+    the weights: ``moe._check_fp8``). H and I multiples of 128. ``x_quant``: x's per-token-group
+    quantisation ([T, H] e4m3, [T, H/128] scales, any strides) when its producer made it."""
+    t, h = x.shape
+    e_loc, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = ids.shape[1]
+    p = t * top_k
+    if p == 0 or e_loc == 0:
+        return torch.zeros_like(x)
+    if h % GROUP or inter % GROUP:
+        raise ValueError(f"H ({h}) and I ({inter}) must be multiples of {GROUP}")
+    native = x.is_cuda
+    order, pos, offsets = sort_pairs(ids, expert_offset, e_loc)
+    n_local = offsets[e_loc:]  # [1] int32 on the device
+    src = order // top_k
+    if x_quant is None:
+        x_quant = per_token_group_quant_fp8(x, GROUP)
+    xq, sx = x_quant
+    # the weights' block scales with the K blocks first, as the kernel reads them
+    sw13 = w13_scale.transpose(1, 2).contiguous()
+    sw2 = w2_scale.transpose(1, 2).contiguous()
+    if native:
+        from vllm.kernels.triton import activation, moe_sorted
+
+        gemm = ops.moe_grouped_fp8_gemm
+        a, sa = moe_sorted.gather_quantised_rows(xq, sx, src, n_local)
+    else:
+        gemm = grouped_gemm_ref
+        a, sa = xq[src], sx[src].t().contiguous()
+    gu = torch.empty(p, 2 * inter, dtype=torch.bfloat16, device=x.device)
+    gemm(a, sa, w13, sw13, offsets, gu)
+    if native:
+        _, hq, hs = activation.silu_and_mul_quant(gu, GROUP, store_h=False, n_rows=n_local)
+    else:
+        hq, hs = per_token_group_quant_fp8_ref(silu_and_mul_ref(gu.float()).to(gu.dtype), GROUP)
+    d = torch.empty(p, h, dtype=torch.bfloat16, device=x.device)
+    gemm(hq, hs.t().contiguous(), w2, sw2, offsets, d)
+    if native:
+        return moe_sorted.combine_sorted(d, pos, ids, weights, expert_offset, e_loc, x.dtype)
+    return combine_sorted_ref(d, pos, ids, weights, expert_offset, e_loc, x.dtype)
+
+
+def combine_sorted_ref(
+    d: torch.Tensor,
+    pos: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_offset: int,
+    e_loc: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The reference of :func:`vllm.kernels.triton.moe_sorted.combine_sorted`."""
+    t, top_k = ids.shape
+    y = torch.zeros(t, d.shape[1], dtype=torch.float32, device=d.device)
+    local = ids.long() - expert_offset
+    for j in range(top_k):
+        ok = (local[:, j] >= 0) & (local[:, j] < e_loc)
+        rows = pos.view(t, top_k)[:, j]
+        contrib = weights[:, j, None].float() * d[rows].float()
+        y += torch.where(ok[:, None], contrib, 0.0)
+    return y.to(dtype)
+
+
+__all__ = [
+    "MIN_ROWS_PER_EXPERT",
+    "combine_sorted_ref",
+    "experts_cutlass_fp8",
+    "grouped_gemm_ref",
+    "sort_pairs",
+    "takes",
+    "unavailable",
+]

@@ -1,0 +1,127 @@
+"""The data movement around a grouped GEMM over expert-sorted rows (``vllm/kernels/moe_cutlass.py``):
+the quantised activations gathered into the sorted order, and each token's outputs gathered back,
+weighted and summed. Both skip the rows past the local pairs' count, read on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.kernels.triton.utils import check_cuda_or_interpreter
+
+__all__ = ["gather_quantised_rows", "combine_sorted"]
+
+GATHER_BLOCK = 2048  # bytes of a row per program
+COMBINE_BLOCK = 1024  # columns per program
+
+
+@triton.jit(do_not_specialize=("p", "stride_xm", "stride_sm", "stride_sg"))
+def _gather_kernel(
+    xq_ptr,  # uint8 [T, K] (e4m3 bytes), row stride stride_xm
+    sx_ptr,  # fp32 [T, G] scales, strides (stride_sm, stride_sg)
+    src_ptr,  # int64 [P]: the source row of each sorted row
+    n_ptr,  # int32: sorted rows from here on are skipped
+    a_ptr,  # uint8 [P, K] contiguous
+    sa_ptr,  # fp32 [G, P] contiguous
+    p,
+    stride_xm,
+    stride_sm,
+    stride_sg,
+    K: tl.constexpr,
+    G: tl.constexpr,
+    G_POW2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    if i >= tl.load(n_ptr):
+        return
+    src = tl.load(src_ptr + i)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < K
+    tl.store(a_ptr + i * K + cols, tl.load(xq_ptr + src * stride_xm + cols, mask=m), mask=m)
+    if tl.program_id(1) == 0:
+        g = tl.arange(0, G_POW2)
+        gm = g < G
+        s = tl.load(sx_ptr + src * stride_sm + g * stride_sg, mask=gm)
+        tl.store(sa_ptr + g * p + i, s, mask=gm)
+
+
+def gather_quantised_rows(
+    xq: torch.Tensor, sx: torch.Tensor, src: torch.Tensor, n_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """xq e4m3 [T, K] (unit last stride), sx fp32 [T, G] (any strides), src int64 [P] source rows,
+    n_rows int32 device scalar -> (a e4m3 [P, K], sa fp32 [G, P]) with a[i] = xq[src[i]] and
+    sa[:, i] = sx[src[i]] for i < n_rows; later rows unset."""
+    check_cuda_or_interpreter(xq, sx, src, n_rows)
+    t, k = xq.shape
+    g = sx.shape[1]
+    p = src.numel()
+    a = torch.empty(p, k, dtype=xq.dtype, device=xq.device)
+    sa = torch.empty(g, p, dtype=torch.float32, device=xq.device)
+    if p and k:
+        _gather_kernel[(p, triton.cdiv(k, GATHER_BLOCK))](
+            xq.view(torch.uint8), sx, src, n_rows, a.view(torch.uint8), sa, p, xq.stride(0),
+            sx.stride(0), sx.stride(1), K=k, G=g, G_POW2=triton.next_power_of_2(g),
+            BLOCK=GATHER_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return a, sa
+
+
+@triton.jit
+def _combine_sorted_kernel(
+    d_ptr,  # [P, H] sorted rows' outputs
+    pos_ptr,  # int64 [T·k]: pair -> sorted row
+    ids_ptr,  # [T, k] global expert ids
+    w_ptr,  # [T, k] routing weights
+    y_ptr,  # [T, H]
+    expert_offset,
+    e_loc,
+    H,
+    stride_dm,
+    stride_it,
+    stride_ik,
+    stride_wt,
+    stride_wk,
+    stride_ym,
+    TOP_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < H
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ik) - expert_offset
+        if (e >= 0) & (e < e_loc):
+            r = tl.load(pos_ptr + t * TOP_K + j)
+            wt = tl.load(w_ptr + t * stride_wt + j * stride_wk).to(tl.float32)
+            v = tl.load(d_ptr + r * stride_dm + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc += wt * v
+    tl.store(y_ptr + t * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cmask)
+
+
+def combine_sorted(
+    d: torch.Tensor,
+    pos: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    expert_offset: int,
+    e_loc: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """d [P, H] (unit last stride), pos int64 [T·k] (pair t·k + j -> its row of d), ids / weights
+    [T, k] -> y [T, H] in ``dtype``: y[t] = Σ_j weights[t, j] · d[pos[t·k + j]] over the token's
+    local slots, in slot order, in fp32; the rows of other ranks' pairs never read."""
+    check_cuda_or_interpreter(d, pos, ids, weights)
+    t, top_k = ids.shape
+    h = d.shape[1]
+    y = torch.empty(t, h, dtype=dtype, device=d.device)
+    if t and h:
+        _combine_sorted_kernel[(t, triton.cdiv(h, COMBINE_BLOCK))](
+            d, pos, ids, weights, y, expert_offset, e_loc, h, d.stride(0), ids.stride(0),
+            ids.stride(1), weights.stride(0), weights.stride(1), y.stride(0), TOP_K=top_k,
+            BLOCK=COMBINE_BLOCK, num_warps=4,
+        )  # fmt: skip
+    return y
