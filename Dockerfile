@@ -11,13 +11,16 @@ ENV PATH=/opt/venv/bin:$PATH
 
 WORKDIR /opt/vllm
 # torch first: the build of vllm._C (csrc/, sm_90a) uses this torch, hence --no-build-isolation
+# nvidia-cutlass: CUTLASS's headers for the FP8 grouped MoE GEMM (csrc/moe/); its Python deps are
+# not needed for that
 RUN pip install --index-url https://download.pytorch.org/whl/cu130 "torch>=2.11" \
-    && pip install "setuptools>=68"
+    && pip install "setuptools>=68" && pip install --no-deps nvidia-cutlass==4.2.0.0
 COPY pyproject.toml setup.py CMakeLists.txt README.md ./
 COPY csrc ./csrc
 COPY vllm ./vllm
 RUN pip install --no-build-isolation -e '.[triton]' \
-    && python -c "import vllm._custom_ops as o; assert o.has_native_ops(), o.native_ops_error()"
+    && python -c "import vllm._custom_ops as o; assert o.has_native_ops(), o.native_ops_error(); \
+assert o.has_moe_grouped_fp8_gemm()"
 
 # compiled Triton kernels (mount a volume here to keep them across restarts)
 ENV TRITON_CACHE_DIR=/root/.cache/triton

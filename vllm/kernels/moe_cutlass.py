@@ -30,8 +30,6 @@ Off CUDA (tests), the same steps run in torch with :func:`grouped_gemm_ref` for 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm import _custom_ops as ops
@@ -52,8 +50,6 @@ def takes(ids: torch.Tensor, num_local_experts: int, num_experts: int | None) ->
 
 def unavailable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> str | None:
     """None if :func:`experts_cutlass_fp8` runs the CUTLASS kernel for these tensors, else why not."""
-    if os.environ.get("VLLM_MOE_FP8_CUTLASS", "1").lower() in ("0", "false"):
-        return "VLLM_MOE_FP8_CUTLASS=0"
     if not x.is_cuda:
         return "needs a CUDA device"
     if torch.cuda.get_device_capability(x.device) != (9, 0):
