@@ -106,9 +106,7 @@ def _cutlass_rows(t, e_loc, args, shape, timer, triton_ms, bf16_ms, flops, nbyte
     why = moe_cutlass.unavailable(x, q13, q2)
     if t < 1024 or why:
         return (
-            []
-            if t < 1024
-            else [row("moe_fp8_cutlass", shape, float("nan"), 0, 0, "fp8", 0, why)]
+            [] if t < 1024 else [row("moe_fp8_cutlass", shape, float("nan"), 0, 0, "fp8", 0, why)]
         )
     want = fp8.experts_grouped_fp8(*args, num_experts=E_TOTAL).float()
     try:
