@@ -75,7 +75,8 @@ def moe_grouped_fp8_gemm(
 ) -> None:
     """FP8 grouped GEMM with block-wise scales on Hopper (``csrc/moe/moe_grouped_fp8_sm90.cu``),
     on the current stream: out bf16 [P, N] rows [offsets[e], offsets[e + 1]) = those rows of a
-    e4m3 [P, K] (scales sa fp32 [K/128, P]) times w[e]ᵀ (e4m3 [E, N, K], scales sw fp32
-    [E, K/128, N/128]); offsets int32 [E + 1] on the device. Spec and reference:
+    e4m3 [P, K] (scales sa fp32 [K/128 · P], group-major: group e's [K/128, m_e] block at
+    K/128 · offsets[e]) times w[e]ᵀ (e4m3 [E, N, K], scales sw fp32 [E, K/128, N/128]); offsets
+    int32 [E + 1] on the device. Spec and reference:
     :func:`vllm.kernels.moe_cutlass.grouped_gemm_ref`."""
     torch.ops._C.moe_grouped_fp8_gemm(a, sa, w, sw, offsets, out)

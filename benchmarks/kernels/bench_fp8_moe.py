@@ -118,7 +118,7 @@ def _cutlass_rows(t, e_loc, args, shape, timer, triton_ms, bf16_ms, flops, nbyte
     note = f"triton/this {triton_ms / c_ms:.2f}; max |diff| / max |triton| {err:.1e}"
     rows = [row("moe_fp8_cutlass", shape, c_ms, flops, nbytes, "fp8", bf16_ms, note)]
     # the two GEMMs alone, on the sorted rows of this batch
-    order, _, offsets = moe_cutlass.sort_pairs(ids, 0, e_loc)
+    _, _, offsets, _ = moe_cutlass.sort_pairs(ids, 0, e_loc)
     p = ids.numel()
     inter = q13.shape[1] // 2
     for name, w, s, n, k in (
@@ -126,7 +126,7 @@ def _cutlass_rows(t, e_loc, args, shape, timer, triton_ms, bf16_ms, flops, nbyte
         ("gemm2", q2, args[7], H, inter),
     ):
         a = torch.randn(p, k, device="cuda").clamp(-4, 4).to(FP8_DTYPE)
-        sa = torch.rand(k // 128, p, device="cuda") + 0.5
+        sa = torch.rand(k // 128 * p, device="cuda") + 0.5
         sw = s.transpose(1, 2).contiguous()
         out = torch.empty(p, n, dtype=torch.bfloat16, device="cuda")
         g_ms = timer(

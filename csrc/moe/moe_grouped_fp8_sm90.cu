@@ -5,10 +5,11 @@
 //   out[r, :] = Σ_kb sa[kb, r] · sw[e, kb, n / 128] · (a[r, kb·128 : +128] · w[e, :, kb·128 : +128]ᵀ)
 //
 // for the rows r of group e, [offsets[e], offsets[e + 1]): a e4m3 [P, K] (each expert's rows
-// contiguous), its scales fp32 [K / 128, P] (one per row and 128-deep K block, rows contiguous:
-// the activation quantisers' layout), w e4m3 [E, N, K] and its 128 x 128 block scales fp32
-// [E, K / 128, N / 128] (the checkpoint's [E, N / 128, K / 128] transposed), out bf16 [P, N].
-// Rows past offsets[E] are neither read nor written.
+// contiguous), its scales fp32, one per row and 128-deep K block, group by group: group e's
+// [K / 128, m_e] block (rows contiguous) at K / 128 · offsets[e] of a [K / 128 · P] buffer (the
+// layout CUTLASS's collective derives from each group's size), w e4m3 [E, N, K] and its 128 x 128
+// block scales fp32 [E, K / 128, N / 128] (the checkpoint's [E, N / 128, K / 128] transposed),
+// out bf16 [P, N]. Rows past offsets[E] are neither read nor written.
 //
 // The GEMM is CUTLASS's (a build dependency: the nvidia-cutlass package's headers, found by
 // CMakeLists.txt): its pointer-array grouped kernel with FP8 block-wise scaling, warp-specialised
@@ -129,7 +130,7 @@ GroupArgs group_args(uint8_t* base, int64_t e, int64_t& bytes) {
 
 // One thread per group: its size from the offsets, its pointers, strides and scale layouts.
 __global__ void fill_group_args(GroupArgs g, const int* __restrict__ offsets, int num_groups,
-                                int n, int k, int p, const ElementAB* a, const ElementAB* w,
+                                int n, int k, const ElementAB* a, const ElementAB* w,
                                 ElementOut* out, const float* sa, const float* sw) {
   int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= num_groups) return;
@@ -140,16 +141,13 @@ __global__ void fill_group_args(GroupArgs g, const int* __restrict__ offsets, in
   g.a[e] = a + static_cast<int64_t>(start) * k;
   g.w[e] = w + static_cast<int64_t>(e) * n * k;
   g.out[e] = out + static_cast<int64_t>(start) * n;
-  g.sa[e] = sa + start;
+  g.sa[e] = sa + static_cast<int64_t>(start) * kb;  // the group's [K / 128, m] block
   g.sw[e] = sw + static_cast<int64_t>(e) * kb * nb;
   g.stride_a[e] = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1));
   g.stride_w[e] = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1));
   g.stride_out[e] = cutlass::make_cute_packed_stride(StrideOut{}, cute::make_shape(m, n, 1));
-  // A's scales: the group's m rows, its K blocks p apart (the whole buffer's row count, not m)
-  LayoutSFA dense = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
-  g.layout_sa[e] = cute::make_layout(
-      cute::shape(dense), cute::make_stride(cute::make_stride(cute::_0{}, cute::_1{}),
-                                            cute::make_stride(cute::_0{}, p), p * kb));
+  // (the collective derives the scale layouts from each group's size: these are the same)
+  g.layout_sa[e] = ScaleConfig::tile_atom_to_shape_SFA(cute::make_shape(m, n, k, 1));
   g.layout_sw[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
 }
 
@@ -188,9 +186,9 @@ void moe_grouped_fp8_gemm(const at::Tensor& a, const at::Tensor& sa, const at::T
   TORCH_CHECK(w.size(2) == k, "w's K (", w.size(2), ") is not a's (", k, ")");
   TORCH_CHECK(k % kBlock == 0 && n % kBlock == 0 && k > 0 && n > 0,
               "N and K must be positive multiples of 128, got N ", n, " K ", k);
-  TORCH_CHECK(sa.scalar_type() == at::kFloat && sa.is_contiguous() && sa.dim() == 2 &&
-                  sa.size(0) == k / kBlock && sa.size(1) == p,
-              "sa: contiguous fp32 [K / 128, P] expected");
+  TORCH_CHECK(sa.scalar_type() == at::kFloat && sa.is_contiguous() && sa.dim() == 1 &&
+                  sa.size(0) == k / kBlock * p,
+              "sa: contiguous fp32 [K / 128 * P] expected (group-major scales)");
   TORCH_CHECK(sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.dim() == 3 &&
                   sw.size(0) == e && sw.size(1) == k / kBlock && sw.size(2) == n / kBlock,
               "sw: contiguous fp32 [E, K / 128, N / 128] expected");
@@ -219,7 +217,7 @@ void moe_grouped_fp8_gemm(const at::Tensor& a, const at::Tensor& sa, const at::T
   auto* out_ptr = reinterpret_cast<ElementOut*>(out.data_ptr());
   fill_group_args<<<static_cast<unsigned>((e + 127) / 128), 128, 0, stream>>>(
       g, offsets.data_ptr<int>(), static_cast<int>(e), static_cast<int>(n), static_cast<int>(k),
-      static_cast<int>(p), a_ptr, w_ptr, out_ptr, sa.data_ptr<float>(), sw.data_ptr<float>());
+      a_ptr, w_ptr, out_ptr, sa.data_ptr<float>(), sw.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   cutlass::KernelHardwareInfo hw;

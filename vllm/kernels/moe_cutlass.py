@@ -8,10 +8,12 @@ Steps, all on the device with no host synchronisation (a fixed sequence of launc
 1. The T·k pairs keyed by local expert (other ranks' pairs after the last), a stable sort, the
    per-expert counts by ``scatter_add`` and their prefix sum: ``offsets`` int32 [E_loc + 1].
 2. x's per-token-group quantisation (or the producer's, ``x_quant``) gathered into that order:
-   e4m3 [P, H] and its scales [H/128, P] (:func:`~vllm.kernels.triton.moe_sorted.gather_quantised_rows`).
+   e4m3 [P, H] and its scales group-major (each expert's [H/128, m_e] block in turn: the layout
+   CUTLASS's collective derives from each group's size;
+   :func:`~vllm.kernels.triton.moe_sorted.gather_quantised_rows`).
 3. GEMM 1 (gate and up rows of w13 at once) -> bf16 [P, 2I].
 4. SiLU(gate)·up quantised per group of 128 in one pass (:mod:`vllm.kernels.triton.activation`,
-   the bf16 product not stored) -> e4m3 [P, I] and scales [I/128, P].
+   the bf16 product not stored) -> e4m3 [P, I] and scales [I/128, P], made group-major.
 5. GEMM 2 -> bf16 [P, H].
 6. Each token's local pairs gathered back, times their routing weights, summed in fp32 in slot
    order, cast to x.dtype (:func:`~vllm.kernels.triton.moe_sorted.combine_sorted`).
@@ -72,32 +74,48 @@ def grouped_gemm_ref(
 ) -> None:
     """The reference of ``ops.moe_grouped_fp8_gemm``: for each group e, the rows
     r in [offsets[e], offsets[e + 1]) of out (bf16 [P, N]) get
-    Σ_kb sa[kb, r] · sw[e, kb, n // 128] · (a[r, kb block] · w[e, n, kb block]) in fp32, rounded
-    once; a e4m3 [P, K] with sa fp32 [K/128, P], w e4m3 [E, N, K] with sw fp32 [E, K/128, N/128]."""
+    Σ_kb sa_e[kb, r - offsets[e]] · sw[e, kb, n // 128] · (a[r, kb block] · w[e, n, kb block]) in
+    fp32, rounded once; a e4m3 [P, K]; sa fp32 [K/128 · P] group-major (group e's [K/128, m_e]
+    block at K/128 · offsets[e]); w e4m3 [E, N, K] with sw fp32 [E, K/128, N/128]."""
     bounds = offsets.tolist()
     k = a.shape[1]
+    g = k // GROUP
     for e in range(w.shape[0]):
         r0, r1 = bounds[e], bounds[e + 1]
         if r0 == r1:
             continue
+        sae = sa[g * r0 : g * r1].view(g, r1 - r0)
         acc = torch.zeros(r1 - r0, w.shape[1], dtype=torch.float32, device=a.device)
         swe = sw[e].float().repeat_interleave(GROUP, 1)  # [K/128, N]
-        for kb in range(k // GROUP):
+        for kb in range(g):
             cols = slice(kb * GROUP, (kb + 1) * GROUP)
             part = a[r0:r1, cols].float() @ w[e, :, cols].float().t()
-            acc += part * sa[kb, r0:r1, None] * swe[kb][None, :]
+            acc += part * sae[kb, :, None] * swe[kb][None, :]
         out[r0:r1] = acc.to(out.dtype)
+
+
+def group_major_ref(s: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """s fp32 [G, P] (sorted rows' scales) -> [G · P] group-major: group e's [G, m_e] block at
+    G · offsets[e]; rows past offsets[-1] left zero."""
+    g, p = s.shape
+    out = torch.zeros(g * p, dtype=torch.float32, device=s.device)
+    bounds = offsets.tolist()
+    for e in range(len(bounds) - 1):
+        r0, r1 = bounds[e], bounds[e + 1]
+        out[g * r0 : g * r1] = s[:, r0:r1].reshape(-1)
+    return out
 
 
 def sort_pairs(
     ids: torch.Tensor, expert_offset: int, e_loc: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (order int64 [P]: pairs sorted by local expert, stably, other ranks' last;
     pos int64 [P]: pair -> its sorted row; offsets int32 [E_loc + 1]: expert e's rows are
-    [offsets[e], offsets[e + 1])). Sync-free (counts by scatter_add)."""
+    [offsets[e], offsets[e + 1]); grp int64 [P]: each sorted row's expert, E_loc for other
+    ranks'). Sync-free (counts by scatter_add)."""
     local = ids.reshape(-1).long() - expert_offset
     key = torch.where((local >= 0) & (local < e_loc), local, e_loc)
-    order = torch.argsort(key, stable=True)
+    grp, order = torch.sort(key, stable=True)
     p = key.numel()
     pos = torch.empty_like(order)
     pos[order] = torch.arange(p, device=ids.device)
@@ -105,7 +123,7 @@ def sort_pairs(
     counts.scatter_add_(0, key, torch.ones_like(key))
     offsets = torch.zeros(e_loc + 1, dtype=torch.int32, device=ids.device)
     offsets[1:] = torch.cumsum(counts[:e_loc], 0)
-    return order, pos, offsets
+    return order, pos, offsets, grp
 
 
 def experts_cutlass_fp8(
@@ -131,7 +149,7 @@ def experts_cutlass_fp8(
     if h % GROUP or inter % GROUP:
         raise ValueError(f"H ({h}) and I ({inter}) must be multiples of {GROUP}")
     native = x.is_cuda
-    order, pos, offsets = sort_pairs(ids, expert_offset, e_loc)
+    order, pos, offsets, grp = sort_pairs(ids, expert_offset, e_loc)
     n_local = offsets[e_loc:]  # [1] int32 on the device
     src = order // top_k
     if x_quant is None:
@@ -144,18 +162,20 @@ def experts_cutlass_fp8(
         from vllm.kernels.triton import activation, moe_sorted
 
         gemm = ops.moe_grouped_fp8_gemm
-        a, sa = moe_sorted.gather_quantised_rows(xq, sx, src, n_local)
+        a, sa = moe_sorted.gather_quantised_rows(xq, sx, src, grp, offsets, n_local)
     else:
         gemm = grouped_gemm_ref
-        a, sa = xq[src], sx[src].t().contiguous()
+        a, sa = xq[src], group_major_ref(sx[src].t(), offsets)
     gu = torch.empty(p, 2 * inter, dtype=torch.bfloat16, device=x.device)
     gemm(a, sa, w13, sw13, offsets, gu)
     if native:
         _, hq, hs = activation.silu_and_mul_quant(gu, GROUP, store_h=False, n_rows=n_local)
+        hs = moe_sorted.regroup_scales(hs.t(), grp, offsets, n_local)
     else:
         hq, hs = per_token_group_quant_fp8_ref(silu_and_mul_ref(gu.float()).to(gu.dtype), GROUP)
+        hs = group_major_ref(hs.t(), offsets)
     d = torch.empty(p, h, dtype=torch.bfloat16, device=x.device)
-    gemm(hq, hs.t().contiguous(), w2, sw2, offsets, d)
+    gemm(hq, hs, w2, sw2, offsets, d)
     if native:
         return moe_sorted.combine_sorted(d, pos, ids, weights, expert_offset, e_loc, x.dtype)
     return combine_sorted_ref(d, pos, ids, weights, expert_offset, e_loc, x.dtype)
@@ -186,6 +206,7 @@ __all__ = [
     "MIN_ROWS_PER_EXPERT",
     "combine_sorted_ref",
     "experts_cutlass_fp8",
+    "group_major_ref",
     "grouped_gemm_ref",
     "sort_pairs",
     "takes",

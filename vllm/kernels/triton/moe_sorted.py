@@ -11,21 +11,22 @@ import triton.language as tl
 
 from vllm.kernels.triton.utils import check_cuda_or_interpreter
 
-__all__ = ["gather_quantised_rows", "combine_sorted"]
+__all__ = ["gather_quantised_rows", "regroup_scales", "combine_sorted"]
 
 GATHER_BLOCK = 2048  # bytes of a row per program
 COMBINE_BLOCK = 1024  # columns per program
 
 
-@triton.jit(do_not_specialize=("p", "stride_xm", "stride_sm", "stride_sg"))
+@triton.jit(do_not_specialize=("stride_xm", "stride_sm", "stride_sg"))
 def _gather_kernel(
     xq_ptr,  # uint8 [T, K] (e4m3 bytes), row stride stride_xm
     sx_ptr,  # fp32 [T, G] scales, strides (stride_sm, stride_sg)
     src_ptr,  # int64 [P]: the source row of each sorted row
+    grp_ptr,  # int64 [P]: the group of each sorted row
+    off_ptr,  # int32 [E + 1]: group e's rows are [off[e], off[e + 1])
     n_ptr,  # int32: sorted rows from here on are skipped
     a_ptr,  # uint8 [P, K] contiguous
-    sa_ptr,  # fp32 [G, P] contiguous
-    p,
+    sa_ptr,  # fp32 [G · P] group-major (_group_major)
     stride_xm,
     stride_sm,
     stride_sg,
@@ -45,28 +46,80 @@ def _gather_kernel(
         g = tl.arange(0, G_POW2)
         gm = g < G
         s = tl.load(sx_ptr + src * stride_sm + g * stride_sg, mask=gm)
-        tl.store(sa_ptr + g * p + i, s, mask=gm)
+        tl.store(sa_ptr + _group_major(grp_ptr, off_ptr, i, g, G), s, mask=gm)
+
+
+@triton.jit
+def _group_major(grp_ptr, off_ptr, i, g, G: tl.constexpr):
+    """Where sorted row i's scale of K block g goes in the group-major layout: its group e's
+    [G, m_e] block (rows contiguous) at G · off[e]."""
+    e = tl.load(grp_ptr + i)
+    o = tl.load(off_ptr + e).to(tl.int64)
+    m = tl.load(off_ptr + e + 1).to(tl.int64) - o
+    return G * o + g * m + (i - o)
+
+
+@triton.jit(do_not_specialize=("p",))
+def _regroup_kernel(
+    s_ptr,  # fp32 [G, P] contiguous (rows of a sorted matrix contiguous)
+    grp_ptr,
+    off_ptr,
+    n_ptr,
+    out_ptr,  # fp32 [G · P] group-major
+    p,
+    G: tl.constexpr,
+    G_POW2: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    if i >= tl.load(n_ptr):
+        return
+    g = tl.arange(0, G_POW2)
+    gm = g < G
+    s = tl.load(s_ptr + g * p + i, mask=gm)
+    tl.store(out_ptr + _group_major(grp_ptr, off_ptr, i, g, G), s, mask=gm)
 
 
 def gather_quantised_rows(
-    xq: torch.Tensor, sx: torch.Tensor, src: torch.Tensor, n_rows: torch.Tensor
+    xq: torch.Tensor,
+    sx: torch.Tensor,
+    src: torch.Tensor,
+    grp: torch.Tensor,
+    offsets: torch.Tensor,
+    n_rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """xq e4m3 [T, K] (unit last stride), sx fp32 [T, G] (any strides), src int64 [P] source rows,
-    n_rows int32 device scalar -> (a e4m3 [P, K], sa fp32 [G, P]) with a[i] = xq[src[i]] and
-    sa[:, i] = sx[src[i]] for i < n_rows; later rows unset."""
-    check_cuda_or_interpreter(xq, sx, src, n_rows)
+    grp int64 [P] their groups (ascending), offsets int32 [E + 1], n_rows int32 device scalar ->
+    (a e4m3 [P, K], sa fp32 [G · P]) with a[i] = xq[src[i]] and sx[src[i]] at sorted row i's
+    places in the group-major layout (group e's [G, m_e] block at G · offsets[e]), for
+    i < n_rows; later rows unset."""
+    check_cuda_or_interpreter(xq, sx, src, grp, offsets, n_rows)
     t, k = xq.shape
     g = sx.shape[1]
     p = src.numel()
     a = torch.empty(p, k, dtype=xq.dtype, device=xq.device)
-    sa = torch.empty(g, p, dtype=torch.float32, device=xq.device)
+    sa = torch.empty(g * p, dtype=torch.float32, device=xq.device)
     if p and k:
         _gather_kernel[(p, triton.cdiv(k, GATHER_BLOCK))](
-            xq.view(torch.uint8), sx, src, n_rows, a.view(torch.uint8), sa, p, xq.stride(0),
-            sx.stride(0), sx.stride(1), K=k, G=g, G_POW2=triton.next_power_of_2(g),
+            xq.view(torch.uint8), sx, src, grp, offsets, n_rows, a.view(torch.uint8), sa,
+            xq.stride(0), sx.stride(0), sx.stride(1), K=k, G=g, G_POW2=triton.next_power_of_2(g),
             BLOCK=GATHER_BLOCK, num_warps=4,
         )  # fmt: skip
     return a, sa
+
+
+def regroup_scales(
+    s: torch.Tensor, grp: torch.Tensor, offsets: torch.Tensor, n_rows: torch.Tensor
+) -> torch.Tensor:
+    """s fp32 [G, P] contiguous (sorted rows' scales) -> [G · P] group-major (as
+    :func:`gather_quantised_rows`), rows from n_rows on unset."""
+    check_cuda_or_interpreter(s, grp, offsets, n_rows)
+    g, p = s.shape
+    out = torch.empty(g * p, dtype=torch.float32, device=s.device)
+    if p and g:
+        _regroup_kernel[(p,)](
+            s, grp, offsets, n_rows, out, p, G=g, G_POW2=triton.next_power_of_2(g), num_warps=1
+        )
+    return out
 
 
 @triton.jit
