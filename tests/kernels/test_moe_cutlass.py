@@ -103,7 +103,8 @@ def test_unavailable_on_cpu_and_dispatch_keeps_ref():
     x, q13, q2, ids, w, off, s13, s2 = _case(4, 2, 2, 128, 128, 0, 2)
     assert moe_cutlass.unavailable(x, q13, q2) == "needs a CUDA device"
     assert moe_cutlass.takes(torch.zeros(64, 8), 4, None)  # 512 pairs over 4 experts
-    assert not moe_cutlass.takes(torch.zeros(64, 8), 32, 256)  # EP: the local share is small
+    assert not moe_cutlass.takes(torch.zeros(63, 8), 8, None)  # 63 pairs an expert: no
+    assert not moe_cutlass.takes(torch.zeros(1024, 8), 32, 256)  # EP: the local share is small
 
 
 # ---- interpreter -------------------------------------------------------------------------------
