@@ -285,22 +285,29 @@ COMBINE_BLOCK = 1024
 
 @triton.jit
 def _combine_kernel(
-    part_ptr,  # fp32 [T·k, H]: each pair's weighted output; rows of other ranks' pairs unset
+    part_ptr,  # [rows, H]: the pairs' outputs; rows of other ranks' pairs unset
     ids_ptr,  # [T, k] global expert ids
     y_ptr,  # [T, H] x.dtype
+    pos_ptr,  # int64 [T·k]: pair -> its row of part (unused unless SORTED)
+    w_ptr,  # [T, k] routing weights, strides (stride_wt, stride_wk) (unused unless SORTED)
     expert_offset,
     e_loc,
     H,
     stride_pm,
     stride_it,
     stride_ik,
+    stride_wt,
+    stride_wk,
     stride_ym,
     TOP_K: tl.constexpr,
     BLOCK: tl.constexpr,
+    SORTED: tl.constexpr,
 ):
-    """y[t] = Σ_j part[t·k + j] over the token's local pairs, in slot order, cast to y's dtype:
-    the k-slot sum and the cast in one pass, the rows of pairs this rank does not own never read
-    (so ``part`` needs no zero fill)."""
+    """y[t] = Σ_j part[row(t, j)] (· weights[t, j] if SORTED) over the token's local pairs, in
+    slot order, in fp32, cast to y's dtype: the k-slot sum and the cast in one pass, the rows of
+    pairs this rank does not own never read (so ``part`` needs no zero fill). row(t, j) = t·k + j
+    (the pairs' own order, weights already applied), or pos[t·k + j] when SORTED (rows sorted by
+    expert, weights applied here)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < H
@@ -308,21 +315,41 @@ def _combine_kernel(
     for j in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + t * stride_it + j * stride_ik) - expert_offset
         if (e >= 0) & (e < e_loc):
-            acc += tl.load(part_ptr + (t * TOP_K + j) * stride_pm + cols, mask=cmask, other=0.0)
+            if SORTED:
+                r = tl.load(pos_ptr + t * TOP_K + j)
+                wt = tl.load(w_ptr + t * stride_wt + j * stride_wk).to(tl.float32)
+                v = tl.load(part_ptr + r * stride_pm + cols, mask=cmask, other=0.0)
+                acc += wt * v.to(tl.float32)
+            else:
+                acc += tl.load(part_ptr + (t * TOP_K + j) * stride_pm + cols, mask=cmask, other=0.0)
     tl.store(y_ptr + t * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cmask)
 
 
 def combine_pairs(
-    part: torch.Tensor, ids: torch.Tensor, expert_offset: int, e_loc: int, dtype: torch.dtype
+    part: torch.Tensor,
+    ids: torch.Tensor,
+    expert_offset: int,
+    e_loc: int,
+    dtype: torch.dtype,
+    pos: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """part fp32 [T·k, H] (pair t·k + j: token t's slot j, weighted), ids [T, k] -> [T, H] in
-    ``dtype``: each token's local slots summed in slot order; other ranks' rows never read."""
+    """part [rows, H] (unit last stride), ids [T, k] -> [T, H] in ``dtype``: each token's local
+    slots summed in slot order in fp32; other ranks' rows never read. Without ``pos``: part is
+    fp32 [T·k, H] in pair order (pair t·k + j: token t's slot j), already weighted. With ``pos``
+    (int64 [T·k], pair -> its row of part) and ``weights`` [T, k]: rows in another order (sorted
+    by expert), each times its routing weight here."""
     t, top_k = ids.shape
     h = part.shape[1]
     y = torch.empty(t, h, dtype=dtype, device=part.device)
+    if t == 0 or h == 0:
+        return y
+    sorted_rows = pos is not None
+    w = weights if sorted_rows else ids  # (a placeholder pointer when unused)
     _combine_kernel[(t, triton.cdiv(h, COMBINE_BLOCK))](
-        part, ids, y, expert_offset, e_loc, h, part.stride(0), ids.stride(0), ids.stride(1),
-        y.stride(0), TOP_K=top_k, BLOCK=COMBINE_BLOCK,
+        part, ids, y, pos if sorted_rows else ids, w, expert_offset, e_loc, h, part.stride(0),
+        ids.stride(0), ids.stride(1), w.stride(0), w.stride(1), y.stride(0), TOP_K=top_k,
+        BLOCK=COMBINE_BLOCK, SORTED=sorted_rows,
     )  # fmt: skip
     return y
 

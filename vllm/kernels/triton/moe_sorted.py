@@ -9,12 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.kernels.triton.moe_grouped import combine_pairs
 from vllm.kernels.triton.utils import check_cuda_or_interpreter
 
 __all__ = ["gather_quantised_rows", "regroup_scales", "combine_sorted"]
 
 GATHER_BLOCK = 2048  # bytes of a row per program
-COMBINE_BLOCK = 1024  # columns per program
 
 
 @triton.jit(do_not_specialize=("stride_xm", "stride_sm", "stride_sg"))
@@ -122,39 +122,6 @@ def regroup_scales(
     return out
 
 
-@triton.jit
-def _combine_sorted_kernel(
-    d_ptr,  # [P, H] sorted rows' outputs
-    pos_ptr,  # int64 [T·k]: pair -> sorted row
-    ids_ptr,  # [T, k] global expert ids
-    w_ptr,  # [T, k] routing weights
-    y_ptr,  # [T, H]
-    expert_offset,
-    e_loc,
-    H,
-    stride_dm,
-    stride_it,
-    stride_ik,
-    stride_wt,
-    stride_wk,
-    stride_ym,
-    TOP_K: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    cmask = cols < H
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for j in tl.static_range(TOP_K):
-        e = tl.load(ids_ptr + t * stride_it + j * stride_ik) - expert_offset
-        if (e >= 0) & (e < e_loc):
-            r = tl.load(pos_ptr + t * TOP_K + j)
-            wt = tl.load(w_ptr + t * stride_wt + j * stride_wk).to(tl.float32)
-            v = tl.load(d_ptr + r * stride_dm + cols, mask=cmask, other=0.0).to(tl.float32)
-            acc += wt * v
-    tl.store(y_ptr + t * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=cmask)
-
-
 def combine_sorted(
     d: torch.Tensor,
     pos: torch.Tensor,
@@ -166,15 +133,7 @@ def combine_sorted(
 ) -> torch.Tensor:
     """d [P, H] (unit last stride), pos int64 [T·k] (pair t·k + j -> its row of d), ids / weights
     [T, k] -> y [T, H] in ``dtype``: y[t] = Σ_j weights[t, j] · d[pos[t·k + j]] over the token's
-    local slots, in slot order, in fp32; the rows of other ranks' pairs never read."""
+    local slots, in slot order, in fp32; the rows of other ranks' pairs never read (the grouped
+    kernels' combine, :func:`~vllm.kernels.triton.moe_grouped.combine_pairs`, with a row map)."""
     check_cuda_or_interpreter(d, pos, ids, weights)
-    t, top_k = ids.shape
-    h = d.shape[1]
-    y = torch.empty(t, h, dtype=dtype, device=d.device)
-    if t and h:
-        _combine_sorted_kernel[(t, triton.cdiv(h, COMBINE_BLOCK))](
-            d, pos, ids, weights, y, expert_offset, e_loc, h, d.stride(0), ids.stride(0),
-            ids.stride(1), weights.stride(0), weights.stride(1), y.stride(0), TOP_K=top_k,
-            BLOCK=COMBINE_BLOCK, num_warps=4,
-        )  # fmt: skip
-    return y
+    return combine_pairs(d, ids, expert_offset, e_loc, dtype, pos=pos, weights=weights)
