@@ -231,6 +231,11 @@ void moe_grouped_fp8_gemm(const at::Tensor& a, const at::Tensor& sa, const at::T
       hw};
   args.epilogue.thread.alpha = 1.0f;
   args.epilogue.thread.beta = 0.0f;
+  // Tiles walk along M (the expert-sorted rows) first: at GLM-5.3's down shape (N 6144, K 2048,
+  // 65,536 rows) 2.14-2.16 ms against 2.21-2.52 ms for the heuristic's order, swizzle 1-8 (H100,
+  // standalone probe); the gate/up shape measured the same either way.
+  args.scheduler.raster_order =
+      cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM;
 
   Gemm gemm;
   cutlass::Status st = gemm.can_implement(args);
