@@ -59,6 +59,7 @@
 #include <mutex>
 
 #include "../ops.h"
+#include "../sm90_device.h"
 #include "sparse_mla_fp8_sm90_kernel.cuh"
 #include "sparse_mla_fp8_sm90_layout.cuh"
 
@@ -67,17 +68,11 @@ namespace {
 
 namespace k = vllm::sparse_mla_sm90;
 
-// Once per device: the sm_90 check (the library holds sm_90a code only) and the kernel's dynamic
-// shared memory, over the 48 KB default, for both instantiations.
+// Once per device: the sm_90 check and the kernel's dynamic shared memory, over the 48 KB
+// default, for both instantiations.
 void prepare_device(int device) {
-  static std::array<std::once_flag, C10_COMPILE_TIME_MAX_GPUS> once;
-  TORCH_CHECK(device >= 0 && device < static_cast<int>(once.size()), "bad device ", device);
-  std::call_once(once[device], [device] {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    TORCH_CHECK(major == 9 && minor == 0, "sparse_mla_fp8_decode is built for sm_90a (Hopper); ",
-                "device ", device, " is sm_", major, minor);
+  vllm::once_per_device(device, [](int d) {
+    vllm::check_sm90(d, "sparse_mla_fp8_decode");
     C10_CUDA_CHECK(cudaFuncSetAttribute(k::sparse_mla_fp8_sm90_kernel<true>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         k::SMEM_ALLOC));

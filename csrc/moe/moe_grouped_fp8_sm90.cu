@@ -32,6 +32,7 @@
 #include <mutex>
 
 #include "../ops.h"
+#include "../sm90_device.h"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -151,18 +152,12 @@ __global__ void fill_group_args(GroupArgs g, const int* __restrict__ offsets, in
   g.layout_sw[e] = ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
 }
 
-// Once per device: the sm_90 check (the library holds sm_90a code only) and the SM count.
+// Once per device: the sm_90 check and the SM count.
 int prepare_device(int device) {
-  static std::array<std::once_flag, C10_COMPILE_TIME_MAX_GPUS> once;
   static std::array<int, C10_COMPILE_TIME_MAX_GPUS> sms{};
-  TORCH_CHECK(device >= 0 && device < static_cast<int>(once.size()), "bad device ", device);
-  std::call_once(once[device], [device] {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    TORCH_CHECK(major == 9 && minor == 0, "moe_grouped_fp8_gemm is built for sm_90a (Hopper); ",
-                "device ", device, " is sm_", major, minor);
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device));
+  vllm::once_per_device(device, [](int d) {
+    vllm::check_sm90(d, "moe_grouped_fp8_gemm");
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms[d], cudaDevAttrMultiProcessorCount, d));
   });
   return sms[device];
 }
