@@ -26,6 +26,12 @@ from vllm.kernels.fp8_gemm import FP8_DTYPE, own_split_counters, takes_x_quant
 from vllm.kernels.hadamard import hadamard_transform
 from vllm.kernels.moe import fp8_scale_shapes, fused_experts
 from vllm.kernels.norm_rope import add_rms_norm, add_rms_norm_quant, rms_norm_quant
+from vllm.kernels.router import (
+    fp32_out_mm_available,
+    router_logits,
+    router_logits_ref,
+    split_bf16_terms,
+)
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import Linear, fuse_linears, linear_forward, weight_block
 from vllm.model_executor.layers.moe import route_tokens, shared_experts_stream
@@ -315,7 +321,11 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, arch: ModelArch):
+    """The gate: fp32 logits of x against the fp32 router weight, then :func:`route_tokens`.
+    After loading on CUDA in a bf16 model the weight becomes its exact bf16 terms
+    (:mod:`vllm.kernels.router`: the same logits up to summation order, on the tensor cores)."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(arch.n_routed_experts, arch.hidden_size), requires_grad=False
@@ -323,11 +333,28 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(arch.n_routed_experts), requires_grad=False
         )
-        self.arch = arch
+        self.arch, self.dtype = arch, dtype
+        self.num_terms = 0  # > 0: weight holds that many bf16 terms [num_terms·E, H]
+
+    def process_weights_after_loading(self) -> None:
+        w = self.weight
+        if self.num_terms or self.dtype != torch.bfloat16 or w.dtype != torch.float32:
+            return
+        if not fp32_out_mm_available(w.device):
+            return
+        terms = split_bf16_terms(w.data)
+        if terms is not None:
+            self.num_terms = terms.shape[0] // w.shape[0]
+            self.weight = nn.Parameter(terms, requires_grad=False)
 
     def forward(self, x):
         a = self.arch
-        logits = nn.functional.linear(x.float(), self.weight.float())
+        if self.num_terms and x.dtype == torch.bfloat16:
+            logits = router_logits(x, self.weight, self.num_terms)
+        elif self.num_terms:
+            logits = router_logits_ref(x, self.weight, self.num_terms)
+        else:
+            logits = nn.functional.linear(x.float(), self.weight.float())
         return route_tokens(
             logits,
             self.e_score_correction_bias,
@@ -414,7 +441,7 @@ class MoE(nn.Module):
     def __init__(self, arch: ModelArch, pc: ParallelContext, dtype: torch.dtype):
         super().__init__()
         self.tp = pc.tp
-        self.gate = Router(arch)
+        self.gate = Router(arch, dtype)
         self.experts = Experts(arch, pc, dtype)
         self.shared_experts = (
             MLP(
@@ -677,7 +704,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         for m in self.modules():
-            if isinstance(m, MLAAttention):
+            if isinstance(m, (MLAAttention, Router)):
                 m.process_weights_after_loading()
 
     def forward(self, input_ids, positions, meta: MLAMetadata):
