@@ -1,8 +1,8 @@
 """The router GEMM on the tensor cores (``vllm/kernels/router.py``).
 
 CPU: the bf16 terms sum exactly to the fp32 weight (one term for a bf16-valued weight, three at
-most, none for non-finite values), the reference GEMM equals the fp32 GEMM bit for bit, and the
-router keeps its fp32 weight where the fast GEMM is not available.
+most, none for non-finite or too small values), the reference GEMM (the CPU's path) equals the
+fp32 GEMM bit for bit, and the router keeps its fp32 weight where the fast GEMM is not available.
 GPU: the tensor-core logits against the fp32 GEMM (relative 1e-5: summation order only; the
 measured gap is 2-8e-6), the same routing through the model's ``Router``, a CUDA graph.
 """
@@ -68,6 +68,7 @@ def test_reference_is_the_fp32_gemm():
     terms = split_bf16_terms(w)
     got = router_logits_ref(x, terms, terms.shape[0] // 32)
     assert torch.equal(got, torch.nn.functional.linear(x.float(), w))
+    assert torch.equal(router_logits(x, terms, terms.shape[0] // 32), got)  # the CPU's path
 
 
 def test_router_keeps_fp32_weight_on_cpu():

@@ -37,8 +37,11 @@ def split_bf16_terms(w: torch.Tensor, max_terms: int = MAX_TERMS) -> torch.Tenso
 
 
 def router_logits(x: torch.Tensor, terms: torch.Tensor, num_terms: int) -> torch.Tensor:
-    """x bf16 [N, H], terms bf16 [num_terms·E, H] (:func:`split_bf16_terms`) -> fp32 [N, E]:
-    one tensor-core GEMM with fp32 output, the terms' logits summed. CUDA, torch ≥ 2.8."""
+    """x [N, H], terms bf16 [num_terms·E, H] (:func:`split_bf16_terms`) -> fp32 [N, E]. For bf16 x
+    where ``torch.mm`` takes an fp32 output dtype (CUDA): one tensor-core GEMM over the stacked
+    terms, their logits summed; otherwise :func:`router_logits_ref`."""
+    if x.dtype != torch.bfloat16 or not fp32_out_mm_available(x.device):
+        return router_logits_ref(x, terms, num_terms)
     y = torch.mm(x, terms.t(), out_dtype=torch.float32)
     if num_terms == 1:
         return y

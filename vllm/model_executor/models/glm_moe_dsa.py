@@ -26,12 +26,7 @@ from vllm.kernels.fp8_gemm import FP8_DTYPE, own_split_counters, takes_x_quant
 from vllm.kernels.hadamard import hadamard_transform
 from vllm.kernels.moe import fp8_scale_shapes, fused_experts
 from vllm.kernels.norm_rope import add_rms_norm, add_rms_norm_quant, rms_norm_quant
-from vllm.kernels.router import (
-    fp32_out_mm_available,
-    router_logits,
-    router_logits_ref,
-    split_bf16_terms,
-)
+from vllm.kernels.router import fp32_out_mm_available, router_logits, split_bf16_terms
 from vllm.model_executor.layers.layernorm import LayerNorm, RMSNorm
 from vllm.model_executor.layers.linear import Linear, fuse_linears, linear_forward, weight_block
 from vllm.model_executor.layers.moe import route_tokens, shared_experts_stream
@@ -349,10 +344,8 @@ class Router(nn.Module):
 
     def forward(self, x):
         a = self.arch
-        if self.num_terms and x.dtype == torch.bfloat16:
+        if self.num_terms:
             logits = router_logits(x, self.weight, self.num_terms)
-        elif self.num_terms:
-            logits = router_logits_ref(x, self.weight, self.num_terms)
         else:
             logits = nn.functional.linear(x.float(), self.weight.float())
         return route_tokens(
