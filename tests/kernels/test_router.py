@@ -81,6 +81,20 @@ def test_router_keeps_fp32_weight_on_cpu():
     assert r.num_terms == 0 and torch.equal(r.weight, before)
 
 
+def test_router_with_terms_routes_as_fp32():
+    """A router holding terms (as after loading on CUDA) routes as its fp32 weight did; on the
+    CPU through the reference GEMM, so exactly."""
+    arch = ModelArch.from_dict(TINY_CONFIG)
+    r = Router(arch, torch.bfloat16)
+    r.weight.data.copy_(_weight(*r.weight.shape, seed=8, scale=1.0))
+    x = torch.randn(6, arch.hidden_size, generator=torch.Generator().manual_seed(9)).bfloat16()
+    want = r(x)
+    terms = split_bf16_terms(r.weight.data)
+    r.num_terms, r.weight = terms.shape[0] // arch.n_routed_experts, torch.nn.Parameter(terms)
+    got = r(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 # ---- GPU ---------------------------------------------------------------------------------------
 needs_mm = pytest.mark.skipif(
     not torch.cuda.is_available() or not fp32_out_mm_available(torch.device("cuda")),
@@ -136,3 +150,18 @@ def test_router_module_and_graph_gpu():
     graph.replay()
     ew, ei = r(x2)
     assert torch.equal(gi, ei) and torch.equal(gw, ew)
+
+
+@pytest.mark.gpu
+@needs_mm
+def test_loaded_model_routers_hold_terms_gpu(tmp_path):
+    """Loading a bf16 model on CUDA turns every router (MTP's included) into exact terms."""
+    from vllm.model_executor.model_loader import build_model
+    from vllm.model_executor.tiny import tiny_state_dict, write_checkpoint
+
+    write_checkpoint(
+        str(tmp_path), TINY_CONFIG, tiny_state_dict(TINY_CONFIG, seed=2), tokenizer=False
+    )
+    routers = [m for m in build_model(str(tmp_path), dtype=torch.bfloat16, device="cuda").modules()
+               if isinstance(m, Router)]  # fmt: skip
+    assert routers and all(r.num_terms > 0 and r.weight.dtype == torch.bfloat16 for r in routers)
