@@ -139,7 +139,10 @@ def weight_bytes_per_rank(
             kinds["dense MLP"] += _mlp(h, a.intermediate_size, dtype, block, tp)
             continue
         kinds["routed experts"] += _routed(a, dtype, block, tp, ep_size)
-        kinds["other"] += a.n_routed_experts * (h + 1) * FP32  # router weight + bias
+        # router weight + bias, fp32 as stored; a bf16 model on CUDA holds the weight as up to three
+        # exact bf16 terms instead (vllm/kernels/router.py: 1.5x for an fp32-valued router, 0.5x for
+        # a bf16-valued one; GLM-5.3: +0.25 GB at most), counted where the KV cache is sized
+        kinds["other"] += a.n_routed_experts * (h + 1) * FP32
         if a.n_shared_experts:
             inter = a.moe_intermediate_size * a.n_shared_experts
             kinds["shared experts"] += _mlp(h, inter, dtype, block, tp)
