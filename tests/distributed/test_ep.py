@@ -167,6 +167,11 @@ def _worker_checks(pc: ParallelContext, counts: list[int]) -> str | None:
     ep_mod.ep_moe_fixed = lambda *a: taken.append("fixed") or fixed(*a)
     ep_mod.ep_moe_counts = lambda *a: taken.append("counts") or counted(*a)
     ex = _experts(pc)
+    hints: list[bool] = []  # run_local's all_local: the counts path's rows are all this rank's
+    run = ex.run_local
+    ex.run_local = lambda *a, all_local=False: (
+        hints.append(all_local) or run(*a, all_local=all_local)
+    )
     dp = pc.dp.rank_in_group
     n = counts[dp]
     errors = []
@@ -184,10 +189,13 @@ def _worker_checks(pc: ParallelContext, counts: list[int]) -> str | None:
         ):
             ep_mod.EP_FIXED_MAX_TOKENS = limit
             taken.clear()
+            hints.clear()
             with ep_mod.ep_forward(bound_):
                 out = ep_mod.ep_moe(pc, x, w, ids, ex)
             if taken != [path]:
                 errors.append(f"{route}: took {taken}, expected {path} (bound {bound_})")
+            if hints != [path == "counts"]:
+                errors.append(f"{route}/{path}: run_local's all_local {hints}")
             if out.shape != ref.shape or not torch.allclose(out, ref, atol=1e-5, rtol=1e-5):
                 err = (out - ref).abs().max().item() if out.shape == ref.shape else out.shape
                 errors.append(f"{route}/{path} (limit {limit}): off by {err}")

@@ -99,7 +99,8 @@ def ep_moe(
     pc: ParallelContext, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
 ) -> torch.Tensor:
     """x [T, H], weights/ids [T, k] -> routed-expert output [T, H] in x.dtype (complete, not partial).
-    ``experts.run_local(x [N, H], weights [N, k], ids [N, k])`` computes this rank's experts."""
+    ``experts.run_local(x [N, H], weights [N, k], ids [N, k])`` computes this rank's experts
+    (``all_local=True`` from the counts path, whose rows are all its own pairs)."""
     if _max_tokens is not None:
         assert x.shape[0] <= _max_tokens, f"{x.shape[0]} tokens over the bound {_max_tokens}"
         cap = fixed_capacity(_max_tokens, pc.tp.world_size)
@@ -157,7 +158,7 @@ def ep_moe_counts(
     recv_meta = ep.all_to_all(meta, rc, sc)
     r_ids = recv_meta[:, 0].long().unsqueeze(1)
     r_w = recv_meta[:, 1].float().unsqueeze(1)
-    y = experts.run_local(recv_x, r_w, r_ids)
+    y = experts.run_local(recv_x, r_w, r_ids, all_local=True)  # every received pair is mine
     back = ep.all_to_all(y, sc, rc)
     out = torch.zeros((per, x.shape[1]), dtype=torch.float32, device=x.device)
     out.index_add_(0, tok[order], back.float())

@@ -409,9 +409,11 @@ class Experts(nn.Module):
     def _local(self, x, weights, ids, x_quant=None):
         return self.run_local(x, weights, ids, x_quant)
 
-    def run_local(self, x, weights, ids, x_quant=None):
+    def run_local(self, x, weights, ids, x_quant=None, all_local=False):
         """This rank's experts over rows x [N, H] with global ids/weights [N, k]; pairs whose
-        expert another rank owns contribute 0 (the one seam every caller, EP included, uses)."""
+        expert another rank owns contribute 0 (the one seam every caller, EP included, uses).
+        ``all_local``: every pair is this rank's (EP's counts path), so the kernels size their
+        tiles by pairs per local expert, not by a share of pairs spread over all experts."""
         return fused_experts(
             x,
             self.w13_weight,
@@ -421,7 +423,7 @@ class Experts(nn.Module):
             self.expert_start,
             w13_scale=self.w13_weight_scale_inv,
             w2_scale=self.w2_weight_scale_inv,
-            num_experts=self.num_experts,
+            num_experts=None if all_local else self.num_experts,
             x_quant=x_quant if self.block is not None else None,
         )
 
