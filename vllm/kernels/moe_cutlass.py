@@ -42,8 +42,8 @@ GROUP = 128
 
 # Rows per local expert (expected: the batch's pairs times this rank's share of the experts) from
 # which fused_experts takes this path on a GPU that has it; below, the Triton grouped kernel.
-# H100, bench_fp8_moe.py, 256 local experts: 3.99 against Triton's 5.21 ms at 64 rows an expert
-# (2K tokens), 8.06 against 10.10 at 256 (8K); fewer rows not yet measured.
+# H100, bench_fp8_moe.py, 256 local experts, graph replays: 3.96 against Triton's 5.17 ms at 64
+# rows an expert (2K tokens), 7.99 against 10.72 at 256 (8K); fewer rows not yet measured.
 MIN_ROWS_PER_EXPERT = 64
 
 
