@@ -51,7 +51,9 @@ def _inv_rms(x_ptr, r_ptr, r, sx, sr, eps, D: tl.constexpr, BLOCK_G: tl.constexp
     return 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / D + eps)
 
 
-@triton.jit(do_not_specialize=("sx", "sr"))
+# Row strides stay specialised (Triton keys on "a multiple of 16"): unspecialised, the row's
+# loads cannot be proven 16-byte aligned and compile to one 2-byte load an element.
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [N, D], row stride sx
     r_ptr,  # [N, D], row stride sr: the residual added to x first (HAS_RES)
@@ -111,7 +113,7 @@ def rms_norm(
     return out.view(x.shape), s.view(x.shape)
 
 
-@triton.jit(do_not_specialize=("sx", "sr"))
+@triton.jit  # row strides specialised, as _rms_norm_kernel's
 def _rms_norm_quant_kernel(
     x_ptr,  # [N, D], row stride sx
     r_ptr,  # [N, D], row stride sr: the residual added to x first (HAS_RES)
