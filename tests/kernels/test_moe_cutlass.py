@@ -129,6 +129,29 @@ def test_gather_and_regroup_interpreter(interp):
     assert torch.equal(got[: 2 * rows], moe_cutlass.group_major_ref(s, offsets)[: 2 * rows])
 
 
+@pytest.mark.parametrize(
+    "t,k,e_loc,offset,e_total,h", [(7, 2, 4, 1, 8, 256), (5, 3, 6, 0, 6, 1152)]
+)
+def test_quantise_sorted_rows_interpreter(interp, t, k, e_loc, offset, e_total, h):
+    """Quantising into the sorted rows gives the bits of the quantiser followed by the gather:
+    the local pairs' rows and their group-major scales (1152 columns: a program's 8 groups and
+    a masked second block)."""
+    mod = interp("moe_sorted")
+    quant = interp("fp8_gemm")
+    g = torch.Generator().manual_seed(t)
+    x = (torch.randn(t, h + 64, generator=g) * 3)[:, :h]  # a strided view
+    ids = _ids(t, k, e_total, seed=t + 1)
+    order, pos, offsets, grp = moe_cutlass.sort_pairs(ids, offset, e_loc)
+    n = offsets[-1:]
+    a, sa = mod.quantise_sorted_rows(x, pos, grp, offsets, n)
+    xq, sx = quant.quant_per_token_group(x.contiguous(), 128)
+    want_a, want_sa = mod.gather_quantised_rows(xq, sx, order // k, grp, offsets, n)
+    rows, ng = offsets[-1].item(), h // 128
+    assert 0 < rows < t * k or e_loc == e_total
+    assert torch.equal(a[:rows].view(torch.uint8), want_a[:rows].view(torch.uint8))
+    assert torch.equal(sa[: ng * rows], want_sa[: ng * rows])
+
+
 def test_combine_interpreter(interp):
     mod = interp("moe_sorted")
     g = torch.Generator().manual_seed(2)

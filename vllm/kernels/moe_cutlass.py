@@ -7,10 +7,11 @@
 Steps, all on the device with no host synchronisation (a fixed sequence of launches):
 1. The T·k pairs keyed by local expert (other ranks' pairs after the last), a stable sort, the
    per-expert counts by ``scatter_add`` and their prefix sum: ``offsets`` int32 [E_loc + 1].
-2. x's per-token-group quantisation (or the producer's, ``x_quant``) gathered into that order:
-   e4m3 [P, H] and its scales group-major (each expert's [H/128, m_e] block in turn: the layout
-   CUTLASS's collective derives from each group's size;
-   :func:`~vllm.kernels.triton.moe_sorted.gather_quantised_rows`).
+2. x's per-token-group quantisation in that order: e4m3 [P, H] and its scales group-major (each
+   expert's [H/128, m_e] block in turn: the layout CUTLASS's collective derives from each group's
+   size). Each token is quantised once and written to its pairs' rows
+   (:func:`~vllm.kernels.triton.moe_sorted.quantise_sorted_rows`); a quantisation its producer
+   made (``x_quant``) is gathered instead (:func:`~vllm.kernels.triton.moe_sorted.gather_quantised_rows`).
 3. GEMM 1 (gate and up rows of w13 at once) -> bf16 [P, 2I].
 4. SiLU(gate)·up quantised per group of 128 in one pass (:mod:`vllm.kernels.triton.activation`,
    the bf16 product not stored) -> e4m3 [P, I] and scales [I/128, P], made group-major.
