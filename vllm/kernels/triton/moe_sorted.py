@@ -127,7 +127,7 @@ def quantise_sorted_rows(
     offsets: torch.Tensor,
     n_rows: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] (unit last stride), pos int64 [T·k] (pair t·k + j -> its sorted row), grp,
+    """x [T, K], pos int64 [T·k] (pair t·k + j -> its sorted row), grp,
     offsets, n_rows as :func:`gather_quantised_rows` -> the same (a, sa) as that function gives
     for x's per-token-group quantisation (``quant_per_token_group``'s bits) and src = the sorted
     rows' tokens: each token quantised once and written to its local pairs' rows, so neither the
@@ -138,6 +138,7 @@ def quantise_sorted_rows(
     if k % 128:
         raise ValueError(f"K ({k}) must be a multiple of 128")
     g = k // 128
+    x = x if x.stride(-1) == 1 else x.contiguous()
     a = torch.empty(p, k, dtype=FP8_DTYPE, device=x.device)
     sa = torch.empty(g * p, dtype=torch.float32, device=x.device)
     if t and k:
