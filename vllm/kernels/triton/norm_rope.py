@@ -216,7 +216,9 @@ def _bf16_bits(v):
     return tl.where(v != v, 0x7FC0, r).to(tl.uint32)
 
 
-@triton.jit(do_not_specialize=("n_tok", "h", "sxt", "sxh", "sot", "soh"))
+# the strides stay specialised (fixed by the model's shapes): unspecialised, a head's rope dims load
+# 4 bytes at a time instead of 16
+@triton.jit(do_not_specialize=("n_tok", "h"))
 def _rope_kernel(
     x_ptr,  # [T, H, 2 * HALF], strides (sxt, sxh, 1); int32 pairs when PACKED
     o_ptr,  # same shape, strides (sot, soh, 1); may be x
