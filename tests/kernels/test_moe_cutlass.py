@@ -242,6 +242,42 @@ def test_path_against_ref_gpu(t, e_loc, k, h, i, offset, e_total):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t,k,e_loc,offset,h", [(300, 8, 32, 64, 6144), (1000, 8, 256, 0, 2048)])
+def test_quantise_sorted_rows_gpu(t, k, e_loc, offset, h):
+    """Compiled (16-byte loads, specialised strides): quantising into the sorted rows gives the
+    quantiser + gather's bits, EP's other-rank rows untouched."""
+    from vllm.kernels.triton import fp8_gemm as tq
+    from vllm.kernels.triton import moe_sorted
+
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16) * 4
+    ids = _ids(t, k, 256, seed=t).cuda()
+    order, pos, offsets, grp = moe_cutlass.sort_pairs(ids, offset, e_loc)
+    n = offsets[-1:]
+    a, sa = moe_sorted.quantise_sorted_rows(x, pos, grp, offsets, n)
+    want_a, want_sa = moe_sorted.gather_quantised_rows(
+        *tq.quant_per_token_group(x, 128), order // k, grp, offsets, n
+    )
+    rows = offsets[-1].item()
+    assert torch.equal(a[:rows].view(torch.uint8), want_a[:rows].view(torch.uint8))
+    assert torch.equal(sa[: h // 128 * rows], want_sa[: h // 128 * rows])
+
+
+@pytest.mark.gpu
+@needs_cutlass
+def test_path_quantisations_agree_gpu():
+    """x quantised into the sorted rows by the path, or by its producer and gathered: same output."""
+    from vllm.kernels.fp8_gemm import per_token_group_quant_fp8
+
+    x, *rest = _gpu_case(600, 8, 8, 6144, 256, 8, 64, seed=11)
+    x = x.bfloat16()
+    got = moe_cutlass.experts_cutlass_fp8(x, *rest)
+    via = moe_cutlass.experts_cutlass_fp8(x, *rest, x_quant=per_token_group_quant_fp8(x))
+    assert torch.equal(got, via)
+
+
+@pytest.mark.gpu
 @needs_cutlass
 def test_fused_experts_dispatch_and_graph_gpu(monkeypatch):
     """Prefill-sized FP8 batches go to the CUTLASS path, decode-sized ones to Triton; the CUTLASS
