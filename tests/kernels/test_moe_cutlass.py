@@ -108,7 +108,7 @@ def test_unavailable_on_cpu_and_dispatch_keeps_ref():
 
 
 # ---- interpreter -------------------------------------------------------------------------------
-def test_gather_and_regroup_interpreter(interp):
+def test_gather_interpreter(interp):
     mod = interp("moe_sorted")
     g = torch.Generator().manual_seed(1)
     t, k = 7, 256
@@ -124,9 +124,6 @@ def test_gather_and_regroup_interpreter(interp):
     assert torch.equal(a[:rows].view(torch.uint8), xq[src[:rows]].view(torch.uint8))
     want = moe_cutlass.group_major_ref(sx[src].t(), offsets)
     assert torch.equal(sa[: 2 * rows], want[: 2 * rows])
-    s = torch.rand(2, 14, generator=g)
-    got = mod.regroup_scales(s, grp, offsets, n)
-    assert torch.equal(got[: 2 * rows], moe_cutlass.group_major_ref(s, offsets)[: 2 * rows])
 
 
 @pytest.mark.parametrize(
@@ -177,6 +174,33 @@ def test_activation_skips_rows_interpreter(interp):
     assert none is None
     assert torch.equal(q2[:3].view(torch.uint8), q[:3].view(torch.uint8))
     assert torch.equal(s2[:3], s[:3])
+
+
+def _check_group_major_scales(mod, t, k, e_loc, offset, i, device):
+    ids = _ids(t, k, max(8, e_loc + offset), seed=i).to(device)
+    _, _, offsets, grp = moe_cutlass.sort_pairs(ids, offset, e_loc)
+    rows, p = offsets[-1].item(), t * k
+    g = torch.Generator(device=device).manual_seed(i)
+    x = (torch.randn(p, 2 * i, generator=g, device=device) * 3).to(
+        torch.bfloat16 if device == "cuda" else torch.float32
+    )
+    _, q, s = mod.silu_and_mul_quant(x, 128, store_h=False)
+    none, q2, s2 = mod.silu_and_mul_quant(
+        x, 128, store_h=False, n_rows=offsets[-1:], groups=(grp, offsets)
+    )
+    ng = i // 128 + (i % 128 > 0)
+    assert none is None and s2.shape == (ng * p,)
+    assert torch.equal(q2[:rows].view(torch.uint8), q[:rows].view(torch.uint8))
+    want = moe_cutlass.group_major_ref(s.t().contiguous(), offsets)
+    assert torch.equal(s2[: ng * rows], want[: ng * rows])
+
+
+@pytest.mark.parametrize("i", [384, 640])
+def test_activation_group_major_scales_interpreter(interp, i):
+    """Given the sorted rows' groups, SiLU·up's scales land in the grouped GEMM's group-major
+    layout (the row-major scales rearranged by ``group_major_ref``), bytes unchanged; rows past
+    the local count (other ranks' pairs) untouched (640 columns: a masked fifth group)."""
+    _check_group_major_scales(interp("activation"), 9, 2, 5, 2, i, "cpu")
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -262,6 +286,16 @@ def test_quantise_sorted_rows_gpu(t, k, e_loc, offset, h):
     rows = offsets[-1].item()
     assert torch.equal(a[:rows].view(torch.uint8), want_a[:rows].view(torch.uint8))
     assert torch.equal(sa[: h // 128 * rows], want_sa[: h // 128 * rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t,k,e_loc,offset", [(1000, 8, 256, 0), (300, 8, 32, 64)])
+def test_activation_group_major_scales_gpu(t, k, e_loc, offset):
+    """Compiled, at GLM's I: the group-major scales are the row-major ones rearranged."""
+    from vllm.kernels.triton import activation
+
+    _check_group_major_scales(activation, t, k, e_loc, offset, 2048, "cuda")
 
 
 @pytest.mark.gpu

@@ -14,7 +14,7 @@ Steps, all on the device with no host synchronisation (a fixed sequence of launc
    made (``x_quant``) is gathered instead (:func:`~vllm.kernels.triton.moe_sorted.gather_quantised_rows`).
 3. GEMM 1 (gate and up rows of w13 at once) -> bf16 [P, 2I].
 4. SiLU(gate)·up quantised per group of 128 in one pass (:mod:`vllm.kernels.triton.activation`,
-   the bf16 product not stored) -> e4m3 [P, I] and scales [I/128, P], made group-major.
+   the bf16 product not stored) -> e4m3 [P, I] and its scales, written group-major.
 5. GEMM 2 -> bf16 [P, H].
 6. Each token's local pairs gathered back, times their routing weights, summed in fp32 in slot
    order, cast to x.dtype (:func:`~vllm.kernels.triton.moe_sorted.combine_sorted`).
@@ -172,8 +172,9 @@ def experts_cutlass_fp8(
     gu = torch.empty(p, 2 * inter, dtype=torch.bfloat16, device=x.device)
     gemm(a, sa, w13, sw13, offsets, gu)
     if native:
-        _, hq, hs = activation.silu_and_mul_quant(gu, GROUP, store_h=False, n_rows=n_local)
-        hs = moe_sorted.regroup_scales(hs.t(), grp, offsets, n_local)
+        _, hq, hs = activation.silu_and_mul_quant(
+            gu, GROUP, store_h=False, n_rows=n_local, groups=(grp, offsets)
+        )
     else:
         hq, hs = per_token_group_quant_fp8_ref(silu_and_mul_ref(gu.float()).to(gu.dtype), GROUP)
         hs = group_major_ref(hs.t(), offsets)

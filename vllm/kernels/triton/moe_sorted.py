@@ -15,7 +15,7 @@ from vllm.kernels.triton.fp8_gemm import _quant_groups
 from vllm.kernels.triton.moe_grouped import combine_pairs
 from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting
 
-__all__ = ["quantise_sorted_rows", "gather_quantised_rows", "regroup_scales", "combine_sorted"]
+__all__ = ["quantise_sorted_rows", "gather_quantised_rows", "combine_sorted"]
 
 # 128-column groups a program quantises (one row's): 1,024 columns, written to each of its pairs' rows
 QUANT_BLOCK_G = 8
@@ -100,26 +100,6 @@ def _group_major(grp_ptr, off_ptr, i, g, G: tl.constexpr):
     return G * o + g * m + (i - o)
 
 
-@triton.jit(do_not_specialize=("p",))
-def _regroup_kernel(
-    s_ptr,  # fp32 [G, P] contiguous (rows of a sorted matrix contiguous)
-    grp_ptr,
-    off_ptr,
-    n_ptr,
-    out_ptr,  # fp32 [G · P] group-major
-    p,
-    G: tl.constexpr,
-    G_POW2: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64)
-    if i >= tl.load(n_ptr):
-        return
-    g = tl.arange(0, G_POW2)
-    gm = g < G
-    s = tl.load(s_ptr + g * p + i, mask=gm)
-    tl.store(out_ptr + _group_major(grp_ptr, off_ptr, i, g, G), s, mask=gm)
-
-
 def quantise_sorted_rows(
     x: torch.Tensor,
     pos: torch.Tensor,
@@ -176,21 +156,6 @@ def gather_quantised_rows(
             BLOCK=GATHER_BLOCK, num_warps=4,
         )  # fmt: skip
     return a, sa
-
-
-def regroup_scales(
-    s: torch.Tensor, grp: torch.Tensor, offsets: torch.Tensor, n_rows: torch.Tensor
-) -> torch.Tensor:
-    """s fp32 [G, P] contiguous (sorted rows' scales) -> [G · P] group-major (as
-    :func:`gather_quantised_rows`), rows from n_rows on unset."""
-    check_cuda_or_interpreter(s, grp, offsets, n_rows)
-    g, p = s.shape
-    out = torch.empty(g * p, dtype=torch.float32, device=s.device)
-    if p and g:
-        _regroup_kernel[(p,)](
-            s, grp, offsets, n_rows, out, p, G=g, G_POW2=triton.next_power_of_2(g), num_warps=1
-        )
-    return out
 
 
 def combine_sorted(
