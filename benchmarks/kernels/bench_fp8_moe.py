@@ -106,7 +106,8 @@ def bench(t: int, e_loc: int, sweep: bool, experts) -> list[dict]:
 
 def _cutlass_rows(t, e_loc, args, shape, timer, triton_ms, bf16_ms, flops, nbytes) -> list[dict]:
     """The CUTLASS grouped path (``vllm/kernels/moe_cutlass.py``) at prefill sizes: whole experts
-    (with its largest difference from the Triton path's output), and each GEMM alone."""
+    (with its largest difference from the Triton path's output), each GEMM and each glue kernel
+    alone."""
     x, q13, q2, ids = args[:4]
     why = moe_cutlass.unavailable(x, q13, q2)
     if t < 1024 or why:
@@ -142,6 +143,48 @@ def _cutlass_rows(t, e_loc, args, shape, timer, triton_ms, bf16_ms, flops, nbyte
         )
         rows.append(row(f"moe_cutlass_{name}", f"P={p} N={n} K={k}", g_ms, 2.0 * p * n * k,
                         p * k + e_loc * n * k + 2 * p * n, "fp8", None, ""))  # fmt: skip
+    return rows + _glue_rows(x, ids, args[4], e_loc, inter, timer)
+
+
+def _glue_rows(x, ids, w, e_loc, inter, timer) -> list[dict]:
+    """The path's bandwidth-bound kernels alone, each against the copy bandwidth on its bytes;
+    x's quantisation into the sorted rows against the two launches it replaced (quantiser, then
+    gather), timed in the same process."""
+    from vllm.kernels.fp8_gemm import per_token_group_quant_fp8
+    from vllm.kernels.triton import activation, moe_sorted
+
+    t, h = x.shape
+    k = ids.shape[1]
+    order, pos, offsets, grp = moe_cutlass.sort_pairs(ids, 0, e_loc)
+    n = offsets[e_loc:]
+    p = ids.numel()
+    shape = f"T={t} P={p} H={h}"
+    # x read once, [P, H] e4m3 and its scales written
+    q_bytes = 2 * t * h + p * h + 4 * p * h // 128
+    two = lambda: moe_sorted.gather_quantised_rows(  # noqa: E731
+        *per_token_group_quant_fp8(x), order // k, grp, offsets, n
+    )
+    two_ms = timer(two)
+    one_ms = timer(lambda: moe_sorted.quantise_sorted_rows(x, pos, grp, offsets, n))
+    rows = [
+        row("moe_glue_quant_gather", shape, two_ms, 0, q_bytes + 2 * (t * h + 4 * t * h // 128),
+            "fp8", None, "x quantised, then gathered (two launches)"),
+        row("moe_glue_quant_sorted", shape, one_ms, 0, q_bytes, "fp8", two_ms,
+            "x quantised into the sorted rows (one launch); speedup over the two"),
+    ]  # fmt: skip
+    gu = torch.randn(p, 2 * inter, device=x.device, dtype=x.dtype)
+    s_ms = timer(
+        lambda: activation.silu_and_mul_quant(
+            gu, 128, store_h=False, n_rows=n, groups=(grp, offsets)
+        )
+    )
+    s_bytes = 4 * p * inter + p * inter + 4 * p * inter // 128
+    rows.append(row("moe_glue_silu_quant", f"P={p} I={inter}", s_ms, 0, s_bytes, "fp8", None,
+                    "SiLU·up quantised, scales group-major"))  # fmt: skip
+    d = torch.randn(p, h, device=x.device, dtype=x.dtype)
+    c_ms = timer(lambda: moe_sorted.combine_sorted(d, pos, ids, w, 0, e_loc, x.dtype))
+    rows.append(row("moe_glue_combine", shape, c_ms, 0, 2 * p * h + 2 * t * h, "fp8", None,
+                    "pairs' rows weighted and summed per token"))  # fmt: skip
     return rows
 
 
