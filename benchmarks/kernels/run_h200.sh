@@ -24,4 +24,4 @@ for b in ${BENCHES:-sparse_mla_decode sparse_mla_prefill indexer_logits topk kv_
 done
 echo "==== tests"
 grep -E "^(FAILED|ERROR)|^E  |passed|failed|tests exit" "$OUT/tests.log" 2>/dev/null | cut -c1-160 | tail -30
-grep -vE "^\s*$|Warning|warn\(" "$OUT/bench.log" | grep -E "^(====|#|op |exit|[a-z0-9_]+[*]? +T=|[a-z0-9_]+ +N=|fp8_gemm_|config|[A-Za-z]*Error)" | cut -c1-220
+grep -vE "^\s*$|Warning|warn\(" "$OUT/bench.log" | grep -E "^(====|#|op |exit|[a-z0-9_]+[*]? +[TP]=|[a-z0-9_]+ +N=|fp8_gemm_|config|[A-Za-z]*Error)" | cut -c1-220
