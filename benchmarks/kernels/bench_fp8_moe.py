@@ -159,6 +159,12 @@ def _glue_rows(x, ids, w, e_loc, inter, timer) -> list[dict]:
     n = offsets[e_loc:]
     p = ids.numel()
     shape = f"T={t} P={p} H={h}"
+    ref_ms = timer(lambda: moe_cutlass.sort_pairs_ref(ids, 0, e_loc))
+    sort_ms = timer(lambda: moe_cutlass.sort_pairs(ids, 0, e_loc))
+    rows = [
+        row("moe_glue_sort_pairs", shape, sort_ms, 0, 8 * p * 5, "fp8", ref_ms,
+            f"counting sort, 3 launches; speedup over torch's sort + counts ({ref_ms:.3f} ms)"),
+    ]  # fmt: skip
     # x read once, [P, H] e4m3 and its scales written
     q_bytes = 2 * t * h + p * h + 4 * p * h // 128
     two = lambda: moe_sorted.gather_quantised_rows(  # noqa: E731
@@ -166,7 +172,7 @@ def _glue_rows(x, ids, w, e_loc, inter, timer) -> list[dict]:
     )
     two_ms = timer(two)
     one_ms = timer(lambda: moe_sorted.quantise_sorted_rows(x, pos, grp, offsets, n))
-    rows = [
+    rows += [
         row("moe_glue_quant_gather", shape, two_ms, 0, q_bytes + 2 * (t * h + 4 * t * h // 128),
             "fp8", None, "x quantised, then gathered (two launches)"),
         row("moe_glue_quant_sorted", shape, one_ms, 0, q_bytes, "fp8", two_ms,

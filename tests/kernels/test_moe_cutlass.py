@@ -36,7 +36,7 @@ def _ids(t, k, e_total, seed):
 )
 def test_sort_pairs(t, k, e_loc, offset, e_total):
     ids = _ids(t, k, e_total, seed=t)
-    order, pos, offsets, grp = moe_cutlass.sort_pairs(ids, offset, e_loc)
+    order, pos, offsets, grp = moe_cutlass.sort_pairs_ref(ids, offset, e_loc)
     flat = ids.reshape(-1) - offset
     key = torch.where((flat >= 0) & (flat < e_loc), flat, e_loc)
     assert torch.equal(pos[order], torch.arange(t * k))  # pos is order's inverse
@@ -108,6 +108,24 @@ def test_unavailable_on_cpu_and_dispatch_keeps_ref():
 
 
 # ---- interpreter -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "t,k,e_loc,offset,e_total",
+    [(37, 4, 6, 3, 16), (313, 8, 20, 40, 64), (300, 8, 5, 100, 128), (2, 3, 4, 0, 4)],
+)
+def test_sort_pairs_kernels_interpreter(interp, t, k, e_loc, offset, e_total):
+    """The three-launch counting sort gives the torch sort's four tensors exactly: one block and
+    three (2,504 pairs: a partial last block), an EP share with empty experts, ranks' shares
+    with few local pairs, every pair local."""
+    mod = interp("moe_sorted")
+    ids = _ids(t, k, e_total, seed=t)
+    if t == 300:  # skewed: most pairs on one local expert, some on none
+        ids[: t // 2, 0] = offset + 1
+    got = mod.sort_pairs(ids.to(torch.int32 if t == 313 else torch.int64), offset, e_loc)
+    want = moe_cutlass.sort_pairs_ref(ids, offset, e_loc)
+    for name, a, b in zip(("order", "pos", "offsets", "grp"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_gather_interpreter(interp):
     mod = interp("moe_sorted")
     g = torch.Generator().manual_seed(1)
@@ -286,6 +304,18 @@ def test_quantise_sorted_rows_gpu(t, k, e_loc, offset, h):
     rows = offsets[-1].item()
     assert torch.equal(a[:rows].view(torch.uint8), want_a[:rows].view(torch.uint8))
     assert torch.equal(sa[: h // 128 * rows], want_sa[: h // 128 * rows])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("t,e_loc,offset", [(8192, 256, 0), (8192, 32, 64), (1, 32, 0)])
+def test_sort_pairs_kernels_gpu(t, e_loc, offset):
+    """Compiled, at GLM's top-8 of 256: the counting sort's tensors equal torch's stable sort's."""
+    ids = torch.rand(t, 256, device="cuda").topk(8, dim=-1).indices
+    got = moe_cutlass.sort_pairs(ids, offset, e_loc)
+    want = moe_cutlass.sort_pairs_ref(ids, offset, e_loc)
+    for name, a, b in zip(("order", "pos", "offsets", "grp"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 @pytest.mark.gpu

@@ -115,7 +115,19 @@ def sort_pairs(
     """ids [T, k] -> (order int64 [P]: pairs sorted by local expert, stably, other ranks' last;
     pos int64 [P]: pair -> its sorted row; offsets int32 [E_loc + 1]: expert e's rows are
     [offsets[e], offsets[e + 1]); grp int64 [P]: each sorted row's expert, E_loc for other
-    ranks'). Sync-free (counts by scatter_add)."""
+    ranks'). Sync-free. On CUDA a counting sort in three Triton launches
+    (:func:`vllm.kernels.triton.moe_sorted.sort_pairs`), else :func:`sort_pairs_ref`."""
+    if ids.is_cuda:
+        from vllm.kernels.triton import moe_sorted
+
+        return moe_sorted.sort_pairs(ids, expert_offset, e_loc)
+    return sort_pairs_ref(ids, expert_offset, e_loc)
+
+
+def sort_pairs_ref(
+    ids: torch.Tensor, expert_offset: int, e_loc: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`sort_pairs` in torch: a stable sort of the keys, the counts by scatter_add."""
     local = ids.reshape(-1).long() - expert_offset
     key = torch.where((local >= 0) & (local < e_loc), local, e_loc)
     grp, order = torch.sort(key, stable=True)
@@ -213,6 +225,7 @@ __all__ = [
     "group_major_ref",
     "grouped_gemm_ref",
     "sort_pairs",
+    "sort_pairs_ref",
     "takes",
     "unavailable",
 ]
