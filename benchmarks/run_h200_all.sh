@@ -13,9 +13,14 @@ run() {  # name timeout cmd...
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-# STEPS picks what runs (default: the tests and the engine/PCP/HiSparse benchmarks)
+# STEPS picks what runs (default: the tests and the engine/PCP/HiSparse benchmarks); e.g. a fresh
+# machine, the MoE path: STEPS="wheels build gpu_tests fp8_moe" GPU_TESTS="tests/kernels/test_moe_cutlass.py"
 for step in ${STEPS:-gpu_tests step_overhead pcp_share hisparse}; do
   case $step in
+    # the device has no network: pure-Python wheels (msgspec, pyzmq, fastapi, ...) and
+    # nvidia-cutlass's headers travel in .whl/ (pip download ... -d .whl), then vllm._C is built
+    wheels) run wheels 300 bash -c 'pip install -q --no-deps --no-index .whl/*.whl' ;;
+    build) run build "${BUILD_TIMEOUT:-400}" pip install -q --no-deps --no-build-isolation -e . ;;
     gpu_tests) run gpu_tests "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/hisparse tests/entrypoints/test_engine_gpu.py} ;;
     step_overhead) run step_overhead 150 python3 benchmarks/engine/bench_step_overhead.py --device cuda --model glm-slice --json "$OUT/results.jsonl" ;;
     pcp_share) run pcp_share 200 python3 benchmarks/parallel/bench_pcp_share.py --lengths 32768 131072 --pcp 8 --json "$OUT/results.jsonl" ;;
