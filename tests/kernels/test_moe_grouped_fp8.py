@@ -161,6 +161,17 @@ def test_grouped_fp8_interpreter_reads_producer_quant(interp):
         mod.experts_grouped_fp8(x, q13, q2, ids, w, off, s13, s2, x_quant=(xq, sx))
 
 
+def test_grouped_fp8_interpreter_k_major_scales(interp):
+    """The block scales stored K blocks first (the model's layout after loading, CUTLASS's):
+    the same bits through the strides."""
+    mod = interp("moe_grouped_fp8")
+    x, q13, q2, ids, w, off, s13, s2 = _case(12, 4, 2, 256, 384, 0, 4, seed=5)
+    want = mod.experts_grouped_fp8(x, q13, q2, ids, w, off, s13, s2)
+    k_major = [s.transpose(1, 2).contiguous().transpose(1, 2) for s in (s13, s2)]
+    assert not k_major[0].is_contiguous() and torch.equal(k_major[0], s13)
+    assert torch.equal(mod.experts_grouped_fp8(x, q13, q2, ids, w, off, *k_major), want)
+
+
 def test_grouped_fp8_interpreter_bf16_table_config(interp):
     """bf16 activations with the shipped row-tile table (no cfg): only the output's rounding."""
     mod = interp("moe_grouped_fp8")

@@ -362,6 +362,28 @@ def test_weight_bytes_equal_model_parameters(config, tp, rank, ep, quant):
     assert measured_bytes(model) == expect.by_kind
 
 
+def test_expert_scales_stored_k_blocks_first():
+    """After loading, the experts' block scales hold the same [E, N/128, K/128] values with the K
+    blocks first in memory (what CUTLASS's grouped GEMM reads: no copy per call); the model's
+    output does not change (the kernels read the scales through their strides)."""
+    cfg = {**TINY_CONFIG, "hidden_size": 256, "moe_intermediate_size": 384}
+    arch = resolve_quantization(ModelArch.from_dict(cfg), "fp8")
+    m = Experts(arch, ParallelContext.single(), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for p in m.parameters():
+        p.data = (torch.randn(p.shape, generator=g) * 64).to(p.dtype)
+    before = [m.w13_weight_scale_inv.clone(), m.w2_weight_scale_inv.clone()]
+    x = torch.randn(6, 256, generator=g)
+    ids = torch.stack([torch.randperm(m.num_local, generator=g)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=g)
+    want = m(x, w, ids)
+    m.process_weights_after_loading()
+    for s, old in zip((m.w13_weight_scale_inv, m.w2_weight_scale_inv), before, strict=True):
+        assert s.shape == old.shape and torch.equal(s, old)
+        assert s.transpose(1, 2).is_contiguous() and not s.is_contiguous()
+    assert torch.equal(m(x, w, ids), want)
+
+
 def test_weights_do_not_fit_message():
     arch = resolve_quantization(ModelArch.from_dict(GLM_5_3), None)  # bf16
     weights = weight_bytes_per_rank(arch, torch.bfloat16, ep_size=8)  # 203.6 GiB

@@ -170,7 +170,8 @@ def experts_cutlass_fp8(
     if x_quant is None:
         x_quant = per_token_group_quant_fp8(x, GROUP)
     xq, sx = x_quant
-    # the weights' block scales with the K blocks first, as the kernel reads them
+    # the weights' block scales with the K blocks first, as the kernel reads them (no copy when
+    # they are stored so: the model's Experts.process_weights_after_loading)
     sw13 = w13_scale.transpose(1, 2).contiguous()
     sw2 = w2_scale.transpose(1, 2).contiguous()
     if native:

@@ -397,6 +397,16 @@ class Experts(nn.Module):
                 torch.empty(s2, dtype=torch.float32), requires_grad=False
             )
 
+    def process_weights_after_loading(self) -> None:
+        """The e4m3 experts' block scales stored with the K blocks first ([E, K/128, N/128] in
+        memory, the same [E, N/128, K/128] values and shape): the layout CUTLASS's grouped GEMM
+        reads, so the prefill path passes them without a copy per call; the Triton kernels and
+        the reference read them through their strides."""
+        for name in ("w13_weight_scale_inv", "w2_weight_scale_inv"):
+            p = getattr(self, name)
+            if p is not None and not p.transpose(1, 2).is_contiguous():
+                p.data = p.data.transpose(1, 2).contiguous().transpose(1, 2)
+
     def forward(self, x, weights, ids, x_quant=None):
         """``x_quant``: x's FP8 quantisation by its producer, read without EP (under EP the
         dispatched rows are quantised where they land)."""
@@ -699,7 +709,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         for m in self.modules():
-            if isinstance(m, (MLAAttention, Router)):
+            if isinstance(m, (MLAAttention, Router, Experts)):
                 m.process_weights_after_loading()
 
     def forward(self, input_ids, positions, meta: MLAMetadata):
