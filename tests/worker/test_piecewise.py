@@ -187,3 +187,43 @@ def test_hisparse_with_pieces(tiny_ckpt):
     got, pw = run(compilation_config={"cudagraph_mode": "PIECEWISE"})
     assert none == 0 and pw > 0
     assert got == ref
+
+
+def test_pieces_compute_the_rotary_angles_once_a_step(tiny_ckpt, monkeypatch):
+    """Piece 0 writes the positions' (cos, sin) for every layer's piece: one computation per
+    forward through the pieces (as the eager forward), not one per layer; the pieces' outputs
+    are those of pieces that compute their own."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm.model_executor.model_loader import build_model
+    from vllm.model_executor.models import glm_moe_dsa
+    from vllm.worker.gpu.piecewise import PiecewiseGraphs, TargetStack
+
+    model = build_model(tiny_ckpt, device=torch.device("cpu"))
+    pg = PiecewiseGraphs(SimpleNamespace(device=torch.device("cpu")), (4, 8), TargetStack(model))
+    assert pg.rope is not None and pg.num_layers > 1
+    calls = []
+    real = glm_moe_dsa.rope_cos_sin
+    monkeypatch.setattr(glm_moe_dsa, "rope_cos_sin", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    pg.inputs["ids"][:8] = torch.randint(0, 400, (8,), generator=g)
+    pg.positions[:8] = torch.randint(0, 2000, (8,), generator=g)
+
+    def forward(rope):
+        pg.rope = rope
+        outs = []
+        with torch.inference_mode():
+            for i in range(pg.num_layers + 1):
+                pg.out.copy_(torch.randn(pg.out.shape, generator=torch.Generator().manual_seed(i)))
+                pg._piece(i, 8)
+                outs += [pg.hidden.clone()] + [b.clone() for b in pg.bufs.values()]
+        return outs
+
+    shared = forward(pg.rope)
+    assert len(calls) == 1
+    calls.clear()
+    own = forward(None)
+    assert len(calls) == pg.num_layers
+    assert all(torch.equal(a, b) for a, b in zip(shared, own, strict=True))

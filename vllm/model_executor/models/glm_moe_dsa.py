@@ -631,7 +631,7 @@ class GlmMoeDsaModel(nn.Module):
         x, h = self.embed_tokens(input_ids), None
         topk = None
         # the rotary angles of the positions once for every layer (the same dims and theta)
-        rope = self.layers[0].self_attn.rope_angles(positions) if len(self.layers) else None
+        rope = self.rope_angles(positions)
         # each layer's MLP output h is added to the residual stream x by the next norm's pass;
         # the layers are called as modules (their hooks fire: per-layer timings, probes)
         for layer in self.layers:
@@ -652,10 +652,16 @@ class GlmMoeDsaModel(nn.Module):
     # :meth:`forward`'s loop (post_attention_parts, then the next layer's add_pre_attention: a
     # layer's MLP output is added to the residual stream in the next norm's pass).
     def piece(
-        self, i: int, x: torch.Tensor, positions: torch.Tensor, attn_out: torch.Tensor | None = None
+        self,
+        i: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn_out: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, AttentionInputs | None]:
         """Piece ``i`` -> (hidden states, layer i's attention inputs; None after the last).
-        ``x``: the input ids for piece 0, else the previous piece's hidden states."""
+        ``x``: the input ids for piece 0, else the previous piece's hidden states. ``rope``: the
+        positions' (cos, sin) (:meth:`rope_angles`) when the caller keeps them for every piece."""
         h = None
         if i == 0:
             x = self.embed_tokens(x)
@@ -664,8 +670,12 @@ class GlmMoeDsaModel(nn.Module):
         if i == len(self.layers):
             return self._final_norm(x, h), None
         if h is None:
-            return x, self.layers[i].pre_attention(x, positions)
-        return self.layers[i].add_pre_attention(x, h, positions)
+            return x, self.layers[i].pre_attention(x, positions, rope)
+        return self.layers[i].add_pre_attention(x, h, positions, rope)
+
+    def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The positions' rotary (cos, sin), the same for every layer (None without layers)."""
+        return self.layers[0].self_attn.rope_angles(positions) if len(self.layers) else None
 
     def attend(
         self,

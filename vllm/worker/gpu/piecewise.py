@@ -45,14 +45,15 @@ _IDX_FIELDS = ("q", "w", "k")
 
 
 def static_bytes(arch, dtype: torch.dtype, n: int, tp_size: int = 1) -> int:
-    """Bytes of one stack's static buffers at ``n`` tokens: inputs and hidden states, one
-    layer's attention inputs (queries, latent, rope key, indexer query, weights and key) and its
-    output."""
+    """Bytes of one stack's static buffers at ``n`` tokens: inputs and hidden states, the
+    rotary angles (fp32 cos and sin), one layer's attention inputs (queries, latent, rope key,
+    indexer query, weights and key) and its output."""
     a, el = arch, dtype.itemsize
     heads = max(1, a.num_attention_heads // max(1, tp_size))
     per_tok = (
         2 * a.hidden_size * el
         + 8 * 2
+        + a.qk_rope_head_dim * 4
         + heads * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * el
         + (a.kv_lora_rank + a.qk_rope_head_dim) * el
         + a.index_n_heads * (a.index_head_dim * el + 4)
@@ -72,8 +73,11 @@ class TargetStack:
     def input_buffers(self, n: int, device) -> dict[str, torch.Tensor]:
         return {"ids": torch.zeros(n, dtype=torch.int64, device=device)}
 
-    def piece(self, i: int, inp: dict, x, positions, out):
-        return self.m.piece(i, inp["ids"] if i == 0 else x, positions, out if i else None)
+    def rope_angles(self, positions):
+        return self.m.rope_angles(positions)
+
+    def piece(self, i: int, inp: dict, x, positions, out, rope=None):
+        return self.m.piece(i, inp["ids"] if i == 0 else x, positions, out if i else None, rope)
 
     def attend(self, i: int, a: AttentionInputs, topk, meta, out):
         return self.m.attend(i, a, topk, meta, out=out)
@@ -96,7 +100,10 @@ class MTPStack:
             "prev": torch.zeros(n, self.hidden_size, dtype=self.dtype, device=device),
         }
 
-    def piece(self, i: int, inp: dict, x, positions, out):
+    def rope_angles(self, positions):
+        return None  # one layer: its block computes them
+
+    def piece(self, i: int, inp: dict, x, positions, out, rope=None):
         if i == 0:
             return self.mtp.pre_attention(self.embed(inp["ids"]), inp["prev"], positions)
         return self.mtp.block.post_attention(x, out), None
@@ -120,6 +127,9 @@ class PiecewiseGraphs:
         # static buffers: hidden states, one layer's attention inputs and its output
         self.hidden = self.out = None
         self.bufs: dict[str, torch.Tensor] = {}
+        # the positions' rotary (cos, sin), written by piece 0 and read by every layer's piece
+        # (the stack's layers share them; None: each piece computes its own)
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._alloc(n)
 
     def _alloc(self, n: int) -> None:
@@ -138,6 +148,9 @@ class PiecewiseGraphs:
             return torch.zeros((n, *(shape or v.shape[1:])), dtype=v.dtype, device=v.device)
 
         attn = st.layers[0].self_attn.attn
+        rope = st.rope_angles(pos)
+        if rope is not None:
+            self.rope = (like(rope[0]), like(rope[1]))
         self.hidden = like(x)
         self.out = like(a.q_nope, (attn.num_heads, attn.v_dim))
         for f in _FIELDS:
@@ -172,10 +185,14 @@ class PiecewiseGraphs:
     def _piece(self, i: int, size: int) -> None:
         """Piece ``i`` over the static buffers' first ``size`` rows (captured, or run on CPU)."""
         inp = {k: v[:size] for k, v in self.inputs.items()}
+        pos, rope = self.positions[:size], None
+        if self.rope is not None:
+            rope = (self.rope[0][:size], self.rope[1][:size])
+            if i == 0:  # once a step, in piece 0's graph
+                for buf, v in zip(rope, self.stack.rope_angles(pos), strict=True):
+                    buf.copy_(v)
         with ep_forward(size, graph=True):
-            x, a = self.stack.piece(
-                i, inp, self.hidden[:size], self.positions[:size], self.out[:size]
-            )
+            x, a = self.stack.piece(i, inp, self.hidden[:size], pos, self.out[:size], rope)
         self.hidden[:size].copy_(x)
         if a is None:
             return
