@@ -129,17 +129,18 @@ class SparseMLAAttention(nn.Module):
         # in q's dtype: each row is computed in fp32 and rounded once, as a whole-batch fp32 buffer
         # cast at the end would be, without holding T × H × 512 fp32 values
         shape = (q_nope.shape[0], self.num_heads, self.v_dim)
-        # every row is written below when every row decodes: no zero fill (nor -1 fill of the
-        # top-k a full layer computes)
+        # every request's rows are written below: a prefill request's by _prefill, the others'
+        # (decode_tokens: every row of each request not prefilling) by _decode; only rows past
+        # the last request's (none in the runner's steps) are zeroed. When every row decodes the
+        # top-k a full layer computes needs no -1 fill either
         every = meta.decode_is_all
         if out is None:
-            new = torch.empty if every else torch.zeros
-            out = new(shape, dtype=q_nope.dtype, device=q_nope.device)
-        else:
-            if out.shape != shape or out.dtype != q_nope.dtype:
-                raise ValueError(f"out {tuple(out.shape)} {out.dtype}: {shape} {q_nope.dtype}")
-            if not every:
-                out.zero_()
+            out = torch.empty(shape, dtype=q_nope.dtype, device=q_nope.device)
+        elif out.shape != shape or out.dtype != q_nope.dtype:
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype}: {shape} {q_nope.dtype}")
+        end = meta.query_start_loc_cpu[-1]
+        if end < shape[0]:
+            out[end:].zero_()
         topk = prev_topk
         if topk is None:
             kshape = (q_nope.shape[0], meta.index_topk)
