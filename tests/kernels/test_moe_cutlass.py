@@ -2,7 +2,9 @@
 
 CPU: the pair sort (order, inverse, offsets), the grouped GEMM's reference against per-group
 dequantised matmuls, and the whole path in torch (reference GEMMs) against ``experts_ref``.
-Interpreter: the gather and combine kernels and the activation kernel's skipped rows, exactly.
+Interpreter: the counting sort, the quantisation into the sorted rows, the gather, the combine
+and the activation kernel's skipped rows and group-major scales, exactly; the CUDA path's steps
+(``kernels_path``) around the GEMM's reference against the torch path.
 GPU (Hopper with ``vllm._C`` built with CUTLASS): the op against its reference, the whole path
 against ``experts_ref``, ``fused_experts``' dispatch, a CUDA graph.
 
@@ -165,6 +167,31 @@ def test_quantise_sorted_rows_interpreter(interp, t, k, e_loc, offset, e_total, 
     assert 0 < rows < t * k or e_loc == e_total
     assert torch.equal(a[:rows].view(torch.uint8), want_a[:rows].view(torch.uint8))
     assert torch.equal(sa[: ng * rows], want_sa[: ng * rows])
+
+
+@pytest.mark.parametrize(
+    "t,e_loc,k,h,i,offset,e_total", [(40, 4, 3, 256, 128, 0, 4), (30, 3, 4, 128, 256, 2, 8)]
+)
+@pytest.mark.parametrize("producer_quant", [False, True])
+def test_kernels_path_interpreter(interp, t, e_loc, k, h, i, offset, e_total, producer_quant):
+    """The CUDA path's steps (the Triton kernels: the counting sort, x quantised into the sorted
+    rows or the producer's quantisation gathered, SiLU·up with group-major scales, the combine)
+    around the GEMM's reference: the torch path's output, within the module docstring's bound.
+    Not bit for bit here: the interpreter rounds to bf16 its own way (SiLU·up's product, the
+    combine's output; test_activation.py), so most groups' scales move by an ulp and elements
+    near an e4m3 boundary by a step (measured 1.6e-2). Wrong rows or scales would be O(1); the
+    sort and the quantisation are exact (their own tests), and on the GPU the whole path is."""
+    interp("moe_sorted")
+    interp("activation")
+    x, q13, q2, ids, w, off, s13, s2 = _case(t, e_loc, k, h, i, offset, e_total, seed=t)
+    x = x.bfloat16()
+    sw = [s.transpose(1, 2).contiguous() for s in (s13, s2)]
+    xq = per_token_group_quant_fp8_ref(x, 128) if producer_quant else None
+    args = (x, q13, q2, ids, w, off, *sw, xq)
+    got = moe_cutlass.kernels_path(*args, gemm=moe_cutlass.grouped_gemm_ref)
+    want = moe_cutlass.torch_path(*args)
+    assert got.dtype == torch.bfloat16
+    assert _rel(got, want) < 3e-2
 
 
 def test_combine_interpreter(interp):

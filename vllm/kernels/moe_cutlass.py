@@ -5,8 +5,8 @@
     experts_cutlass_fp8(x, w13, w2, ids, weights, offset, w13_scale, w2_scale) ≈ experts_ref(...)
 
 Steps, all on the device with no host synchronisation (a fixed sequence of launches):
-1. The T·k pairs keyed by local expert (other ranks' pairs after the last), a stable sort, the
-   per-expert counts by ``scatter_add`` and their prefix sum: ``offsets`` int32 [E_loc + 1].
+1. The T·k pairs keyed by local expert (other ranks' pairs after the last), stably sorted, and
+   the experts' row offsets ``offsets`` int32 [E_loc + 1] (:func:`sort_pairs`).
 2. x's per-token-group quantisation in that order: e4m3 [P, H] and its scales group-major (each
    expert's [H/128, m_e] block in turn: the layout CUTLASS's collective derives from each group's
    size). Each token is quantised once and written to its pairs' rows
@@ -28,7 +28,9 @@ kernel (``vllm/kernels/triton/moe_grouped_fp8.py``) keeps those in fp32; it serv
 short prefill batches (:data:`MIN_ROWS_PER_EXPERT`), where the CUTLASS kernel's 128-row tiles would be
 mostly empty.
 
-Off CUDA (tests), the same steps run in torch with :func:`grouped_gemm_ref` for the GEMMs.
+On CUDA the steps run as :func:`kernels_path` (Triton kernels around CUTLASS's GEMM); off CUDA
+as :func:`torch_path` (torch, :func:`grouped_gemm_ref` for the GEMMs). The tests also run
+:func:`kernels_path` in the Triton interpreter around the GEMM's reference.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 
 from vllm import _custom_ops as ops
 from vllm.kernels.activation import silu_and_mul_ref
-from vllm.kernels.fp8_gemm import per_token_group_quant_fp8, per_token_group_quant_fp8_ref
+from vllm.kernels.fp8_gemm import per_token_group_quant_fp8_ref
 
 GROUP = 128
 
@@ -163,38 +165,58 @@ def experts_cutlass_fp8(
         return torch.zeros_like(x)
     if h % GROUP or inter % GROUP:
         raise ValueError(f"H ({h}) and I ({inter}) must be multiples of {GROUP}")
-    native = x.is_cuda
-    order, pos, offsets, grp = sort_pairs(ids, expert_offset, e_loc)
-    n_local = offsets[e_loc:]  # [1] int32 on the device
-    src = order // top_k
-    if x_quant is None:
-        x_quant = per_token_group_quant_fp8(x, GROUP)
-    xq, sx = x_quant
     # the weights' block scales with the K blocks first, as the kernel reads them (no copy when
     # they are stored so: the model's Experts.process_weights_after_loading)
     sw13 = w13_scale.transpose(1, 2).contiguous()
     sw2 = w2_scale.transpose(1, 2).contiguous()
-    if native:
-        from vllm.kernels.triton import activation, moe_sorted
+    args = (x, w13, w2, ids, weights, expert_offset, sw13, sw2, x_quant)
+    if x.is_cuda:
+        return kernels_path(*args, gemm=ops.moe_grouped_fp8_gemm)
+    return torch_path(*args)
 
-        gemm = ops.moe_grouped_fp8_gemm
-        a, sa = moe_sorted.gather_quantised_rows(xq, sx, src, grp, offsets, n_local)
+
+def kernels_path(x, w13, w2, ids, weights, expert_offset, sw13, sw2, x_quant, gemm):
+    """Steps 1-6 by the Triton kernels (``vllm/kernels/triton/moe_sorted.py``,
+    ``activation.py``) around ``gemm`` (``ops.moe_grouped_fp8_gemm``; its reference
+    :func:`grouped_gemm_ref` when the tests run the kernels in the interpreter). ``sw13`` /
+    ``sw2``: the weights' block scales [E, K/128, N/128] contiguous."""
+    from vllm.kernels.triton import activation, moe_sorted
+
+    t, h = x.shape
+    e_loc, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = ids.shape[1]
+    p = t * top_k
+    order, pos, offsets, grp = moe_sorted.sort_pairs(ids, expert_offset, e_loc)
+    n_local = offsets[e_loc:]  # [1] int32 on the device
+    if x_quant is None:  # each token quantised once, into its pairs' sorted rows
+        a, sa = moe_sorted.quantise_sorted_rows(x, pos, grp, offsets, n_local)
     else:
-        gemm = grouped_gemm_ref
-        a, sa = xq[src], group_major_ref(sx[src].t(), offsets)
+        a, sa = moe_sorted.gather_quantised_rows(*x_quant, order // top_k, grp, offsets, n_local)
     gu = torch.empty(p, 2 * inter, dtype=torch.bfloat16, device=x.device)
     gemm(a, sa, w13, sw13, offsets, gu)
-    if native:
-        _, hq, hs = activation.silu_and_mul_quant(
-            gu, GROUP, store_h=False, n_rows=n_local, groups=(grp, offsets)
-        )
-    else:
-        hq, hs = per_token_group_quant_fp8_ref(silu_and_mul_ref(gu.float()).to(gu.dtype), GROUP)
-        hs = group_major_ref(hs.t(), offsets)
+    _, hq, hs = activation.silu_and_mul_quant(
+        gu, GROUP, store_h=False, n_rows=n_local, groups=(grp, offsets)
+    )
     d = torch.empty(p, h, dtype=torch.bfloat16, device=x.device)
     gemm(hq, hs, w2, sw2, offsets, d)
-    if native:
-        return moe_sorted.combine_sorted(d, pos, ids, weights, expert_offset, e_loc, x.dtype)
+    return moe_sorted.combine_sorted(d, pos, ids, weights, expert_offset, e_loc, x.dtype)
+
+
+def torch_path(x, w13, w2, ids, weights, expert_offset, sw13, sw2, x_quant):
+    """The same steps in torch, with :func:`grouped_gemm_ref` for the GEMMs (CPU)."""
+    t, h = x.shape
+    e_loc, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = ids.shape[1]
+    p = t * top_k
+    order, pos, offsets, grp = sort_pairs_ref(ids, expert_offset, e_loc)
+    xq, sx = x_quant if x_quant is not None else per_token_group_quant_fp8_ref(x, GROUP)
+    src = order // top_k
+    a, sa = xq[src], group_major_ref(sx[src].t(), offsets)
+    gu = torch.empty(p, 2 * inter, dtype=torch.bfloat16, device=x.device)
+    grouped_gemm_ref(a, sa, w13, sw13, offsets, gu)
+    hq, hs = per_token_group_quant_fp8_ref(silu_and_mul_ref(gu.float()).to(gu.dtype), GROUP)
+    d = torch.empty(p, h, dtype=torch.bfloat16, device=x.device)
+    grouped_gemm_ref(hq, group_major_ref(hs.t(), offsets), w2, sw2, offsets, d)
     return combine_sorted_ref(d, pos, ids, weights, expert_offset, e_loc, x.dtype)
 
 
@@ -225,8 +247,10 @@ __all__ = [
     "experts_cutlass_fp8",
     "group_major_ref",
     "grouped_gemm_ref",
+    "kernels_path",
     "sort_pairs",
     "sort_pairs_ref",
     "takes",
+    "torch_path",
     "unavailable",
 ]
