@@ -18,7 +18,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in ${STEPS:-gpu_tests step_overhead pcp_share hisparse}; do
   case $step in
     # the device has no network: pure-Python wheels (msgspec, pyzmq, fastapi, ...) and
-    # nvidia-cutlass's headers travel in .whl/ (pip download ... -d .whl), then vllm._C is built
+    # nvidia-cutlass's headers travel in .whl/ (tools/device_wheels.sh), then vllm._C is built
     wheels) run wheels 300 bash -c 'pip install -q --no-deps --no-index .whl/*.whl' ;;
     build) run build "${BUILD_TIMEOUT:-400}" pip install -q --no-deps --no-build-isolation -e . ;;
     gpu_tests) run gpu_tests "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/hisparse tests/entrypoints/test_engine_gpu.py} ;;
