@@ -128,6 +128,17 @@ def test_sort_pairs_kernels_interpreter(interp, t, k, e_loc, offset, e_total):
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
+def test_sort_pairs_expert_limit(interp):
+    """Past the bins the counting sort holds: refused by the kernel, the torch sort instead in
+    the dispatch (on CPU the torch sort always)."""
+    mod = interp("moe_sorted")
+    ids = _ids(4, 2, 8, seed=0)
+    with pytest.raises(ValueError, match="local experts"):
+        mod.sort_pairs(ids, 0, mod.SORT_MAX_BINS - 1)
+    got = moe_cutlass.sort_pairs(ids, 0, mod.SORT_MAX_BINS - 1)
+    assert torch.equal(got[0], moe_cutlass.sort_pairs_ref(ids, 0, mod.SORT_MAX_BINS - 1)[0])
+
+
 def test_gather_interpreter(interp):
     mod = interp("moe_sorted")
     g = torch.Generator().manual_seed(1)

@@ -118,11 +118,13 @@ def sort_pairs(
     pos int64 [P]: pair -> its sorted row; offsets int32 [E_loc + 1]: expert e's rows are
     [offsets[e], offsets[e + 1]); grp int64 [P]: each sorted row's expert, E_loc for other
     ranks'). Sync-free. On CUDA a counting sort in three Triton launches
-    (:func:`vllm.kernels.triton.moe_sorted.sort_pairs`), else :func:`sort_pairs_ref`."""
+    (:func:`vllm.kernels.triton.moe_sorted.sort_pairs`, up to its ``SORT_MAX_BINS - 2`` local
+    experts), else :func:`sort_pairs_ref`."""
     if ids.is_cuda:
         from vllm.kernels.triton import moe_sorted
 
-        return moe_sorted.sort_pairs(ids, expert_offset, e_loc)
+        if e_loc + 2 <= moe_sorted.SORT_MAX_BINS:
+            return moe_sorted.sort_pairs(ids, expert_offset, e_loc)
     return sort_pairs_ref(ids, expert_offset, e_loc)
 
 
@@ -186,7 +188,8 @@ def kernels_path(x, w13, w2, ids, weights, expert_offset, sw13, sw2, x_quant, ge
     e_loc, inter = w13.shape[0], w13.shape[1] // 2
     top_k = ids.shape[1]
     p = t * top_k
-    order, pos, offsets, grp = moe_sorted.sort_pairs(ids, expert_offset, e_loc)
+    sort = moe_sorted.sort_pairs if e_loc + 2 <= moe_sorted.SORT_MAX_BINS else sort_pairs_ref
+    order, pos, offsets, grp = sort(ids, expert_offset, e_loc)
     n_local = offsets[e_loc:]  # [1] int32 on the device
     if x_quant is None:  # each token quantised once, into its pairs' sorted rows
         a, sa = moe_sorted.quantise_sorted_rows(x, pos, grp, offsets, n_local)

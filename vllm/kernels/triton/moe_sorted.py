@@ -21,6 +21,8 @@ __all__ = ["sort_pairs", "quantise_sorted_rows", "gather_quantised_rows", "combi
 SORT_BLOCK = 1024
 # rows of the [blocks, bins] count table the scan program holds at once
 SCAN_ROWS = 8
+# bins (local experts + 2) a program's histogram and scan hold in registers, at most
+SORT_MAX_BINS = 1024
 
 
 @triton.jit(do_not_specialize=("num_pairs", "expert_offset", "e_loc"))
@@ -196,11 +198,14 @@ def sort_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`vllm.kernels.moe_cutlass.sort_pairs_ref`'s (order, pos, offsets, grp), the same
     values, by a stable counting sort in three launches (blocks' counts per expert, their scan,
-    each block's pairs placed) instead of torch's radix sort, scatter and count kernels."""
+    each block's pairs placed) instead of torch's radix sort, scatter and count kernels. Up to
+    ``SORT_MAX_BINS - 2`` local experts."""
     check_cuda_or_interpreter(ids)
+    e_pad = max(16, next_pow2(e_loc + 2))
+    if e_pad > SORT_MAX_BINS:
+        raise ValueError(f"{e_loc} local experts: the counting sort holds {SORT_MAX_BINS - 2}")
     flat = ids.reshape(-1)
     p = flat.numel()
-    e_pad = max(16, next_pow2(e_loc + 2))
     nb = triton.cdiv(p, SORT_BLOCK)
     dev = ids.device
     order = torch.empty(p, dtype=torch.int64, device=dev)
