@@ -164,7 +164,7 @@ def test_kernels_on_gpu():
 
 @pytest.mark.parametrize(
     "n,d,row_multiple,split_g",
-    [(3, 256, 1, None), (5, 300, 16, None), (1, 128, 1, None), (4, 1000, 8, 2), (2, 640, 1, 1)],
+    [(3, 256, 1, None), (5, 300, 16, None), (1, 384, 1, 4), (4, 1000, 8, 2), (2, 640, 1, 1)],
 )
 def test_rms_norm_quant_interpreter(interp, n, d, row_multiple, split_g):
     """RMSNorm fused with the per-token-group quantisation of its output: the same norm output
@@ -186,6 +186,21 @@ def test_rms_norm_quant_interpreter(interp, n, d, row_multiple, split_g):
     assert q.shape == q2.shape and s.shape == s2.shape and s.stride() == s2.stride()
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
     assert torch.equal(s, s2)
+
+
+def test_rms_norm_quant_needs_two_groups(interp, monkeypatch):
+    """One group a row would make the one program's quantised stores decide the sum's layout
+    (rms_norm_quant's comment): refused by the kernel, not fused by the op (the interpreter's
+    kernel standing in for CUDA's, as in the dispatch test below)."""
+    from vllm.kernels import norm_rope as op
+
+    nr = interp("norm_rope")
+    monkeypatch.setattr(op, "kernel_module", lambda name, t, ok=True: nr if ok else None)
+    x, w = torch.randn(2, 128), torch.rand(128) + 0.5
+    with pytest.raises(ValueError, match="two groups"):
+        nr.rms_norm_quant(x, w, 1e-6)
+    assert op.rms_norm_quant(x, w, 1e-6)[1] is None
+    assert op.rms_norm_quant(torch.randn(2, 256), torch.rand(256) + 0.5, 1e-6)[1] is not None
 
 
 def test_rms_norm_quant_dispatch(interp, monkeypatch):

@@ -45,7 +45,7 @@ def rms_norm_quant(
     (``x_quant``); elsewhere (y, None)."""
     d = x.shape[-1]
     rows = x.numel() // max(1, d)
-    ok = x.stride(-1) == 1 and x.dim() >= 1 and d >= group == 128 and rows <= QUANT_MAX_ROWS
+    ok = x.stride(-1) == 1 and x.dim() >= 1 and d > group == 128 and rows <= QUANT_MAX_ROWS
     fast = kernel_module("triton.norm_rope", x, ok)
     if fast is None:
         return rms_norm(x, weight, eps), None
@@ -74,7 +74,7 @@ def add_rms_norm_quant(
     the same launch: (y, s, x_quant or None)."""
     d = x.shape[-1]
     rows = x.numel() // max(1, d)
-    ok = _fusable(x, residual) and d >= group == 128 and rows <= QUANT_MAX_ROWS
+    ok = _fusable(x, residual) and d > group == 128 and rows <= QUANT_MAX_ROWS
     fast = kernel_module("triton.norm_rope", x, ok)
     if fast is None:
         y, s = add_rms_norm(x, residual, weight, eps)

@@ -178,13 +178,17 @@ def rms_norm_quant(
 ) -> tuple[torch.Tensor, ...]:
     """:func:`rms_norm` and :func:`~vllm.kernels.triton.fp8_gemm.quant_per_token_group` of its
     output in one launch: (y [..., D], yq e4m3 [N_pad, D], scale fp32 [N_pad, ceil(D/group)] as
-    an N-contiguous view), the same bits as the two calls; D >= group = 128. ``split_g``: groups
-    per program (default :data:`QUANT_SPLIT_G`; the benchmark compares others). ``residual``:
+    an N-contiguous view), the same bits as the two calls; D > group = 128. ``split_g``: groups
+    per program (default :data:`QUANT_SPLIT_G`; the benchmark compares others), at most half the
+    row's. ``residual``:
     the norm of x + residual, and that sum appended to the result: (y, yq, scale, sum)."""
     d = x.shape[-1]
     block_g, tile_group, warps = norm_tile(d)
-    if group != tile_group:
-        raise ValueError(f"rms_norm_quant: group {group} at D {d}; the norm's tile is {tile_group}")
+    if group != tile_group or block_g < 2:
+        raise ValueError(
+            f"rms_norm_quant: group {group} at D {d}; the norm's tile is {block_g} x {tile_group} "
+            "(two groups at least: see split below)"
+        )
     x2 = _rows(x)
     r2 = _rows(residual) if residual is not None else x2
     n = x2.shape[0]
@@ -195,7 +199,11 @@ def rms_norm_quant(
     q = torch.empty(n_pad, d, dtype=FP8_DTYPE, device=x.device)
     s = torch.empty(ng, n_pad, dtype=torch.float32, device=x.device).t()
     if n_pad:
-        split = min(triton.next_power_of_2(split_g or QUANT_SPLIT_G), block_g)
+        # at most half the row's groups a program: a program quantising the whole row would
+        # share the sum's tile (the same addresses), which the compiler then lays out for the
+        # e4m3 stores (16 bytes a thread, not 8 bf16 elements): another summation order than
+        # rms_norm's, so other bits (sm_90a TTGIR; H100, 2026-12-07, D = 6,144 at 64 groups)
+        split = min(triton.next_power_of_2(split_g or QUANT_SPLIT_G), max(1, block_g // 2))
         _rms_norm_quant_kernel[(n_pad, triton.cdiv(ng, split))](
             x2, r2, weight, out, total, q.view(torch.uint8), s, x2.stride(0), r2.stride(0), eps,
             n, s.stride(0), s.stride(1), D=d, BLOCK_G=block_g, GROUP=group, SPLIT_G=split,
