@@ -19,8 +19,9 @@ for step in ${STEPS:-gpu_tests step_overhead pcp_share hisparse}; do
   case $step in
     # the device has no network: pure-Python wheels (msgspec, pyzmq, fastapi, ...) and
     # nvidia-cutlass's headers travel in .whl/ (tools/device_wheels.sh), then vllm._C is built
-    wheels) run wheels 300 bash -c 'pip install -q --no-deps --no-index .whl/*.whl' ;;
-    build) run build "${BUILD_TIMEOUT:-400}" pip install -q --no-deps --no-build-isolation -e . ;;
+    # (python3 -m pip: the image's plain pip installs for another Python)
+    wheels) run wheels 300 bash -c 'python3 -m pip install -q --no-deps --no-index .whl/*.whl' ;;
+    build) run build "${BUILD_TIMEOUT:-400}" python3 -m pip install -q --no-deps --no-build-isolation -e . ;;
     gpu_tests) run gpu_tests "${GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/hisparse tests/entrypoints/test_engine_gpu.py} ;;
     step_overhead) run step_overhead 150 python3 benchmarks/engine/bench_step_overhead.py --device cuda --model glm-slice --json "$OUT/results.jsonl" ;;
     pcp_share) run pcp_share 200 python3 benchmarks/parallel/bench_pcp_share.py --lengths 32768 131072 --pcp 8 --json "$OUT/results.jsonl" ;;
