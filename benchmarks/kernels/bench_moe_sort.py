@@ -1,9 +1,10 @@
-"""The grouped MoE's pair layout (``sort_pairs_by_expert``): the one-hot prefix-sum ranking and the
-one-program Triton layout against the stable-sort ranking, in CUDA-graph replays (as the decode
-and verify steps run it).
+"""The grouped MoE's pair layout (``sort_pairs_by_expert``): the one-hot prefix-sum ranking, the
+one-program Triton layout and the counting sort's four launches against the stable-sort ranking,
+in CUDA-graph replays (as the decode and verify steps run it).
 
 Shapes: decode and MTP3-verify batches (64 and 256 tokens, top-8) over 32 local experts (EP8's
-share of GLM-5.3's 256) and 256 (EP1), and 1,024 tokens over 256 experts. The bytes counted are
+share of GLM-5.3's 256) and 256 (EP1), and prefill chunks of 128-8,192 tokens over 256 experts
+(the one program up to its 4,096 pairs). The bytes counted are
 the ids read once and the two outputs written once: the op is launch-bound, so its roofline share
 is small by nature; the column that matters is the speed-up over the sort form (``xref``).
 """
@@ -25,9 +26,21 @@ from benchmarks.kernels.common import (  # noqa: E402
     row,
     time_ms_graph,
 )
-from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert  # noqa: E402
+from vllm.kernels.triton.moe_grouped import (  # noqa: E402
+    ONE_PROGRAM_MAX_PAIRS,
+    sort_pairs_by_expert,
+)
 
-SHAPES = [(64, 32), (256, 32), (64, 256), (256, 256), (1024, 256)]  # (tokens, local experts)
+SHAPES = [
+    (64, 32),
+    (256, 32),
+    (64, 256),
+    (128, 256),
+    (256, 256),
+    (512, 256),
+    (2048, 256),
+    (8192, 256),
+]
 K, BLOCK_M = 8, 16
 
 
@@ -42,14 +55,13 @@ def main() -> None:
         nbytes = ids.numel() * 8 + (p + e_loc) * BLOCK_M * 4
         shape = f"T={t} E_loc={e_loc} pairs={p}"
         layout = functools.partial(sort_pairs_by_expert, ids, 0, e_loc, BLOCK_M)
-        sort = functools.partial(layout, scan_max=0, one_program=False)
-        scan = functools.partial(layout, scan_max=1 << 30, one_program=False)
-        one = functools.partial(layout, one_program=True)
+        sort = functools.partial(layout, form="sort")
         a = sort()
         same = lambda f: all(torch.equal(u, v) for u, v in zip(a, f(), strict=True))  # noqa: B023, E731
         sort_ms = time_ms_graph(sort)
         rows.append(row("moe_sort_argsort", shape, sort_ms, 0, nbytes, "bf16", sort_ms))
-        for op, f in (("moe_sort_scan", scan), ("moe_sort_one_program", one)):
+        forms = ["scan", "counting"] + (["one_program"] if p <= ONE_PROGRAM_MAX_PAIRS else [])
+        for op, f in ((f"moe_sort_{form}", functools.partial(layout, form=form)) for form in forms):
             note = f"same layout: {same(f)}"
             rows.append(row(op, shape, time_ms_graph(f), 0, nbytes, "bf16", sort_ms, note))
     print_rows(rows)

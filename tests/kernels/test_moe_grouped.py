@@ -28,18 +28,18 @@ def _case(t, e_loc, k, h, i, offset, e_total, dtype=torch.float32, seed=0, skip=
 
 
 # ---- CPU: the padded layout (no kernel) --------------------------------------------------------
-@pytest.mark.parametrize("scan_max", [0, 1 << 30], ids=["sort", "scan"])
+@pytest.mark.parametrize("form", ["sort", "scan"])
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize(
     "t,e_loc,k,offset,e_total",
     [(1, 4, 2, 0, 4), (40, 6, 3, 0, 6), (37, 4, 3, 4, 16), (9, 4, 2, 8, 8), (300, 3, 2, 0, 3)],
 )
-def test_layout_invariants(t, e_loc, k, offset, e_total, block_m, scan_max):
+def test_layout_invariants(t, e_loc, k, offset, e_total, block_m, form):
     pytest.importorskip("triton")
     from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
 
     _, _, _, ids, _, _ = _case(t, e_loc, k, 8, 8, offset, e_total, seed=t + block_m)
-    pairs, block_expert = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max)
+    pairs, block_expert = sort_pairs_by_expert(ids, offset, e_loc, block_m, form)
     p = t * k
     nb = min(-(-p // block_m) + e_loc, p)
     assert pairs.dtype == block_expert.dtype == torch.int32
@@ -88,8 +88,8 @@ def test_layout_scan_equals_sort(seed, device):
         ids = torch.where(torch.rand(t, k, generator=g) < 0.7, offset + ids % 3, ids)
     ids = ids.to(device)
     for block_m in (16, 64):
-        a = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max=0, one_program=False)
-        b = sort_pairs_by_expert(ids, offset, e_loc, block_m, scan_max=1 << 30, one_program=False)
+        a = sort_pairs_by_expert(ids, offset, e_loc, block_m, form="sort")
+        b = sort_pairs_by_expert(ids, offset, e_loc, block_m, form="scan")
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -106,27 +106,55 @@ def _one_program_cases():
     return cases
 
 
-def _check_one_program(device):
+def _check_kernel_forms(device, forms=("one_program", "counting")):
     from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
 
     for ids, offset, e_loc, block_m in _one_program_cases():
         ids = ids.to(device)
-        ref = sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=False)
-        got = sort_pairs_by_expert(ids, offset, e_loc, block_m, one_program=True)
-        assert torch.equal(got[0], ref[0]), (ids.shape, e_loc, block_m)
-        assert torch.equal(got[1], ref[1]), (ids.shape, e_loc, block_m)
+        ref = sort_pairs_by_expert(ids, offset, e_loc, block_m, form="sort")
+        for form in forms:
+            got = sort_pairs_by_expert(ids, offset, e_loc, block_m, form=form)
+            assert torch.equal(got[0], ref[0]), (form, ids.shape, e_loc, block_m)
+            assert torch.equal(got[1], ref[1]), (form, ids.shape, e_loc, block_m)
 
 
 def test_layout_one_program_interpreter(interp):
     """The one-program layout (histogram, one sort of packed keys, ranks by gather) gives the
     torch form's slots, skewed routings and other ranks' experts included."""
     interp("moe_grouped")
-    _check_one_program("cpu")
+    _check_kernel_forms("cpu", ("one_program",))
+
+
+def test_layout_counting_interpreter(interp):
+    """The counting sort's layout (its three launches, then a program per padded block) gives
+    the torch form's slots on the same routings, and on ones past the one program's limits:
+    more than a sort block of pairs (blocks ranked across programs) and 600 local experts."""
+    interp("moe_grouped")
+    _check_kernel_forms("cpu", ("counting",))
+    from vllm.kernels.triton.moe_grouped import sort_pairs_by_expert
+
+    g = torch.Generator().manual_seed(11)
+    for t, e_loc, e_total, block_m in [(300, 8, 16, 16), (160, 600, 1200, 64)]:
+        ids = torch.randint(0, e_total, (t, 8), generator=g)
+        ids = torch.where(torch.rand(t, 8, generator=g) < 0.5, ids % 3, ids)  # skewed
+        ref = sort_pairs_by_expert(ids, 0, e_loc, block_m, form="sort")
+        got = sort_pairs_by_expert(ids, 0, e_loc, block_m, form="counting")
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (t, e_loc)
+
+
+def test_layout_form_errors():
+    from vllm.kernels.triton.moe_grouped import ONE_PROGRAM_MAX_PAIRS, sort_pairs_by_expert
+
+    ids = torch.zeros(ONE_PROGRAM_MAX_PAIRS + 1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="one-program layout holds"):
+        sort_pairs_by_expert(ids, 0, 4, 16, form="one_program")
+    with pytest.raises(ValueError, match="form 'radix'"):
+        sort_pairs_by_expert(ids, 0, 4, 16, form="radix")
 
 
 @pytest.mark.gpu
-def test_layout_one_program_gpu():
-    _check_one_program("cuda")
+def test_layout_kernel_forms_gpu():
+    _check_kernel_forms("cuda")
 
 
 def test_forward_on_cpu_is_the_reference():

@@ -13,8 +13,9 @@ Returns [T, H] in x.dtype:
 How: the P = T·k pairs are sorted by local expert (invalid pairs last) and each expert's run is
 padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted slots has one expert
 (``block_expert``; −1 past the last expert's end) and empty slots hold P. Everything is sized by
-the worst case, NB = min(cdiv(P, BLOCK_M) + E_loc, P) blocks, and built from torch ops that never
-read a device value on the host (no .item(), nonzero, unique, boolean indexing), so the whole
+the worst case, NB = min(cdiv(P, BLOCK_M) + E_loc, P) blocks, and built by Triton kernels (or, on
+the CPU, torch ops) that never read a device value on the host (no .item(), nonzero, unique,
+boolean indexing), so the whole
 forward is one fixed sequence of launches, CUDA-graph capturable. GEMM 1 gathers token rows of x
 and writes [P, 2I] rows at their pair index; SiLU·up in torch (x.dtype, as the reference rounds);
 GEMM 2 scales each row by its routing weight and writes fp32 [P, H]; a last pass sums each
@@ -131,6 +132,16 @@ def _grouped_gemm_kernel(
 # (expert, pair) keys in registers), local experts + 1 histogram bins
 ONE_PROGRAM_MAX_PAIRS = 4096
 ONE_PROGRAM_MAX_EXPERTS = 511
+# served by default up to this many pairs; past it the counting sort's four launches beat the one
+# program's sort (bench_moe_sort.py)
+ONE_PROGRAM_SERVED_PAIRS = 1024
+
+
+def _moe_sorted():
+    """The counting sort's module (it imports this one's combine kernel, so imported late)."""
+    from vllm.kernels.triton import moe_sorted
+
+    return moe_sorted
 
 
 @triton.jit
@@ -200,43 +211,63 @@ def _pair_layout_one_program(ids, expert_offset, e_loc, block_m, nb):
 SCAN_MAX_ELEMENTS = 1 << 21
 
 
+LAYOUT_FORMS = ("one_program", "counting", "scan", "sort")
+
+
 def sort_pairs_by_expert(
     ids: torch.Tensor,
     expert_offset: int,
     num_local_experts: int,
     block_m: int,
-    scan_max: int | None = None,
-    one_program: bool | None = None,
+    form: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] global expert ids -> (sorted_pairs int32 [NB · block_m], block_expert int32
     [NB]), NB = min(cdiv(P, block_m) + E_loc, P), P = T·k (P >= 1).
 
     Each local expert e owns the slots [padded_start[e], padded_start[e] + cdiv(count_e, block_m)
     · block_m): its pairs in ascending pair order, then P (empty). block_expert[b] = e for the
-    blocks of e, −1 past the last expert's end. Every op here is sync-free on CUDA (counts by
-    scatter_add: CUDA bincount reads the maximum on the host).
+    blocks of e, −1 past the last expert's end. Every form is sync-free on CUDA (the torch forms
+    count by scatter_add: CUDA bincount reads the maximum on the host).
 
-    A pair's rank among its expert's pairs comes from a prefix sum over a one-hot [E_loc + 1, P]
-    table while that table holds at most ``scan_max`` elements (default
-    :data:`SCAN_MAX_ELEMENTS`: decode, verify and short prefill batches; one scan kernel instead
-    of a radix sort's several), else from a stable argsort; the two give the same layout.
-    ``one_program`` (default: on CUDA): the same layout by one Triton program
-    (:func:`_pair_layout_kernel`; 5-37 µs against 68-105 µs for the torch forms at 512-2,048
-    pairs on an H100) up to :data:`ONE_PROGRAM_MAX_PAIRS` pairs and
-    :data:`ONE_PROGRAM_MAX_EXPERTS` local experts."""
+    ``form`` (all give the same layout):
+
+    - ``"one_program"``: one Triton program (:func:`_pair_layout_kernel`), up to
+      :data:`ONE_PROGRAM_MAX_PAIRS` pairs and :data:`ONE_PROGRAM_MAX_EXPERTS` local experts;
+    - ``"counting"``: :func:`vllm.kernels.triton.moe_sorted.padded_blocks` (the counting sort's
+      three launches, then one program per block), up to ``SORT_MAX_BINS - 2`` local experts;
+    - ``"scan"``: torch, a pair's rank by a prefix sum over a one-hot [E_loc + 1, P] table;
+    - ``"sort"``: torch, a stable argsort.
+
+    Default: on CUDA the one program up to :data:`ONE_PROGRAM_SERVED_PAIRS` pairs, else the
+    counting sort; the torch forms past both and on the CPU (scan up to
+    :data:`SCAN_MAX_ELEMENTS` table elements, else sort)."""
     e_loc, dev = num_local_experts, ids.device
     p = ids.numel()
     # each block holds at least one pair, hence the P bound
     nb = min(triton.cdiv(p, block_m) + e_loc, p)
-    if one_program is None:  # compiled Triton: the one program; CPU: the torch form
-        one_program = ids.is_cuda
-    if one_program and p <= ONE_PROGRAM_MAX_PAIRS and e_loc <= ONE_PROGRAM_MAX_EXPERTS:
+    if form is None:
+        if ids.is_cuda and p <= ONE_PROGRAM_SERVED_PAIRS and e_loc <= ONE_PROGRAM_MAX_EXPERTS:
+            form = "one_program"
+        elif ids.is_cuda and e_loc + 2 <= _moe_sorted().SORT_MAX_BINS:
+            form = "counting"
+        else:
+            form = "scan" if p * (e_loc + 1) <= SCAN_MAX_ELEMENTS else "sort"
+    if form not in LAYOUT_FORMS:
+        raise ValueError(f"form {form!r}: one of {LAYOUT_FORMS}")
+    if form == "one_program":
+        if p > ONE_PROGRAM_MAX_PAIRS or e_loc > ONE_PROGRAM_MAX_EXPERTS:
+            raise ValueError(
+                f"{p} pairs over {e_loc} local experts: the one-program layout holds "
+                f"{ONE_PROGRAM_MAX_PAIRS} and {ONE_PROGRAM_MAX_EXPERTS}"
+            )
         check_cuda_or_interpreter(ids)
         return _pair_layout_one_program(ids, expert_offset, e_loc, block_m, nb)
+    if form == "counting":
+        return _moe_sorted().padded_blocks(ids, expert_offset, e_loc, block_m, nb)
     local = ids.reshape(-1).long() - expert_offset
     expert = torch.where((local >= 0) & (local < e_loc), local, e_loc)  # [P], e_loc = other rank
     pair = torch.arange(p, device=dev)
-    if p * (e_loc + 1) <= (SCAN_MAX_ELEMENTS if scan_max is None else scan_max):
+    if form == "scan":
         onehot = expert.unsqueeze(0) == torch.arange(e_loc + 1, device=dev).unsqueeze(1)
         seen = onehot.to(torch.int32).cumsum(
             1, dtype=torch.int32

@@ -15,7 +15,13 @@ from vllm.kernels.triton.fp8_gemm import _quant_groups
 from vllm.kernels.triton.moe_grouped import combine_pairs
 from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting, next_pow2
 
-__all__ = ["sort_pairs", "quantise_sorted_rows", "gather_quantised_rows", "combine_sorted"]
+__all__ = [
+    "sort_pairs",
+    "padded_blocks",
+    "quantise_sorted_rows",
+    "gather_quantised_rows",
+    "combine_sorted",
+]
 
 # pairs a program of the sort ranks (one bitonic sort of that many keys in registers)
 SORT_BLOCK = 1024
@@ -108,6 +114,40 @@ def _pair_place_kernel(
     tl.store(order_ptr + row, s_pair, mask=ok)
     tl.store(grp_ptr + row, s_bin.to(tl.int64), mask=ok)
     tl.store(pos_ptr + s_pair, row, mask=ok)
+
+
+@triton.jit(do_not_specialize=("num_pairs", "e_loc"))
+def _padded_blocks_kernel(
+    order_ptr,  # int64 [P]: sorted row -> pair (sort_pairs)
+    off_ptr,  # int32 [E_loc + 1]: expert e's sorted rows are [off[e], off[e + 1])
+    pairs_ptr,  # int32 [NB · BLOCK_M]
+    block_expert_ptr,  # int32 [NB]
+    num_pairs,
+    e_loc,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    """Block b of the padded layout: each expert's run rounded up to whole blocks (the runs'
+    ends a prefix sum over the experts, recomputed by every program: E_PAD adds), block b's
+    expert = the runs ending at or before its first slot, its slots the expert's sorted pairs
+    from that rank on, then P."""
+    b = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    em = e < e_loc
+    lo = tl.load(off_ptr + e, mask=em, other=0)
+    cnt = tl.load(off_ptr + e + 1, mask=em, other=0) - lo
+    padded = (cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    slot0 = b * BLOCK_M
+    mine_idx = tl.sum((tl.where(em, end, 2147483647) <= slot0).to(tl.int32), 0)  # e_loc: past all
+    mine = e == mine_idx
+    start = tl.sum(tl.where(mine, end - padded, 0), 0)
+    first = tl.sum(tl.where(mine, lo, 0), 0)
+    n = tl.sum(tl.where(mine, cnt, 0), 0)  # 0 past the last expert: every slot empty
+    r = slot0 - start + tl.arange(0, BLOCK_M)
+    q = tl.load(order_ptr + first + r, mask=r < n, other=num_pairs)
+    tl.store(pairs_ptr + slot0 + tl.arange(0, BLOCK_M), q.to(tl.int32))
+    tl.store(block_expert_ptr + b, tl.where(mine_idx < e_loc, mine_idx, -1))
 
 
 # 128-column groups a program quantises (one row's): 1,024 columns, written to each of its pairs' rows
@@ -226,6 +266,25 @@ def sort_pairs(
             E_PAD=e_pad, num_warps=8,
         )  # fmt: skip
     return order, pos, offsets, grp
+
+
+def padded_blocks(
+    ids: torch.Tensor, expert_offset: int, e_loc: int, block_m: int, nb: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`vllm.kernels.triton.moe_grouped.sort_pairs_by_expert`'s (sorted_pairs int32
+    [nb · block_m], block_expert int32 [nb]) from :func:`sort_pairs`' order and offsets: its
+    three launches and one program per block. Up to ``SORT_MAX_BINS - 2`` local experts;
+    nb >= the padded runs' blocks (the caller's worst case)."""
+    order, _, offsets, _ = sort_pairs(ids, expert_offset, e_loc)
+    dev = ids.device
+    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
+    if nb:
+        _padded_blocks_kernel[(nb,)](
+            order, offsets, sorted_pairs, block_expert, ids.numel(), e_loc, BLOCK_M=block_m,
+            E_PAD=max(16, next_pow2(e_loc + 1)), num_warps=4,
+        )  # fmt: skip
+    return sorted_pairs, block_expert
 
 
 def quantise_sorted_rows(
