@@ -118,7 +118,7 @@ def test_sort_pairs_kernels_interpreter(interp, t, k, e_loc, offset, e_total):
     """The three-launch counting sort gives the torch sort's four tensors exactly: one block and
     three (2,504 pairs: a partial last block), an EP share with empty experts, ranks' shares
     with few local pairs, every pair local."""
-    mod = interp("moe_sorted")
+    mod = interp("moe_sort")
     ids = _ids(t, k, e_total, seed=t)
     if t == 300:  # skewed: most pairs on one local expert, some on none
         ids[: t // 2, 0] = offset + 1
@@ -131,7 +131,7 @@ def test_sort_pairs_kernels_interpreter(interp, t, k, e_loc, offset, e_total):
 def test_sort_pairs_expert_limit(interp):
     """Past the bins the counting sort holds: refused by the kernel, the torch sort instead in
     the dispatch (on CPU the torch sort always)."""
-    mod = interp("moe_sorted")
+    mod = interp("moe_sort")
     ids = _ids(4, 2, 8, seed=0)
     with pytest.raises(ValueError, match="local experts"):
         mod.sort_pairs(ids, 0, mod.SORT_MAX_BINS - 1)

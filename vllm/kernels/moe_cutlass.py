@@ -118,13 +118,13 @@ def sort_pairs(
     pos int64 [P]: pair -> its sorted row; offsets int32 [E_loc + 1]: expert e's rows are
     [offsets[e], offsets[e + 1]); grp int64 [P]: each sorted row's expert, E_loc for other
     ranks'). Sync-free. On CUDA a counting sort in three Triton launches
-    (:func:`vllm.kernels.triton.moe_sorted.sort_pairs`, up to its ``SORT_MAX_BINS - 2`` local
+    (:func:`vllm.kernels.triton.moe_sort.sort_pairs`, up to its ``SORT_MAX_BINS - 2`` local
     experts), else :func:`sort_pairs_ref`."""
     if ids.is_cuda:
-        from vllm.kernels.triton import moe_sorted
+        from vllm.kernels.triton import moe_sort
 
-        if e_loc + 2 <= moe_sorted.SORT_MAX_BINS:
-            return moe_sorted.sort_pairs(ids, expert_offset, e_loc)
+        if e_loc + 2 <= moe_sort.SORT_MAX_BINS:
+            return moe_sort.sort_pairs(ids, expert_offset, e_loc)
     return sort_pairs_ref(ids, expert_offset, e_loc)
 
 
@@ -178,17 +178,17 @@ def experts_cutlass_fp8(
 
 
 def kernels_path(x, w13, w2, ids, weights, expert_offset, sw13, sw2, x_quant, gemm):
-    """Steps 1-6 by the Triton kernels (``vllm/kernels/triton/moe_sorted.py``,
+    """Steps 1-6 by the Triton kernels (``vllm/kernels/triton/moe_sort.py``, ``moe_sorted.py``,
     ``activation.py``) around ``gemm`` (``ops.moe_grouped_fp8_gemm``; its reference
     :func:`grouped_gemm_ref` when the tests run the kernels in the interpreter). ``sw13`` /
     ``sw2``: the weights' block scales [E, K/128, N/128] contiguous."""
-    from vllm.kernels.triton import activation, moe_sorted
+    from vllm.kernels.triton import activation, moe_sort, moe_sorted
 
     t, h = x.shape
     e_loc, inter = w13.shape[0], w13.shape[1] // 2
     top_k = ids.shape[1]
     p = t * top_k
-    sort = moe_sorted.sort_pairs if e_loc + 2 <= moe_sorted.SORT_MAX_BINS else sort_pairs_ref
+    sort = moe_sort.sort_pairs if e_loc + 2 <= moe_sort.SORT_MAX_BINS else sort_pairs_ref
     order, pos, offsets, grp = sort(ids, expert_offset, e_loc)
     n_local = offsets[e_loc:]  # [1] int32 on the device
     if x_quant is None:  # each token quantised once, into its pairs' sorted rows

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.kernels.triton.moe_sort import SORT_MAX_BINS, padded_blocks
 from vllm.kernels.triton.utils import check_cuda_or_interpreter, interpreting, record
 
 __all__ = ["experts_grouped", "sort_pairs_by_expert", "TUNE"]
@@ -137,13 +138,6 @@ ONE_PROGRAM_MAX_EXPERTS = 511
 ONE_PROGRAM_SERVED_PAIRS = 1024
 
 
-def _moe_sorted():
-    """The counting sort's module (it imports this one's combine kernel, so imported late)."""
-    from vllm.kernels.triton import moe_sorted
-
-    return moe_sorted
-
-
 @triton.jit
 def _pair_layout_kernel(
     ids_ptr,  # [P] global expert ids (any integer dtype)
@@ -233,7 +227,7 @@ def sort_pairs_by_expert(
 
     - ``"one_program"``: one Triton program (:func:`_pair_layout_kernel`), up to
       :data:`ONE_PROGRAM_MAX_PAIRS` pairs and :data:`ONE_PROGRAM_MAX_EXPERTS` local experts;
-    - ``"counting"``: :func:`vllm.kernels.triton.moe_sorted.padded_blocks` (the counting sort's
+    - ``"counting"``: :func:`vllm.kernels.triton.moe_sort.padded_blocks` (the counting sort's
       three launches, then one program per block), up to ``SORT_MAX_BINS - 2`` local experts;
     - ``"scan"``: torch, a pair's rank by a prefix sum over a one-hot [E_loc + 1, P] table;
     - ``"sort"``: torch, a stable argsort.
@@ -248,7 +242,7 @@ def sort_pairs_by_expert(
     if form is None:
         if ids.is_cuda and p <= ONE_PROGRAM_SERVED_PAIRS and e_loc <= ONE_PROGRAM_MAX_EXPERTS:
             form = "one_program"
-        elif ids.is_cuda and e_loc + 2 <= _moe_sorted().SORT_MAX_BINS:
+        elif ids.is_cuda and e_loc + 2 <= SORT_MAX_BINS:
             form = "counting"
         else:
             form = "scan" if p * (e_loc + 1) <= SCAN_MAX_ELEMENTS else "sort"
@@ -263,7 +257,7 @@ def sort_pairs_by_expert(
         check_cuda_or_interpreter(ids)
         return _pair_layout_one_program(ids, expert_offset, e_loc, block_m, nb)
     if form == "counting":
-        return _moe_sorted().padded_blocks(ids, expert_offset, e_loc, block_m, nb)
+        return padded_blocks(ids, expert_offset, e_loc, block_m, nb)
     local = ids.reshape(-1).long() - expert_offset
     expert = torch.where((local >= 0) & (local < e_loc), local, e_loc)  # [P], e_loc = other rank
     pair = torch.arange(p, device=dev)
